@@ -1,0 +1,1 @@
+"""Tokenizer, WebDataset shard writer and the streaming token-mix loader (``fbt data ...``)."""

@@ -1,0 +1,179 @@
+"""The one place that knows which device we run on.
+
+Everything else in fbt_megatron is device-agnostic: it asks this module for the device, the
+distributed backend and the Megatron parallel state, and gets the same code path on a GPU cluster
+(NCCL, CUDA RNG tracker) and on a CPU machine (gloo, a CPU RNG tracker).
+
+Why shims are needed on CPU (megatron-core 0.16): tensor-parallel layers allocate buffers on
+``torch.cuda.current_device()`` and dropout inside attention forks ``get_cuda_rng_tracker()``. We
+answer the first with ``"cpu"`` and replace the tracker with one that saves/restores the CPU
+generator. Nothing else in megatron-core's *layers* touches CUDA when built with
+``use_cpu_initialization=True``. (Its pipeline schedules, DDP and distributed optimizer remain
+CUDA-bound; fbt_megatron uses DeepSpeed for data parallelism instead.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def use_cuda() -> bool:
+    """CUDA is used when present, unless FBT_DEVICE=cpu forces the CPU path."""
+    return os.environ.get("FBT_DEVICE", "").lower() != "cpu" and torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    if use_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if use_cuda() else "gloo"
+
+
+def default_dtype_name() -> str:
+    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and not what tests compare)."""
+    return "bf16" if use_cuda() else "fp32"
+
+
+# --------------------------------------------------------------------------- CPU shims
+_cpu_shims_installed = False
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CPURNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """Megatron's RNG-states tracker, keeping named *CPU* generator states."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CPURNGStatesTracker
+
+
+def install_cpu_shims() -> None:
+    """Make megatron-core's model layers run on CPU. Idempotent; a no-op on CUDA."""
+    global _cpu_shims_installed
+    if use_cuda() or _cpu_shims_installed:
+        return
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.cuda.current_device = lambda: "cpu"  # buffers allocated "on the current device"
+    tracker_cls = _cpu_tracker_class()
+    mp_random._CUDA_RNG_STATE_TRACKER = tracker_cls()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # initialize_rng_tracker() would otherwise replace our tracker with the CUDA one.
+    mp_random.initialize_rng_tracker = lambda *a, **k: None
+    _cpu_shims_installed = True
+
+
+# --------------------------------------------------------------------------- init
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+
+    def data(self, world_size: int) -> int:
+        model = self.tensor * self.pipeline * self.context
+        if world_size % model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor*pipeline*context = {model} "
+                f"(tensor={self.tensor}, pipeline={self.pipeline}, context={self.context})"
+            )
+        return world_size // model
+
+
+def init_distributed(timeout_minutes: int = 10) -> None:
+    """Start torch.distributed from torchrun's env (RANK/WORLD_SIZE/MASTER_*), single-process if absent."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if use_cuda():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def init_parallel_state(layout: ParallelLayout, seed: int = 1234) -> None:
+    """Megatron parallel groups + seeds. Call after init_distributed."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    install_cpu_shims()
+    layout.data(dist.get_world_size())  # validates divisibility with a clear message
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        context_parallel_size=layout.context,
+        create_gloo_process_groups=not use_cuda(),
+    )
+    set_seed(seed)
+    if use_cuda():
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        from megatron.core.tensor_parallel import random as mp_random
+
+        tracker = mp_random.get_cuda_rng_tracker()
+        tracker.reset()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+        tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+        tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
