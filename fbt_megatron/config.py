@@ -1,0 +1,120 @@
+"""Typed configuration of the FBT model and its feedback schedule.
+
+These are the recipe's ``model``, ``feedback`` and ``schedule`` sections. They are pydantic models
+with unknown keys forbidden, so a bad value fails at construction with the field's name and the
+allowed values, before any process group starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FUSION_MODES = ("glu", "additive", "off")
+GRAD_MODES = ("all", "last")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(StrictModel):
+    """Transformer size (Megatron-Core GPT)."""
+
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(128, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    vocab_size: int = Field(4096, ge=2)
+    max_sequence_length: int = Field(256, ge=2)
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    init_method_std: float = Field(0.02, gt=0.0)
+    # Weight tying (a stabiliser, see FeedbackConfig): input embedding == output layer, so the fed-back
+    # top state and the token embeddings live in one space.
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} must be divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        return self
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Sizes that tensor parallelism shards must divide by TP; say which one does not."""
+        for name in ("hidden_size", "num_attention_heads", "vocab_size"):
+            value = getattr(self, name)
+            if value % tp:
+                raise ValueError(
+                    f"model.{name}={value} is not divisible by tensor parallel size {tp}; "
+                    f"allowed: multiples of {tp}"
+                )
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        if ffn % tp:
+            raise ValueError(f"model.ffn_hidden_size={ffn} is not divisible by tensor parallel size {tp}")
+
+
+class FeedbackConfig(StrictModel):
+    """Latent feedback: how the previous top-layer state is fused with the token embedding.
+
+    ``fusion``: ``glu`` x = (W_U h) * sigmoid(W_G e) (the paper's; the state is the value path, the
+    token only gates it), ``additive`` x = W_U h + W_G e (the symmetric fusion the paper argues
+    against, for ablation), ``off`` x = e (a standard GPT; no fusion weights exist).
+    """
+
+    fusion: str = "glu"
+    bias: bool = False
+    # Stabilisers. Each is our documented interpretation of the paper's switch (docs/feedback.md).
+    prefix_mixin: float = Field(0.1, ge=0.0, le=1.0)  # fed-back h <- (1-a) h + a h_init
+    depth_scaling: bool = True  # W_U initialised with std / sqrt(2 * num_layers)
+    jitter_std: float = Field(0.02, ge=0.0)  # Gaussian noise on the fed-back state, training only
+    grad_mode: str = "all"  # "all": backprop through every pass; "last": earlier passes detached
+    loss_on: Literal["last", "mean"] = "last"  # loss of the last pass, or averaged over passes
+
+    @field_validator("fusion")
+    @classmethod
+    def _fusion(cls, v):
+        if v not in FUSION_MODES:
+            raise ValueError(f"feedback.fusion={v!r} is not one of {FUSION_MODES}")
+        return v
+
+    @field_validator("grad_mode")
+    @classmethod
+    def _grad_mode(cls, v):
+        if v not in GRAD_MODES:
+            raise ValueError(f"feedback.grad_mode={v!r} is not one of {GRAD_MODES}")
+        return v
+
+
+class PassScheduleConfig(StrictModel):
+    """Passes per global batch: 1 until ``feedback_start_step``, then drawn from ``mix``.
+
+    ``mix[i]`` is the probability of i+1 passes (default 75% 1-pass, 22% 2-pass, 3% 3-pass).
+    """
+
+    feedback_start_step: int = Field(0, ge=0)
+    mix: list[float] = Field(default_factory=lambda: [0.75, 0.22, 0.03])
+    seed: int = 0
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, v):
+        if not v:
+            raise ValueError("schedule.mix must list at least one probability (for k=1)")
+        if any(p < 0 for p in v):
+            raise ValueError(f"schedule.mix={v} has a negative probability; allowed: values in [0, 1]")
+        if abs(sum(v) - 1.0) > 1e-6:
+            raise ValueError(f"schedule.mix={v} sums to {sum(v):.6g}; it must sum to 1")
+        return v
+
+
+def check_num_passes(k: int) -> int:
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_passes={k!r} is invalid; allowed: an integer >= 1")
+    return k
