@@ -1,0 +1,198 @@
+"""The full-bandwidth GPT: Megatron-Core's GPTModel with latent feedback at the stack's input,
+trained by multi-pass teacher forcing.
+
+Multi-pass teacher forcing is Jacobi iteration of the recurrence along the sequence:
+- pass 1: every position receives the learned initial state h_init (the initial guess), so it is an
+  ordinary forward of the fused input with no dependence between positions' states;
+- pass k > 1: pass k-1's top states are shifted one position right (position t receives h_{t-1}),
+  positions that start a document receive h_init again, the result is fused with the token
+  embeddings and the whole stack re-runs in parallel.
+After k passes positions < k (counted from their document's start) equal the token-by-token
+recurrence (``sequential.py``); tests check this rather than assume it.
+
+Gradient modes: ``all`` backpropagates through every pass; ``last`` runs passes 1..k-1 without
+gradient (their states enter the last pass as constants), as Huginn does. The loss is the last
+pass's (``loss_on="last"``) or the mean over passes (``"mean"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+
+from fbt_megatron import runtime
+from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
+from fbt_megatron.model.feedback import LatentFeedback
+
+
+@dataclass
+class FBTOutput:
+    token_loss: torch.Tensor | None = None  # [B, S] per-token cross entropy (labels given)
+    logits: torch.Tensor | None = None  # [B, S, V/TP] (labels not given)
+    hidden: torch.Tensor | None = None  # [S, B, D] top state of the last pass (full sequence)
+    # ||h^k - h^{k-1}|| / ||h^{k-1}|| for k = 2..passes: the Jacobi residual, a stability signal.
+    pass_residuals: list[torch.Tensor] = field(default_factory=list)
+
+
+def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False) -> TransformerConfig:
+    """Megatron TransformerConfig for the current parallel state; CPU-safe fusion switches."""
+    model.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
+    on_gpu = runtime.use_cuda()
+    dtype = torch.bfloat16 if runtime.default_dtype_name() == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        normalization=model.normalization,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        # Fused kernels exist only on GPU.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        apply_rope_fusion=False,
+    )
+
+
+def layer_spec(model: ModelConfig):
+    """Transformer-Engine layers when importable on GPU, Megatron's local (torch) layers otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if runtime.use_cuda():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return specs.get_gpt_layer_local_spec(normalization=model.normalization)
+
+
+class FBTGPTModel(MegatronModule):
+    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig):
+        super().__init__(config)
+        if config.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"parallel.pipeline={config.pipeline_model_parallel_size}: FBTGPTModel runs the whole "
+                "stack per pass; pipeline parallelism is not supported yet (allowed: 1)"
+            )
+        self.model_config, self.feedback_config = model, feedback
+        self.gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(model),
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_sequence_length,
+            position_embedding_type=model.position_embedding_type,
+            share_embeddings_and_output_weights=model.tie_embeddings,
+        )
+        self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" else None
+        self._mask_cache: dict[tuple, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------- helpers
+    def causal_mask(self, seq_len: int, device) -> torch.Tensor:
+        key = (seq_len, str(device))
+        if key not in self._mask_cache:  # True = masked out, as Megatron expects
+            self._mask_cache[key] = torch.triu(
+                torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1
+            )[None, None]
+        return self._mask_cache[key]
+
+    def _full_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        if self.config.sequence_parallel:  # grads downstream are TP-replicated: split, not reduce
+            return tensor_parallel.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False)
+        return t
+
+
+    def run_stack(self, stack_input, mask, rotary) -> torch.Tensor:
+        """One pass through every transformer layer (final layernorm included)."""
+        return self.gpt.decoder(hidden_states=stack_input, attention_mask=mask, rotary_pos_emb=rotary)
+
+    def head(self, top_state, labels=None):
+        """LM head on the top state: per-token loss [B, S] if labels, else logits [B, S, V/TP]."""
+        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(top_state, weight=weight)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.gpt.compute_language_model_loss(labels, logits)
+
+    def rotary(self, stack_input):
+        if self.model_config.position_embedding_type != "rope":
+            return None
+        seq_len = self.gpt.rotary_pos_emb.get_rotary_seq_len(None, self.gpt.decoder, stack_input, self.config, None)
+        return self.gpt.rotary_pos_emb(seq_len)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
+                jitter_seed: int | None = None) -> FBTOutput:
+        check_num_passes(num_passes)
+        batch, seq_len = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
+        mask = self.causal_mask(seq_len, input_ids.device)
+        # Token (+ position) embeddings, [S, B, D] ([S/TP, B, D] under sequence parallelism).
+        embedded = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+
+        if self.feedback is None:  # a standard GPT: one pass, the state is never used
+            top = self.run_stack(embedded, mask, self.rotary(embedded))
+            return self._output(self._full_sequence(top), labels, [self.head(top, labels)], [])
+        embedded = self._full_sequence(embedded)
+
+        reset = torch.ones(seq_len, batch, dtype=torch.bool, device=input_ids.device)
+        if doc_start is not None:
+            reset = doc_start.t().to(torch.bool).clone()
+            reset[0] = True
+        generator = None
+        if self.training and self.feedback_config.jitter_std > 0 and jitter_seed is not None:
+            generator = torch.Generator(device=embedded.device).manual_seed(int(jitter_seed))
+
+        cfg = self.feedback_config
+        state = self.feedback.initial_states()
+        rotary, top, heads, residuals = None, None, [], []
+        for k in range(num_passes):
+            last = k == num_passes - 1
+            with torch.set_grad_enabled(torch.is_grad_enabled() and (last or cfg.grad_mode == "all")):
+                if k > 0:
+                    state = self.feedback.shift_states(top, reset, generator)
+                stack_input = self.feedback(state, embedded)
+                if rotary is None:
+                    rotary = self.rotary(stack_input)
+                local_top = self.run_stack(stack_input, mask, rotary)
+                if last or cfg.loss_on == "mean":
+                    heads.append(self.head(local_top, labels))
+                new_top = self._full_sequence(local_top)
+            if top is not None:
+                with torch.no_grad():
+                    residuals.append((new_top - top).norm() / top.norm().clamp_min(1e-12))
+            top = new_top
+        return self._output(top, labels, heads, residuals)
+
+    def _output(self, top, labels, heads, residuals) -> FBTOutput:
+        out = FBTOutput(hidden=top, pass_residuals=residuals)
+        if labels is None:
+            out.logits = heads[-1]
+        else:
+            out.token_loss = heads[-1] if len(heads) == 1 else torch.stack(heads).mean(0)
+        return out
+
+
+def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False) -> FBTGPTModel:
+    """Build on the current device for the current Megatron parallel state."""
+    config = transformer_config(model, sequence_parallel=sequence_parallel)
+    fbt = FBTGPTModel(model, feedback, config)
+    return fbt.to(runtime.device())

@@ -1,0 +1,39 @@
+"""How many teacher-forcing passes each global batch gets.
+
+Single-pass until ``feedback_start_step``; after it, k passes with probability ``mix[k-1]``
+(default 75% / 22% / 3% for k = 1 / 2 / 3). The draw is a pure function of (seed, step): every rank
+computes the same k without communication, and a resumed run draws exactly the sequence the
+uninterrupted run would have drawn. The schedule's "position" is just the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fbt_megatron.config import PassScheduleConfig
+
+
+class PassSchedule:
+    def __init__(self, config: PassScheduleConfig):
+        self.config = config
+        self._cumulative = np.cumsum(np.asarray(config.mix, dtype=np.float64))
+        self._cumulative[-1] = 1.0  # guard the last bin against rounding
+
+    @property
+    def max_passes(self) -> int:
+        return max(i + 1 for i, p in enumerate(self.config.mix) if p > 0)
+
+    def num_passes(self, step: int) -> int:
+        if step < self.config.feedback_start_step:
+            return 1
+        # One independent, counter-based draw per step (Philox keyed by (seed, step)).
+        u = np.random.Generator(np.random.Philox(key=self.config.seed, counter=[0, 0, 0, step])).random()
+        return int(np.searchsorted(self._cumulative, u, side="right")) + 1
+
+    def counts(self, first_step: int, last_step: int) -> dict[int, int]:
+        """How many steps in [first_step, last_step) get each pass count."""
+        out: dict[int, int] = {}
+        for s in range(first_step, last_step):
+            k = self.num_passes(s)
+            out[k] = out.get(k, 0) + 1
+        return out
