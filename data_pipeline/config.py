@@ -1,0 +1,59 @@
+"""Typed configuration of the data pipeline: the recipe's ``data:`` section.
+
+``DataConfig`` is embedded by the trainer's recipe. Unknown keys are forbidden and every validation
+error names the offending field (pydantic reports the location, e.g. ``sources.1.weight``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SourceConfig(BaseModel):
+    """One source of the token mix: a prepared dataset directory (holding ``index.json``) and its weight.
+
+    The weight is a sampling weight over *documents* (samples) of the global stream: over many samples
+    the fraction of documents drawn from this source equals ``weight / sum(weights)``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    weight: float = Field(gt=0)
+
+
+class DataConfig(BaseModel):
+    """The ``data:`` section of a recipe."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[SourceConfig] = Field(min_length=1)
+    tokenizer: str = Field(min_length=1)  # path of the sentencepiece .model
+    seq_length: int = Field(ge=1)
+    seed: int = 0
+    num_workers: int = Field(0, ge=0)
+    # When True, a shard that fails the structural check at build time is excluded (logged, counted in
+    # the loader's stats) and a sample whose bytes are corrupt is replaced by a loss-masked EOS run of
+    # the same length (logged, counted). When False (default) either raises, naming the file.
+    allow_skip_corrupt: bool = False
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        names = [s.name for s in sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"source names must be unique; duplicated: {dup}")
+        return sources
+
+    @model_validator(mode="after")
+    def _positive_total(self):
+        if sum(s.weight for s in self.sources) <= 0:  # pragma: no cover - each weight is > 0 already
+            raise ValueError("sources: weights must sum to a positive number")
+        return self
+
+    @property
+    def weights(self) -> list[float]:
+        total = sum(s.weight for s in self.sources)
+        return [s.weight / total for s in self.sources]

@@ -1,0 +1,220 @@
+"""The global token stream: which document comes next, and where every token of it sits.
+
+Everything here is arithmetic on the datasets' indexes (sample lengths); no shard is read. That is
+what makes the stream independent of the data-parallel size and of the number of loader workers: every
+rank and worker computes the same global stream and reads only the documents its own sequences use.
+
+Definition (seed ``s``, normalised weights ``w``, block size ``B = 1024`` documents):
+
+* **Source choice.** Documents of the stream are grouped in blocks of ``B``. Block ``b`` holds exactly
+  ``floor(w_i * B)`` documents of source ``i`` plus the remaining ``B - sum floor(.)`` documents given
+  by systematic sampling on the fractional parts (so every source's expected count is exactly
+  ``w_i * B``), shuffled with ``numpy.random.default_rng([s, 0x5EED, b])``. The mix over any block is
+  exact to one document per source.
+* **Order within a source.** The ``k``-th document taken from a source is sample position
+  ``k mod N`` of epoch ``k // N`` (``N`` = the source's usable samples); each epoch visits the shards in
+  an order permuted by ``default_rng([s, crc32(name), epoch])``, samples within a shard in stored order.
+* **Packing.** Documents are concatenated, each followed by EOS. Document ``d`` occupies
+  ``len(d) + 1`` positions of the token stream. Global sequence ``j`` covers stream positions
+  ``[P0 + (j - c0) * S, P0 + (j - c0) * S + S + 1)`` (``S + 1`` tokens: inputs and next-token labels,
+  consecutive sequences overlap by one token, as in Megatron's GPT dataset); ``P0 = c0 * S`` for a
+  fresh stream.
+* **Cursor.** A position ``P`` of the stream is the document ``doc_index`` holding it, the offset in
+  that document, and per source the number of documents taken before ``doc_index``. That triple plus
+  the seed is the loader state; resuming needs no replay.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .shards import Dataset
+
+BLOCK = 1024
+
+
+class SourceOrder:
+    """k-th document taken from a source -> sample id in its dataset."""
+
+    def __init__(self, ds: Dataset, seed: int):
+        self.ds = ds
+        self.seed = seed
+        self.firsts, self.sizes = ds.epoch_layout()
+        self.n = int(self.sizes.sum())
+        self.name_key = zlib.crc32(ds.name.encode())
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int):
+        got = self._epochs.get(e)
+        if got is None:
+            perm = np.random.default_rng([self.seed, self.name_key, e]).permutation(len(self.sizes))
+            sizes = self.sizes[perm]
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            got = (self.firsts[perm], starts)
+            if len(self._epochs) > 8:
+                self._epochs.clear()
+            self._epochs[e] = got
+        return got
+
+    def sample_ids(self, ks: np.ndarray) -> np.ndarray:
+        ks = np.asarray(ks, np.int64)
+        out = np.empty_like(ks)
+        epochs = ks // self.n
+        pos = ks - epochs * self.n
+        for e in np.unique(epochs):
+            sel = epochs == e
+            firsts, starts = self._epoch(int(e))
+            j = np.searchsorted(starts, pos[sel], side="right") - 1
+            out[sel] = firsts[j] + (pos[sel] - starts[j])
+        return out
+
+
+def block_sources(seed: int, weights: np.ndarray, b: int, block: int = BLOCK) -> np.ndarray:
+    """Source index of each document of block ``b`` (length ``block``)."""
+    rng = np.random.default_rng([seed, 0x5EED, b])
+    quota = np.asarray(weights, np.float64) * block
+    base = np.floor(quota).astype(np.int64)
+    r = block - int(base.sum())
+    counts = base
+    if r > 0:
+        cum = np.cumsum(quota - base)
+        cum[-1] = r
+        prev = np.concatenate([[0.0], cum[:-1]])
+        u = rng.random()
+        counts = base + (np.ceil(cum - u) - np.ceil(prev - u)).astype(np.int64)
+    labels = np.repeat(np.arange(len(weights)), counts)
+    rng.shuffle(labels)
+    return labels
+
+
+@dataclass
+class Block:
+    b: int
+    src: np.ndarray  # (B,) source index
+    k: np.ndarray  # (B,) k-th document of that source
+    sid: np.ndarray  # (B,) sample id in the source's dataset
+    length: np.ndarray  # (B,) tokens incl. EOS
+    start: np.ndarray  # (B,) absolute stream position of the first token
+    base_k: np.ndarray  # (n_src,) documents taken per source before this block
+    end_k: np.ndarray  # (n_src,) after this block
+
+    @property
+    def end(self) -> int:
+        return int(self.start[-1] + self.length[-1])
+
+
+class Planner:
+    """Walks the global stream forward and answers "which documents cover positions [a, b)"."""
+
+    def __init__(self, datasets: list[Dataset], weights, seed: int):
+        self.datasets = datasets
+        self.weights = np.asarray(weights, np.float64) / float(np.sum(weights))
+        self.seed = seed
+        self.orders = [SourceOrder(ds, seed) for ds in datasets]
+        self._blocks: list[Block] = []
+
+    # -- block generation
+    def _make_block(self, b: int, base_k: np.ndarray, start_pos: int | None, *, anchor=None) -> Block:
+        src = block_sources(self.seed, self.weights, b)
+        onehot_cum = np.zeros(len(src), np.int64)
+        k = np.empty(len(src), np.int64)
+        sid = np.empty(len(src), np.int64)
+        length = np.empty(len(src), np.int64)
+        counts = np.zeros(len(self.datasets), np.int64)
+        for i, order in enumerate(self.orders):
+            sel = src == i
+            n = int(sel.sum())
+            k[sel] = base_k[i] + np.arange(n)
+            sid[sel] = order.sample_ids(k[sel])
+            length[sel] = self.datasets[i].lengths[sid[sel]].astype(np.int64) + 1
+            counts[i] = n
+        del onehot_cum
+        if start_pos is None:  # anchored: (local doc j, its absolute start)
+            j, pos_j = anchor
+            start_pos = pos_j - int(length[:j].sum())
+        start = start_pos + np.concatenate([[0], np.cumsum(length)[:-1]])
+        return Block(b, src, k, sid, length, start, base_k.copy(), base_k + counts)
+
+    def reset(self) -> None:
+        zero = np.zeros(len(self.datasets), np.int64)
+        self._blocks = [self._make_block(0, zero, 0)]
+
+    def reset_to(self, doc_index: int, per_source: np.ndarray, doc_offset: int, position: int) -> None:
+        """Position the walker at a cursor (see module docstring)."""
+        b, j = divmod(int(doc_index), BLOCK)
+        src = block_sources(self.seed, self.weights, b)
+        before = np.bincount(src[:j], minlength=len(self.datasets)).astype(np.int64)
+        base_k = np.asarray(per_source, np.int64) - before
+        if (base_k < 0).any():
+            raise ValueError("loader state is inconsistent: per-source counts below the block's own count")
+        self._blocks = [self._make_block(b, base_k, None, anchor=(j, int(position) - int(doc_offset)))]
+
+    def _next_block(self) -> Block:
+        last = self._blocks[-1]
+        blk = self._make_block(last.b + 1, last.end_k, last.end)
+        self._blocks.append(blk)
+        return blk
+
+    def _blocks_covering(self, a: int, b: int):
+        if not self._blocks:
+            self.reset()
+        if a < self._blocks[0].start[0]:
+            raise ValueError(f"position {a} is behind the walker (at {int(self._blocks[0].start[0])})")
+        while self._blocks[-1].end <= a:
+            self._next_block()
+        # drop blocks entirely before a
+        while len(self._blocks) > 1 and self._blocks[0].end <= a:
+            self._blocks.pop(0)
+        out = []
+        i = 0
+        while True:
+            if i == len(self._blocks):
+                self._next_block()
+            blk = self._blocks[i]
+            out.append(blk)
+            if blk.end >= b:
+                return out
+            i += 1
+
+    # -- queries
+    def pieces(self, a: int, b: int):
+        """Documents overlapping stream positions [a, b): list of
+        (src, sid, doc_len_incl_eos, lo, hi, out_pos) with [lo, hi) the slice of the document (with EOS)
+        landing at out_pos..out_pos+hi-lo of the output."""
+        out = []
+        for blk in self._blocks_covering(a, b):
+            ends = blk.start + blk.length
+            j0 = int(np.searchsorted(ends, a, side="right"))
+            j1 = int(np.searchsorted(blk.start, b, side="left"))
+            for j in range(j0, j1):
+                s = int(blk.start[j])
+                lo = max(a, s) - s
+                hi = min(b, s + int(blk.length[j])) - s
+                out.append((int(blk.src[j]), int(blk.sid[j]), int(blk.length[j]), lo, hi, s + lo - a))
+        return out
+
+    def locate(self, position: int) -> dict:
+        """Cursor at a stream position: doc_index, doc_offset, per-source documents taken before it."""
+        blk = self._blocks_covering(position, position + 1)[0]
+        ends = blk.start + blk.length
+        j = int(np.searchsorted(ends, position, side="right"))
+        before = np.bincount(blk.src[:j], minlength=len(self.datasets))
+        return {
+            "doc_index": blk.b * BLOCK + j,
+            "doc_offset": int(position - blk.start[j]),
+            "per_source": (blk.base_k + before).astype(np.int64),
+        }
+
+    def documents(self, n: int):
+        """First ``n`` documents of the stream from position 0: (src, sid) arrays (tests, inspection)."""
+        self.reset()
+        srcs, sids = [], []
+        while sum(len(x) for x in srcs) < n:
+            blk = self._blocks[-1]
+            srcs.append(blk.src)
+            sids.append(blk.sid)
+            self._next_block()
+        return np.concatenate(srcs)[:n], np.concatenate(sids)[:n]
