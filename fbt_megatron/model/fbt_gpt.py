@@ -39,6 +39,16 @@ class FBTOutput:
     pass_residuals: list[torch.Tensor] = field(default_factory=list)
 
 
+def reset_positions(doc_start, batch: int, seq_len: int, device) -> torch.Tensor:
+    """[S, B] bool: where the state restarts from h_init — position 0 and every document start."""
+    if doc_start is None:
+        reset = torch.zeros(seq_len, batch, dtype=torch.bool, device=device)
+    else:
+        reset = doc_start.t().to(device=device, dtype=torch.bool).clone()
+    reset[0] = True
+    return reset
+
+
 def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False) -> TransformerConfig:
     """Megatron TransformerConfig for the current parallel state; CPU-safe fusion switches."""
     model.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
@@ -153,10 +163,7 @@ class FBTGPTModel(MegatronModule):
             return self._output(self._full_sequence(top), labels, [self.head(top, labels)], [])
         embedded = self._full_sequence(embedded)
 
-        reset = torch.ones(seq_len, batch, dtype=torch.bool, device=input_ids.device)
-        if doc_start is not None:
-            reset = doc_start.t().to(torch.bool).clone()
-            reset[0] = True
+        reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
         generator = None
         if self.training and self.feedback_config.jitter_std > 0 and jitter_seed is not None:
             generator = torch.Generator(device=embedded.device).manual_seed(int(jitter_seed))

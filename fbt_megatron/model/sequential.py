@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fbt_megatron.model.fbt_gpt import FBTGPTModel, FBTOutput
+from fbt_megatron.model.fbt_gpt import FBTGPTModel, FBTOutput, reset_positions
 
 
 @torch.no_grad()
@@ -24,10 +24,7 @@ def sequential_forward(model: FBTGPTModel, input_ids, position_ids=None, doc_sta
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
     embedded = model.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [S, B, D]
-    reset = torch.ones(seq_len, batch, dtype=torch.bool, device=input_ids.device)
-    if doc_start is not None:
-        reset = doc_start.t().to(torch.bool).clone()
-        reset[0] = True
+    reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
 
     h0 = model.feedback.initial_state
     inputs, tops = [], []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import traceback
 
 from fbt_megatron import runtime
@@ -33,7 +34,9 @@ def _worker(rank, world_size, port, layout, seed, fn, args, queue):
         runtime.init_distributed(timeout_minutes=3)
         if layout is not None:
             runtime.init_parallel_state(layout, seed=seed)
-        queue.put((rank, "ok", fn(*args)))
+        # Plain pickle: multiprocessing's pickler would share tensors through file descriptors
+        # that die with this process before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report every failure, including SystemExit
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -58,7 +61,10 @@ def run_distributed(fn, world_size: int, *args, layout=None, seed: int = 1234, t
     try:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=30)

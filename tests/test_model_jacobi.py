@@ -1,0 +1,84 @@
+"""Multi-pass teacher forcing is Jacobi iteration of the true recurrence: check it, don't assume it."""
+
+import pytest
+import torch
+
+from fbt_megatron.model.fbt_gpt import build_model
+from fbt_megatron.model.sequential import sequential_forward
+from model_helpers import feedback, make_inputs, tiny_model_config
+
+SEQ = 10
+
+
+def rel_err_per_position(a, b):
+    """[B, S, V] -> max over batch of ||a-b|| / ||b|| per position."""
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).amax(0)
+
+
+@pytest.fixture
+def model_and_reference(single_process):
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(), feedback()).eval()
+    ids, _, doc_start = make_inputs(seq=SEQ)
+    return model, ids, doc_start
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-doc", "packed-docs"])
+def test_k_passes_match_recurrence_on_first_k_positions(model_and_reference, packed):
+    model, ids, doc_start = model_and_reference
+    doc_start = doc_start if packed else None
+    ref = sequential_forward(model, ids, doc_start=doc_start)
+    for k in (1, 2, 3, 5):
+        with torch.no_grad():
+            out = model(ids, doc_start=doc_start, num_passes=k)
+        err = rel_err_per_position(out.logits, ref.logits)
+        assert err[:k].max() <= 1e-5, (k, err)
+        # ...and it is a real iteration: positions beyond k have not converged yet.
+        if not packed and k < SEQ:
+            assert err[k:].max() > 1e-3, (k, err)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-doc", "packed-docs"])
+def test_k_at_least_sequence_length_is_the_recurrence(model_and_reference, packed):
+    model, ids, doc_start = model_and_reference
+    doc_start = doc_start if packed else None
+    ref = sequential_forward(model, ids, doc_start=doc_start)
+    with torch.no_grad():
+        out = model(ids, doc_start=doc_start, num_passes=SEQ)
+    assert rel_err_per_position(out.logits, ref.logits).max() <= 1e-5
+    assert ((out.hidden - ref.hidden).norm() / ref.hidden.norm()) <= 1e-5
+
+
+def test_document_start_gets_initial_state_not_previous_document(model_and_reference):
+    """The state entering a document's first position is h_init, whatever came before it."""
+    model, ids, doc_start = model_and_reference
+    positions = torch.arange(SEQ).expand(2, -1)
+    stack_inputs = []
+    for variant in (ids, (ids + 1) % 64):  # change every token: previous documents' states change
+        with torch.no_grad():
+            top = model(variant, doc_start=doc_start, num_passes=2).hidden
+            state = model.feedback.shift_states(top, doc_start.t() | (positions == 0).t())
+            stack_inputs.append(model.feedback(state, model.gpt.embedding(ids, positions)))
+        for b, t in [(0, 0), (0, 4), (1, 0), (1, 3), (1, 7)]:
+            assert torch.equal(state[t, b], model.feedback.initial_state), (b, t)
+    a, b = stack_inputs  # same tokens at the fusion, different fed-back states
+    starts = doc_start.t() | (positions == 0).t()
+    assert torch.equal(a[starts], b[starts])
+    assert not torch.allclose(a[~starts], b[~starts])
+
+
+def test_gradient_modes_differ_only_in_earlier_passes(single_process):
+    torch.manual_seed(0)
+    ids, labels, doc_start = make_inputs()
+    grads = {}
+    for mode in ("all", "last"):
+        torch.manual_seed(0)
+        model = build_model(tiny_model_config(), feedback(grad_mode=mode, jitter_std=0.0))
+        out = model(ids, doc_start=doc_start, labels=labels, num_passes=3)
+        out.token_loss.mean().backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses = out.token_loss.detach()
+        grads[mode + "_loss"] = losses
+    assert torch.equal(grads["all_loss"], grads["last_loss"])  # same forward
+    differs = [n for n in grads["all"] if not torch.allclose(grads["all"][n], grads["last"][n])]
+    assert "feedback.value.weight" in differs  # W_U gets gradient through earlier passes only in "all"

@@ -1,0 +1,56 @@
+"""Tensor parallelism changes the layout, not the math: TP=2 equals TP=1 from the same weights."""
+
+import itertools
+
+import pytest
+import torch
+
+from fbt_megatron.model.fbt_gpt import build_model
+from fbt_megatron.runtime import ParallelLayout
+from fbt_megatron.testing.distributed import run_distributed
+from model_helpers import feedback, gathered_logits, load_full_weights, make_inputs, tiny_model_config, unshard
+
+CASES = list(itertools.product((1, 2, 3), ("all", "last")))
+JITTER_SEED = 77
+
+
+def run_cases(full_state, loss_on="last"):
+    """On every rank: logits and full (unsharded) parameter gradients for each (k, grad_mode)."""
+    ids, labels, doc_start = make_inputs()
+    results = {}
+    for k, mode in CASES:
+        torch.manual_seed(0)
+        model = build_model(tiny_model_config(), feedback(grad_mode=mode, loss_on=loss_on))
+        load_full_weights(model, full_state)
+        model.train()  # jitter on (seeded), dropout is 0
+        out = model(ids, doc_start=doc_start, labels=labels, num_passes=k, jitter_seed=JITTER_SEED)
+        out.token_loss.sum().backward()
+        grads = {n: unshard(p.grad, p) for n, p in model.named_parameters()}
+        with torch.no_grad():
+            logits = gathered_logits(model(ids, doc_start=doc_start, num_passes=k, jitter_seed=JITTER_SEED).logits.transpose(0, 1)).transpose(0, 1)
+        results[(k, mode)] = {"logits": logits, "loss": out.token_loss.detach(), "grads": grads}
+    return results
+
+
+@pytest.mark.parametrize("loss_on", ["last", "mean"])
+def test_tp2_equals_tp1_logits_and_every_gradient(single_process, loss_on):
+    torch.manual_seed(0)
+    reference_model = build_model(tiny_model_config(), feedback())
+    full_state = {n: p.detach().clone() for n, p in reference_model.named_parameters()}
+    expected = run_cases(full_state, loss_on)
+
+    per_rank = run_distributed(run_cases, 2, full_state, loss_on, layout=ParallelLayout(tensor=2))
+    for rank, got in enumerate(per_rank):
+        for case in CASES:
+            exp, res = expected[case], got[case]
+            torch.testing.assert_close(res["logits"], exp["logits"], rtol=1e-5, atol=1e-5, msg=f"logits {case} rank {rank}")
+            torch.testing.assert_close(res["loss"], exp["loss"], rtol=1e-5, atol=1e-5)
+            assert res["grads"].keys() == exp["grads"].keys()
+            for name in exp["grads"]:
+                torch.testing.assert_close(
+                    res["grads"][name], exp["grads"][name], rtol=1e-5, atol=1e-5,
+                    msg=lambda m, n=name: f"grad {n} {case} rank {rank}: {m}",
+                )
+    # The cases are not trivially equal to each other: passes and modes change the gradients.
+    assert not torch.allclose(expected[(1, "all")]["loss"], expected[(3, "all")]["loss"])
+    assert not torch.allclose(expected[(3, "all")]["grads"]["feedback.value.weight"], expected[(3, "last")]["grads"]["feedback.value.weight"])

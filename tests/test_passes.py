@@ -1,0 +1,42 @@
+"""The pass schedule: deterministic from (seed, step), same on every rank and after restart."""
+
+import pytest
+
+from fbt_megatron.config import PassScheduleConfig
+from fbt_megatron.passes import PassSchedule
+from fbt_megatron.testing.distributed import run_distributed
+
+
+def draws(seed=5, start=100, steps=3000):
+    schedule = PassSchedule(PassScheduleConfig(feedback_start_step=start, seed=seed))
+    return [schedule.num_passes(s) for s in range(steps)]
+
+
+def test_single_pass_until_switch_then_mix():
+    seq = draws(start=100)
+    assert set(seq[:100]) == {1}
+    assert set(seq[100:]) == {1, 2, 3}
+
+
+def test_identical_on_every_rank():
+    per_rank = run_distributed(draws, 2)
+    assert per_rank[0] == per_rank[1] == draws()
+
+
+def test_identical_after_restart_from_any_step():
+    full = draws()
+    resumed = PassSchedule(PassScheduleConfig(feedback_start_step=100, seed=5))  # a fresh process's object
+    assert [resumed.num_passes(s) for s in range(1700, 3000)] == full[1700:]
+    assert draws(seed=6) != full  # the seed matters
+
+
+def test_mix_over_10000_steps_within_one_point():
+    counts = PassSchedule(PassScheduleConfig(feedback_start_step=0, seed=0)).counts(0, 10_000)
+    for k, target in {1: 0.75, 2: 0.22, 3: 0.03}.items():
+        assert abs(counts.get(k, 0) / 10_000 - target) <= 0.01, counts
+
+
+def test_custom_mix_with_a_deeper_pass():
+    schedule = PassSchedule(PassScheduleConfig(mix=[0.5, 0.0, 0.0, 0.5]))
+    assert schedule.max_passes == 4
+    assert set(schedule.counts(0, 500)) == {1, 4}
