@@ -1,0 +1,160 @@
+"""``fbt data ...``: tokenizer, prepare, embedded, inspect, peek."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from .errors import DataError
+
+
+def _cmd_tokenizer(a) -> int:
+    from .tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
+
+    out = Path(a.out)
+    if a.load:
+        load_tokenizer(a.load)  # validates
+        if Path(a.load).resolve() != out.resolve():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(a.load, out)
+        h = tokenizer_hash(out)
+    else:
+        if not a.input:
+            raise DataError("fbt data tokenizer: give --input PATH... to train, or --load MODEL")
+        from .sources import iter_documents
+
+        counts: dict = {}
+        texts = (t for _, t in iter_documents(a.input, text_field=a.text_field, counts=counts))
+        h = train_tokenizer(texts, out, vocab_size=a.vocab_size, model_type=a.model_type,
+                            max_sentences=a.max_sentences)
+    sp = load_tokenizer(out)
+    print(json.dumps({"tokenizer": str(out), "hash": h, "vocab_size": sp.vocab_size(), "eos_id": sp.eos_id()}))
+    return 0
+
+
+def _cmd_prepare(a) -> int:
+    from .shards import prepare_dataset
+
+    idx = prepare_dataset(a.input, a.out, a.tokenizer, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
+                          num_workers=a.workers, text_field=a.text_field, id_field=a.id_field or None,
+                          progress=not a.quiet)
+    print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "skipped_empty_documents",
+                                           "tokenizer_hash", "seconds")} | {"shards": len(idx["shards"])}))
+    return 0
+
+
+def _cmd_embedded(a) -> int:
+    from .embedded import build_embedded
+
+    data = build_embedded(a.out, vocab_size=a.vocab_size, code_mb=a.code_mb, prose_mb=a.prose_mb,
+                          math_docs=a.math_docs, seed=a.seed, num_workers=a.workers, seq_length=a.seq_length,
+                          force=a.force, progress=not a.quiet, log=lambda m: print(m, file=sys.stderr))
+    print(yaml.safe_dump({"data": data}, sort_keys=False), end="")
+    return 0
+
+
+def _cmd_inspect(a) -> int:
+    from .shards import Dataset, verify_dataset
+
+    for p in a.dirs:
+        ds = Dataset.load(p)
+        i = ds.index
+        info = {"path": str(p), "name": i["name"], "samples": i["num_samples"], "tokens": i["num_tokens"],
+                "shards": len(i["shards"]), "tokenizer_hash": i["tokenizer_hash"],
+                "skipped_empty_documents": i["skipped_empty_documents"],
+                "mean_doc_tokens": round(i["num_tokens"] / max(1, i["num_samples"]), 1)}
+        if a.verify:
+            info["verified"] = verify_dataset(p)
+        print(json.dumps(info))
+    return 0
+
+
+def _cmd_peek(a) -> int:
+    from .config import DataConfig
+    from .loader import build_loader
+    from .tokenizer import load_tokenizer
+
+    raw = yaml.safe_load(Path(a.recipe).read_text())
+    cfg = DataConfig(**(raw.get("data", raw)))
+    sp = load_tokenizer(cfg.tokenizer)
+    loader = build_loader(cfg, micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1,
+                          consumed_sequences=a.start)
+    for n in range(a.sequences):
+        b = next(loader)
+        ids = b["input_ids"][0].tolist()
+        starts = b["doc_start"][0].nonzero().flatten().tolist()
+        print(f"--- sequence {a.start + n} (document starts at {starts})")
+        print(sp.decode(ids))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fbt data", description="Tokenizer, WebDataset shards and the token mix")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("tokenizer", help="train a sentencepiece model from text sources, or load one")
+    t.add_argument("--input", nargs="*", default=[], help="JSONL files, text files or directories")
+    t.add_argument("--load", help="an existing .model to validate (and copy to --out)")
+    t.add_argument("--out", required=True, help="output .model path")
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    t.add_argument("--max-sentences", type=int, default=300_000)
+    t.add_argument("--text-field", default="text")
+    t.set_defaults(fn=_cmd_tokenizer)
+
+    q = sub.add_parser("prepare", help="tokenize sources into WebDataset shards with an index")
+    q.add_argument("--input", nargs="+", required=True, help="JSONL files, text files or directories")
+    q.add_argument("--tokenizer", required=True)
+    q.add_argument("--out", required=True, help="dataset directory to write")
+    q.add_argument("--name", help="source name (default: the output directory's name)")
+    q.add_argument("--shard-mb", type=float, default=16.0)
+    q.add_argument("--workers", type=int, default=2)
+    q.add_argument("--text-field", default="text")
+    q.add_argument("--id-field", default="id")
+    q.add_argument("--quiet", action="store_true")
+    q.set_defaults(fn=_cmd_prepare)
+
+    e = sub.add_parser("embedded", help="build the embedded default mix offline (stdlib code, docs, math)")
+    e.add_argument("--out", default="data/embedded")
+    e.add_argument("--vocab-size", type=int, default=4096)
+    e.add_argument("--code-mb", type=float, default=6.0)
+    e.add_argument("--prose-mb", type=float, default=3.0)
+    e.add_argument("--math-docs", type=int, default=20_000)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seq-length", type=int, default=256)
+    e.add_argument("--workers", type=int, default=None)
+    e.add_argument("--force", action="store_true", help="rebuild even if built with the same settings")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(fn=_cmd_embedded)
+
+    i = sub.add_parser("inspect", help="summarise dataset directories (optionally read and verify every sample)")
+    i.add_argument("dirs", nargs="+")
+    i.add_argument("--verify", action="store_true")
+    i.set_defaults(fn=_cmd_inspect)
+
+    k = sub.add_parser("peek", help="decode the first sequences of the stream of a recipe/mix.yaml")
+    k.add_argument("recipe")
+    k.add_argument("--sequences", type=int, default=2)
+    k.add_argument("--start", type=int, default=0)
+    k.set_defaults(fn=_cmd_peek)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except DataError as exn:
+        print(f"error: {exn}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

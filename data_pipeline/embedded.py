@@ -1,0 +1,230 @@
+"""The embedded default token mix: built offline on any machine from material that is always there.
+
+Sources:
+
+* ``code``  — the Python standard library's own ``.py`` source (tests, ``site-packages`` and
+  ``pydoc_data`` excluded), files in a seeded order up to ``code_mb`` megabytes.
+* ``prose`` — English text shipped with Python: the reference-manual topics in ``pydoc_data.topics``
+  and the module/class/function docstrings of the standard library (parsed with ``ast``).
+* ``math``  — generated arithmetic and word problems with worked answers (GSM8K-style ``#### answer``),
+  from a seeded generator.
+
+``build_embedded(out)`` trains a sentencepiece tokenizer on a sample of all three, writes one dataset
+directory per source and ``mix.yaml`` (the recipe's ``data:`` section). It is idempotent: a build with
+the same settings (and the same Python) is detected by ``embedded.json`` and skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import yaml
+
+from .shards import INDEX_FILE, prepare_dataset
+from .tokenizer import train_tokenizer, tokenizer_hash
+
+BUILD_VERSION = 1
+EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "pydoc_data", "__pycache__",
+                "turtledemo", "lib2to3"}
+# Target share of *tokens* per source. The loader's weights are per document, so the builder converts:
+# weight_s = token_share_s / mean_document_tokens_s (normalised), written into mix.yaml.
+TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for r, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in EXCLUDE_DIRS and not d.startswith("plat-"))
+        files.extend(Path(r) / n for n in sorted(names) if n.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"no Python standard library sources under {root}")
+    return files
+
+
+def _rel(f: Path) -> str:
+    return str(f.relative_to(sysconfig.get_paths()["stdlib"]))
+
+
+def code_documents(files: list[Path], max_bytes: int, seed: int):
+    order = sorted(files, key=lambda f: hashlib.sha256(f"{seed}:{_rel(f)}".encode()).hexdigest())
+    total = 0
+    for f in order:
+        if total >= max_bytes:
+            break
+        text = f.read_text(encoding="utf-8", errors="replace")
+        total += len(text)
+        yield f"stdlib/{_rel(f)}", text
+
+
+def prose_documents(files: list[Path], max_bytes: int):
+    import pydoc_data.topics as topics
+
+    total = 0
+    for key in sorted(topics.topics):
+        text = topics.topics[key].strip()
+        if text:
+            total += len(text)
+            yield f"pydoc_topics/{key}", text
+    for f in files:
+        if total >= max_bytes:
+            break
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        parts = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 80:
+                    title = "" if isinstance(node, ast.Module) else f"{node.name}\n\n"
+                    parts.append(title + doc)
+        if parts:
+            text = "\n\n".join(parts)
+            total += len(text)
+            yield f"docstrings/{_rel(f)}", text
+
+
+# ------------------------------------------------------------------------------------------- math
+NAMES = ["Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jon", "Kira", "Liam",
+         "Maya", "Noah", "Olga", "Pavel", "Quinn", "Rosa", "Sam", "Tara"]
+ITEMS = ["apples", "books", "marbles", "pencils", "stickers", "cookies", "shells", "cards", "coins", "stamps"]
+
+
+def _arith(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(2, 999), rng.randint(2, 999)
+    op = rng.choice("+-*/")
+    if op == "+":
+        return f"What is {a} + {b}?", f"{a} + {b} = {a + b}.\n#### {a + b}"
+    if op == "-":
+        return f"What is {a} - {b}?", f"{a} - {b} = {a - b}.\n#### {a - b}"
+    if op == "*":
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        t, o = divmod(b, 10)
+        steps = f"{a} * {b} = {a} * {t * 10} + {a} * {o} = {a * t * 10} + {a * o} = {a * b}."
+        return f"Compute {a} * {b}.", f"{steps}\n#### {a * b}"
+    q, d = rng.randint(2, 99), rng.randint(2, 40)
+    n = q * d
+    return f"What is {n} / {d}?", f"{d} * {q} = {n}, so {n} / {d} = {q}.\n#### {q}"
+
+
+def _word(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(5)
+    x, y = rng.sample(NAMES, 2)
+    it = rng.choice(ITEMS)
+    if kind == 0:
+        a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(1, 20)
+        c = min(c, a + b)
+        q = f"{x} has {a} {it}. {y} gives {x} {b} more, and then {x} gives away {c}. How many {it} does {x} have now?"
+        ans = (f"{x} starts with {a} {it}. After getting {b} more, {x} has {a} + {b} = {a + b}. "
+               f"After giving away {c}, {x} has {a + b} - {c} = {a + b - c}.\n#### {a + b - c}")
+    elif kind == 1:
+        n, p = rng.randint(2, 12), rng.randint(2, 25)
+        q = f"{x} buys {n} boxes of {it}. Each box costs {p} dollars. How much does {x} spend?"
+        ans = f"Each box costs {p} dollars, so {n} boxes cost {n} * {p} = {n * p} dollars.\n#### {n * p}"
+    elif kind == 2:
+        per, k = rng.randint(2, 15), rng.randint(2, 12)
+        total = per * k
+        q = f"{x} shares {total} {it} equally among {k} friends. How many {it} does each friend get?"
+        ans = f"Each friend gets {total} / {k} = {per} {it}.\n#### {per}"
+    elif kind == 3:
+        price, pct = rng.randint(2, 40) * 10, rng.choice([10, 20, 25, 30, 50])
+        off = price * pct // 100
+        q = f"A jacket costs {price} dollars. It is on sale for {pct}% off. What is the sale price?"
+        ans = (f"The discount is {pct}% of {price} = {price} * {pct} / 100 = {off} dollars. "
+               f"The sale price is {price} - {off} = {price - off} dollars.\n#### {price - off}")
+    else:
+        a, b = rng.randint(2, 9), rng.randint(1, 50)
+        xv = rng.randint(-20, 30)
+        c = a * xv + b
+        q = f"Solve for x: {a}x + {b} = {c}."
+        ans = f"Subtract {b} from both sides: {a}x = {c} - {b} = {c - b}. Divide by {a}: x = {c - b} / {a} = {xv}.\n#### {xv}"
+    return q, ans
+
+
+def math_documents(n: int, seed: int):
+    rng = random.Random(seed)
+    for i in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 4)):  # a document holds 1-4 worked problems
+            q, a = (_word if rng.random() < 0.6 else _arith)(rng)
+            parts.append(f"Question: {q}\nAnswer: {a}")
+        yield f"math/{i:07d}", "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ build
+def build_embedded(out: str | os.PathLike, *, vocab_size: int = 4096, code_mb: float = 6.0,
+                   prose_mb: float = 3.0, math_docs: int = 20_000, seed: int = 0,
+                   num_workers: int | None = None, seq_length: int = 256, force: bool = False,
+                   progress: bool = True, log=print) -> dict:
+    """Build (or find already built) the embedded mix under ``out``. Returns the ``data:`` section."""
+    out = Path(out)
+    settings = {"version": BUILD_VERSION, "vocab_size": vocab_size, "code_mb": code_mb, "prose_mb": prose_mb,
+                "math_docs": math_docs, "seed": seed, "python": sys.version.split()[0],
+                "stdlib": sysconfig.get_paths()["stdlib"]}
+    stamp = out / "embedded.json"
+    if not force and stamp.is_file():
+        try:
+            prev = json.loads(stamp.read_text())
+        except json.JSONDecodeError:
+            prev = {}
+        if prev.get("settings") == settings and all((out / n / INDEX_FILE).is_file() for n in TOKEN_SHARES) \
+                and (out / "tokenizer.model").is_file() and (out / "mix.yaml").is_file() \
+                and tokenizer_hash(out / "tokenizer.model") == prev.get("tokenizer_hash"):
+            log(f"embedded data already built in {out} (same settings); skipping")
+            return yaml.safe_load((out / "mix.yaml").read_text())["data"]
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    files = stdlib_files()
+    workers = num_workers or max(1, os.cpu_count() or 1)
+    makers = {
+        "code": lambda: code_documents(files, int(code_mb * 1e6), seed),
+        "prose": lambda: prose_documents(files, int(prose_mb * 1e6)),
+        "math": lambda: math_documents(math_docs, seed),
+    }
+    # tokenizer: trained on a sample of every source (every source contributes about equally)
+    sample = []
+    for name, make in makers.items():
+        budget = 1_500_000
+        for _, text in make():
+            sample.append(text)
+            budget -= len(text)
+            if budget <= 0:
+                break
+    log(f"training tokenizer (vocab {vocab_size}) on {sum(map(len, sample)) / 1e6:.1f} MB of text")
+    thash = train_tokenizer(sample, out / "tokenizer.model", vocab_size=vocab_size, max_sentences=200_000,
+                            num_threads=workers)
+    del sample
+    summary = {}
+    for name, make in makers.items():
+        idx = prepare_dataset([], out / name, out / "tokenizer.model", name=name, shard_bytes=4 << 20,
+                              num_workers=workers, progress=progress, documents=make(),
+                              extra_meta={"embedded": settings})
+        summary[name] = {"samples": idx["num_samples"], "tokens": idx["num_tokens"], "shards": len(idx["shards"])}
+        log(f"  {name}: {idx['num_samples']} documents, {idx['num_tokens']} tokens, {len(idx['shards'])} shards")
+    raw = {n: TOKEN_SHARES[n] * summary[n]["samples"] / summary[n]["tokens"] for n in TOKEN_SHARES}
+    total = sum(raw.values())
+    data = {
+        "tokenizer": str(out / "tokenizer.model"),
+        "seq_length": seq_length,
+        "seed": seed,
+        "num_workers": 0,
+        "sources": [{"name": n, "path": str(out / n), "weight": round(raw[n] / total, 6)} for n in TOKEN_SHARES],
+    }
+    header = ("# Embedded default token mix (fbt data embedded). Weights are per document, chosen so the\n"
+              f"# token shares are {TOKEN_SHARES}.\n")
+    (out / "mix.yaml").write_text(header + yaml.safe_dump({"data": data}, sort_keys=False))
+    stamp.write_text(json.dumps({"settings": settings, "tokenizer_hash": thash, "summary": summary,
+                                 "seconds": round(time.time() - t0, 1)}, indent=1))
+    log(f"embedded data built in {out} in {time.time() - t0:.1f}s; recipe section in {out / 'mix.yaml'}")
+    return data
