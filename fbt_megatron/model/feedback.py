@@ -104,6 +104,8 @@ class LatentFeedback(MegatronModule):
         gate, _ = self.gate(embedded)
         local = value * torch.sigmoid(gate) if self.mode == "glu" else value + gate
         local = local.expand(gate.shape)  # [1, 1, D/TP] value from a constant state
-        if self.sequence_parallel:
-            return tensor_parallel.all_to_all_hp2sp(local)
+        if self.sequence_parallel:  # [S*B, D/TP] -> [S*B/TP, D]: tokens are sequence-major
+            seq, batch, _ = local.shape
+            tokens = tensor_parallel.all_to_all_hp2sp(local.reshape(seq * batch, -1))
+            return tokens.view(-1, batch, tokens.shape[-1])
         return tensor_parallel.gather_from_tensor_model_parallel_region(local)
