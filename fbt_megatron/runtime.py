@@ -25,6 +25,18 @@ import torch
 import torch.distributed as dist
 
 
+def quiet_cpu_warnings() -> None:
+    """Megatron warns at import and once per layer that apex/TE are absent and CUDA streams unused:
+    expected on CPU, noise in every log line. (Called from the package's __init__.)"""
+    if use_cuda():
+        return
+    import warnings
+
+    for pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
+                    ".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def use_cuda() -> bool:
     """CUDA is used when present, unless FBT_DEVICE=cpu forces the CPU path."""
     return os.environ.get("FBT_DEVICE", "").lower() != "cpu" and torch.cuda.is_available()
