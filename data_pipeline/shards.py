@@ -177,7 +177,7 @@ def prepare_dataset(
                 state["writer"].write({"__key__": sample_key(sid), "tokens.npy": tok_bytes, "json": meta})
                 lengths.append(len(ids))
                 crcs.append(zlib.crc32(np.asarray(ids, dtype=dtype).tobytes()))
-                state["bytes"] += len(tok_bytes) + len(meta) + 2048
+                state["bytes"] += len(tok_bytes) + len(meta) + 1536  # + tar headers and padding
                 state["n"] += 1
                 state["tok"] += len(ids)
                 if state["bytes"] >= shard_bytes:

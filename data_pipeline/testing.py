@@ -1,0 +1,75 @@
+"""Small synthetic corpora for the data pipeline's tests and benchmark (deterministic, offline)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from .config import DataConfig, SourceConfig
+from .shards import prepare_dataset
+from .tokenizer import train_tokenizer
+
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but "
+         "have an they you were her she there been one all we their has would when if so no what up out "
+         "model data token stream shard loader rank worker seed cursor batch sequence document river "
+         "stone light garden window number seven twelve ninety").split()
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    lines, line = [], []
+    for _ in range(n_words):
+        line.append(rng.choice(WORDS))
+        if rng.random() < 0.08:
+            lines.append(" ".join(line))
+            line = []
+    lines.append(" ".join(line))
+    return "\n".join(lines)
+
+
+def write_corpus(root: Path, seed: int = 0, sizes=(120, 60, 200)) -> dict[str, list[tuple[str, str]]]:
+    """Three raw sources under ``root``: ``web`` (JSONL, with one empty record), ``code`` (a directory of
+    text files) and ``math`` (JSONL). Returns the non-empty documents of each, in reading order."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    docs: dict[str, list[tuple[str, str]]] = {"web": [], "code": [], "math": []}
+    with open(root / "web.jsonl", "w") as f:
+        for i in range(sizes[0]):
+            text = _text(rng, rng.choice([5, 20, 60, 150, 400]))
+            if i == 7:
+                text = "   "  # an empty document: skipped and counted
+            f.write(json.dumps({"id": f"w{i}", "text": text}) + "\n")
+            if text.strip():
+                docs["web"].append((f"w{i}", text))
+    (root / "code").mkdir(exist_ok=True)
+    for i in range(sizes[1]):
+        body = "\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {rng.randint(0, 99)}" for j in range(rng.randint(1, 30)))
+        p = root / "code" / f"m{i:03d}.py"
+        p.write_text(body)
+        docs["code"].append((str(p), body))
+    with open(root / "math.jsonl", "w") as f:
+        for i in range(sizes[2]):
+            a, b = rng.randint(1, 999), rng.randint(1, 999)
+            text = f"Question: what is {a} plus {b}?\nAnswer: {a} + {b} = {a + b}.\n#### {a + b}"
+            f.write(json.dumps({"id": f"m{i}", "text": text}) + "\n")
+            docs["math"].append((f"m{i}", text))
+    return docs
+
+
+def build_fixture(root: Path, *, vocab_size: int = 320, shard_bytes: int = 20000, seed: int = 0) -> dict:
+    """Corpus + tokenizer + three prepared datasets with several small shards each."""
+    root = Path(root)
+    docs = write_corpus(root / "raw", seed)
+    tok = root / "tok.model"
+    train_tokenizer([t for v in docs.values() for _, t in v], tok, vocab_size=vocab_size, num_threads=1)
+    inputs = {"web": [str(root / "raw" / "web.jsonl")], "code": [str(root / "raw" / "code")],
+              "math": [str(root / "raw" / "math.jsonl")]}
+    for name, paths in inputs.items():
+        prepare_dataset(paths, root / name, tok, name=name, shard_bytes=shard_bytes, num_workers=1, progress=False)
+    return {"root": root, "docs": docs, "tokenizer": str(tok)}
+
+
+def fixture_config(fx: dict, *, weights=(0.5, 0.2, 0.3), seq_length: int = 32, **kw) -> DataConfig:
+    return DataConfig(
+        sources=[SourceConfig(name=n, path=str(fx["root"] / n), weight=w) for n, w in zip(("web", "code", "math"), weights)],
+        tokenizer=fx["tokenizer"], seq_length=seq_length, **kw)
