@@ -1,0 +1,205 @@
+"""Pluggable pieces of a run: console and TensorBoard logging, W&B, validation, checkpoints, profiling."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fbt_megatron.train.trainer import Callback
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int, passes: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention scores, times the passes."""
+    return passes * (6.0 * num_params + 12.0 * num_layers * hidden * seq_len)
+
+
+class ConsoleLogger(Callback):
+    """Every N steps: loss, loss by pass count, lr, grad norm, tokens/s, MFU, pass mix so far."""
+
+    def __init__(self, every: int, flops_fn=None, peak_flops: float | None = None, world_size: int = 1,
+                 print_fn=print):
+        self.every, self.flops_fn, self.peak_flops = every, flops_fn, peak_flops
+        self.world_size, self.print = world_size, print_fn
+        self._window: list = []
+
+    def on_step_end(self, trainer, r) -> None:
+        self._window.append(r)
+        if trainer.state.step % self.every and trainer.state.step != trainer.total_steps:
+            return
+        w, self._window = self._window, []
+        good = [x for x in w if not x.skipped]
+        secs = sum(x.seconds for x in w) or 1e-9
+        tokens = sum(x.tokens for x in w)
+        by_k: dict[int, list[float]] = {}
+        for x in good:
+            by_k.setdefault(x.num_passes, []).append(x.loss)
+        split = " ".join(f"k{k}={sum(v) / len(v):.4f}" for k, v in sorted(by_k.items()))
+        loss = sum(x.loss for x in good) / len(good) if good else float("nan")
+        mix = trainer.state.pass_counts
+        total = sum(mix.values()) or 1
+        mix_s = "/".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(mix.items()))
+        gn = [x.grad_norm for x in good if x.grad_norm is not None]
+        line = (f"step {trainer.state.step:>6d}/{trainer.total_steps} | loss {loss:.4f} [{split}] | "
+                f"lr {w[-1].lr:.3e} | gnorm {(gn[-1] if gn else float('nan')):.3f} | "
+                f"{tokens / secs:,.0f} tok/s")
+        if self.peak_flops and self.flops_fn:
+            flops = sum(self.flops_fn(x.num_passes) * x.tokens for x in w)
+            line += f" | MFU {100 * flops / secs / (self.peak_flops * self.world_size):.2f}%"
+        if w[-1].residuals:
+            line += " | resid " + ",".join(f"{v:.3f}" for v in w[-1].residuals)
+        line += f" | passes {mix_s}"
+        if trainer.state.skipped_steps:
+            line += f" | skipped {trainer.state.skipped_steps}"
+        trainer.metrics["tokens_per_s"] = tokens / secs
+        if is_rank0():
+            self.print(line, flush=True)
+
+
+class TensorBoardLogger(Callback):
+    def __init__(self, log_dir: Path, every: int = 1):
+        self.log_dir, self.every, self.writer = Path(log_dir), every, None
+
+    def on_train_start(self, trainer) -> None:
+        if is_rank0():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.log_dir))
+
+    def on_step_end(self, trainer, r) -> None:
+        if self.writer is None:
+            return
+        s = trainer.state.step
+        if not r.skipped:
+            self.writer.add_scalar("train/loss", r.loss, s)
+            self.writer.add_scalar(f"train/loss_k{r.num_passes}", r.loss, s)
+            if r.grad_norm is not None:
+                self.writer.add_scalar("train/grad_norm", r.grad_norm, s)
+            for i, v in enumerate(r.residuals):
+                self.writer.add_scalar(f"feedback/residual_pass{i + 2}", v, s)
+        self.writer.add_scalar("train/lr", r.lr, s)
+        self.writer.add_scalar("train/num_passes", r.num_passes, s)
+        self.writer.add_scalar("train/skipped_steps", trainer.state.skipped_steps, s)
+        if r.seconds > 0:
+            self.writer.add_scalar("perf/tokens_per_s", r.tokens / r.seconds, s)
+        for key, value in trainer.metrics.pop("_pending_scalars", {}).items():
+            self.writer.add_scalar(key, value, s)
+
+    def on_train_end(self, trainer) -> None:
+        if self.writer is not None:
+            for key, value in trainer.metrics.pop("_pending_scalars", {}).items():
+                self.writer.add_scalar(key, value, trainer.state.step)
+            self.writer.close()
+
+
+class WandbLogger(Callback):
+    """Optional (logging.wandb: true); needs the ``wandb`` package."""
+
+    def __init__(self, project: str, name: str, config: dict):
+        self.project, self.name, self.config, self.run = project, name, config, None
+
+    def on_train_start(self, trainer) -> None:
+        if is_rank0():
+            import wandb
+
+            self.run = wandb.init(project=self.project, name=self.name, config=self.config)
+
+    def on_step_end(self, trainer, r) -> None:
+        if self.run is not None and not r.skipped:
+            self.run.log({"loss": r.loss, f"loss_k{r.num_passes}": r.loss, "lr": r.lr,
+                          "grad_norm": r.grad_norm}, step=trainer.state.step)
+
+    def on_train_end(self, trainer) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class Validation(Callback):
+    """Validation loss every N steps with 1 pass and with the feedback depth."""
+
+    def __init__(self, every: int, evaluate_fn, passes: list[int], at_end: bool = True, print_fn=print):
+        self.every, self.evaluate_fn, self.passes = every, evaluate_fn, sorted(set(passes))
+        self.at_end, self.print = at_end, print_fn
+        self._last_step = None
+
+    def run(self, trainer) -> dict[int, float]:
+        losses = {k: self.evaluate_fn(k) for k in self.passes}
+        self._last_step = trainer.state.step
+        trainer.metrics["val_loss"] = losses
+        trainer.metrics.setdefault("_pending_scalars", {}).update(
+            {f"val/loss_k{k}": v for k, v in losses.items()})
+        if is_rank0():
+            body = " ".join(f"{k}-pass {v:.4f}" for k, v in losses.items())
+            self.print(f"validation @ step {trainer.state.step}: {body}", flush=True)
+        return losses
+
+    def on_step_end(self, trainer, r) -> None:
+        if trainer.state.step % self.every == 0:
+            self.run(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if self.at_end and self._last_step != trainer.state.step:
+            self.run(trainer)
+
+
+class Checkpointer(Callback):
+    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print):
+        self.save_fn, self.every, self.at_end, self.print = save_fn, every, at_end, print_fn
+        self._last_step = None
+
+    def save(self, trainer) -> None:
+        path = self.save_fn(trainer.state)
+        self._last_step = trainer.state.step
+        trainer.metrics["checkpoint"] = str(path)
+        if is_rank0():
+            self.print(f"checkpoint saved: {path}", flush=True)
+
+    def on_step_end(self, trainer, r) -> None:
+        if trainer.state.step % self.every == 0 or (trainer.stop_reason and self._last_step != trainer.state.step):
+            self.save(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if (self.at_end or trainer.stop_reason) and self._last_step != trainer.state.step:
+            self.save(trainer)
+
+
+class Profiler(Callback):
+    """torch.profiler over ``num_steps`` steps from ``start_step``; a Chrome trace per rank."""
+
+    def __init__(self, out_dir: Path, start_step: int, num_steps: int):
+        self.out_dir, self.start, self.stop_at = Path(out_dir), start_step, start_step + num_steps
+        self.prof = None
+
+    def on_step_end(self, trainer, r) -> None:
+        import torch.profiler as tp
+
+        s = trainer.state.step
+        if s == self.start and self.prof is None:
+            acts = [tp.ProfilerActivity.CPU]
+            if __import__("torch").cuda.is_available():
+                acts.append(tp.ProfilerActivity.CUDA)
+            self.prof = tp.profile(activities=acts, record_shapes=False)
+            self.prof.__enter__()
+        elif s == self.stop_at and self.prof is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.prof.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.prof.export_chrome_trace(str(self.out_dir / f"trace_rank{rank}.json"))
+        self.prof = None
+
+    def on_train_end(self, trainer) -> None:
+        if self.prof is not None:
+            self._finish()
+
+
+def fmt(x: float) -> str:
+    return "nan" if x is None or not math.isfinite(x) else f"{x:.4f}"
+

@@ -1,0 +1,58 @@
+"""``fbt train RECIPE.yaml [dotted.key=value ...]``
+
+The recipe is validated (including the layout against the process count) before any process group
+starts. Launch one process (2 CPU cores are used by torch's threads) or several with torchrun:
+
+    fbt train recipes/tiny.yaml
+    torchrun --nproc-per-node 2 -m fbt_megatron.cli train recipes/tiny.yaml parallel.zero_stage=2
+
+A run resumes automatically from ``<run_dir>/checkpoints/latest`` (``checkpoint.resume=false`` to
+start over).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = "usage: fbt train RECIPE.yaml [dotted.key=value ...]   (fbt train --help)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+
+    recipe_path, overrides = argv[0], argv[1:]
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+        check_layout(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    except (RecipeError, FileNotFoundError) as e:
+        print(f"fbt train: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from fbt_megatron import runtime
+    from fbt_megatron.train.engine import ensure_ds_accelerator
+
+    ensure_ds_accelerator()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if not runtime.use_cuda():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    runtime.init_distributed()
+    from fbt_megatron.train.run import format_summary, train
+
+    try:
+        summary = train(recipe)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(format_summary(summary), flush=True)
+        return 3 if summary.get("stop_reason") else 0
+    finally:
+        runtime.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

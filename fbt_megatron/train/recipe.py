@@ -1,0 +1,270 @@
+"""The training recipe: one typed schema, validated before any process group starts.
+
+``fbt train RECIPE.yaml [dotted.key=value ...]``: the YAML is read, overrides are applied by dotted
+path (values parsed as YAML scalars), and the result is validated by :class:`Recipe`. Every section
+forbids unknown keys; errors name the dotted path and, for unknown keys, the nearest valid name.
+:func:`check_layout` then checks the parallel layout against the process count.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig
+from fbt_megatron.train.synthetic import SyntheticDataConfig
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ParallelConfig(Section):
+    tensor: int = Field(1, ge=1)
+    pipeline: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    sequence_parallel: bool = False  # GPU only (megatron refuses it with the torch norm)
+
+
+class BatchConfig(Section):
+    """Global batch in sequences (or tokens); accumulation is derived from the DP size."""
+
+    global_batch_size: int | None = Field(None, ge=1)  # sequences per optimiser step
+    global_batch_tokens: int | None = Field(None, ge=1)  # alternative: tokens per step
+    micro_batch_size: int = Field(4, ge=1)
+    accumulation_steps: int | None = Field(None, ge=1)  # if given, checked against the layout
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+
+
+class LRScheduleConfig(Section):
+    kind: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    decay_fraction: float = Field(0.2, gt=0, le=1)  # wsd: last fraction of steps decays
+
+
+class DataSection(Section):
+    source: Literal["synthetic", "pipeline"] = "synthetic"
+    seq_length: int = Field(64, ge=2)
+    synthetic: SyntheticDataConfig = Field(default_factory=SyntheticDataConfig)
+    # The data pipeline's DataConfig (validated by data_pipeline.config when source == "pipeline").
+    pipeline: dict[str, Any] | None = None
+    # Embedded token mix: built with `fbt data embedded --out DIR` when DIR is missing.
+    embedded_dir: str | None = None
+    valid_sequences: int = Field(64, ge=1)
+
+
+class TrainLoopConfig(Section):
+    steps: int = Field(100, ge=1)  # the schedule's length (LR decay, feedback switch)
+    stop_at_step: int | None = Field(None, ge=1)  # end this invocation early (budgets, tests)
+    max_nonfinite_in_row: int = Field(5, ge=1)
+
+
+class LoggingConfig(Section):
+    log_every: int = Field(10, ge=1)
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "fbt"
+    peak_flops: float | None = Field(None, gt=0)  # per device, for the MFU estimate
+
+
+class EvalConfig(Section):
+    every: int = Field(50, ge=1)
+    feedback_passes: int | None = Field(None, ge=1)  # default: the schedule's deepest pass count
+    at_end: bool = True
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    async_save: bool = False
+    at_end: bool = True
+    resume: bool = True
+
+
+class ProfileConfig(Section):
+    enabled: bool = False
+    start_step: int = Field(5, ge=0)
+    num_steps: int = Field(3, ge=1)
+
+
+class Recipe(Section):
+    name: str = "run"
+    run_dir: str | None = None  # default runs/<name>
+    seed: int = 1234
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
+    schedule: PassScheduleConfig = Field(default_factory=PassScheduleConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        b, d = self.batch, self.data
+        if b.global_batch_size is None and b.global_batch_tokens is None:
+            b.global_batch_size = 4 * b.micro_batch_size
+        if b.global_batch_tokens is not None:
+            if b.global_batch_tokens % d.seq_length:
+                raise ValueError(f"batch.global_batch_tokens={b.global_batch_tokens} is not a multiple of "
+                                 f"data.seq_length={d.seq_length}")
+            seqs = b.global_batch_tokens // d.seq_length
+            if b.global_batch_size is not None and b.global_batch_size != seqs:
+                raise ValueError(f"batch.global_batch_size={b.global_batch_size} contradicts "
+                                 f"batch.global_batch_tokens={b.global_batch_tokens} ({seqs} sequences)")
+            b.global_batch_size = seqs
+        if b.global_batch_size % b.micro_batch_size:
+            raise ValueError(f"batch.global_batch_size={b.global_batch_size} is not divisible by "
+                             f"batch.micro_batch_size={b.micro_batch_size}")
+        if d.seq_length > self.model.max_sequence_length:
+            raise ValueError(f"data.seq_length={d.seq_length} exceeds "
+                             f"model.max_sequence_length={self.model.max_sequence_length}")
+        if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
+            raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
+                             f"model.vocab_size={self.model.vocab_size}")
+        if self.parallel.pipeline != 1:
+            raise ValueError(f"parallel.pipeline={self.parallel.pipeline}: pipeline parallelism is not "
+                             "supported yet; allowed: 1")
+        self.model.check_tensor_parallel(self.parallel.tensor)
+        return self
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.batch.global_batch_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.data.seq_length
+
+    def accumulation_steps(self, dp_size: int) -> int:
+        return self.global_batch_size // (self.batch.micro_batch_size * dp_size)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+
+# ---------------------------------------------------------------------- loading
+def _nearest(name: str, options, prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    return f"; did you mean {prefix + match[0]!r}?" if match else ""
+
+
+def _section_fields(loc: tuple) -> list[str]:
+    """Valid field names of the section at ``loc`` (a pydantic error location)."""
+    model: Any = Recipe
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not isinstance(p, int))
+        path = ".".join(str(p) for p in e["loc"]) or "<recipe>"
+        if e["type"] == "extra_forbidden":
+            prefix = "".join(f"{p}." for p in loc[:-1])
+            hint = _nearest(str(loc[-1]), _section_fields(loc[:-1]), prefix)
+            lines.append(f"unknown recipe key {path!r}{hint}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            got = "" if isinstance(got, dict) or e["type"] in ("value_error",) else f" (got {got!r})"
+            lines.append(f"recipe key {path!r}: {msg}{got}")
+    return "invalid recipe:\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise RecipeError(f"override {text!r} is not of the form dotted.key=value")
+    key, value = text.split("=", 1)
+    if not key:
+        raise RecipeError(f"override {text!r} has no key")
+    return key.split("."), yaml.safe_load(value) if value != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                raise RecipeError(f"override {text!r}: {'.'.join(path[:i + 1])!r} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
+                data: dict | None = None) -> Recipe:
+    if data is None:
+        data = {}
+        if path is not None:
+            text = Path(path).read_text()
+            data = yaml.safe_load(text) or {}
+            if not isinstance(data, dict):
+                raise RecipeError(f"recipe {path} must be a mapping of sections")
+            data.setdefault("name", Path(path).stem)
+    data = apply_overrides(dict(data), list(overrides or []))
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(format_validation_error(err)) from None
+
+
+def check_layout(recipe: Recipe, world_size: int) -> int:
+    """Check the parallel layout and batch against ``world_size`` processes; return the DP size."""
+    p = recipe.parallel
+    model_parallel = p.tensor * p.pipeline
+    if world_size % model_parallel:
+        raise RecipeError(
+            f"recipe key 'parallel.tensor': tensor={p.tensor} x pipeline={p.pipeline} does not divide "
+            f"the process count {world_size}; allowed tensor sizes: "
+            f"{[t for t in range(1, world_size + 1) if world_size % (t * p.pipeline) == 0]}")
+    dp = world_size // model_parallel
+    per_step = recipe.batch.micro_batch_size * dp
+    if recipe.global_batch_size % per_step:
+        raise RecipeError(
+            f"recipe key 'batch.global_batch_size': {recipe.global_batch_size} sequences is not divisible "
+            f"by micro_batch_size={recipe.batch.micro_batch_size} x data-parallel size {dp}")
+    acc = recipe.accumulation_steps(dp)
+    if recipe.batch.accumulation_steps is not None and recipe.batch.accumulation_steps != acc:
+        raise RecipeError(
+            f"recipe key 'batch.accumulation_steps': {recipe.batch.accumulation_steps} does not match "
+            f"global_batch_size / (micro_batch_size x DP) = {acc} at {world_size} processes")
+    if p.sequence_parallel and p.tensor > 1:
+        from fbt_megatron import runtime
+
+        if not runtime.use_cuda():
+            raise RecipeError("recipe key 'parallel.sequence_parallel': needs a GPU (megatron's torch norm "
+                              "refuses sequence parallelism); set it to false on CPU")
+    return dp

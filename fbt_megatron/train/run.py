@@ -1,0 +1,184 @@
+"""Assemble a run from a validated recipe and train it (inside an initialised process group).
+
+``fbt train`` (``cli.py``) validates the recipe, starts torch.distributed and calls :func:`train`;
+tests call :func:`train` directly on gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch.distributed as dist
+
+from fbt_megatron import runtime
+from fbt_megatron.train.recipe import Recipe, check_layout
+
+VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
+
+
+# ---------------------------------------------------------------------- data
+def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequences: int):
+    d = recipe.data
+    kw = dict(micro_batch_size=recipe.batch.micro_batch_size, global_batch_size=recipe.global_batch_size,
+              dp_rank=dp_rank, dp_size=dp_size, consumed_sequences=consumed_sequences)
+    if d.source == "synthetic":
+        from fbt_megatron.train.synthetic import SyntheticLoader
+
+        return SyntheticLoader(_synthetic_cfg(recipe), **kw)
+    return _pipeline_loader(recipe, split="train", **kw)
+
+
+def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict]:
+    """This rank's share of a fixed validation set (same set for every DP size)."""
+    d, mbs = recipe.data, recipe.batch.micro_batch_size
+    n = max(dp_size, d.valid_sequences - d.valid_sequences % dp_size)
+    if n % (mbs * dp_size):
+        mbs = 1
+    kw = dict(micro_batch_size=mbs, global_batch_size=n, dp_rank=dp_rank, dp_size=dp_size,
+              consumed_sequences=0)
+    if d.source == "synthetic":
+        from fbt_megatron.train.synthetic import SyntheticLoader
+
+        loader = SyntheticLoader(_synthetic_cfg(recipe), offset=VALID_OFFSET, **kw)
+    else:
+        loader = _pipeline_loader(recipe, split="valid", **kw)
+    it = iter(loader)
+    return [next(it) for _ in range(n // (mbs * dp_size))]
+
+
+def _synthetic_cfg(recipe: Recipe):
+    return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
+
+
+def _pipeline_loader(recipe: Recipe, split: str, **kw):
+    try:
+        from data_pipeline.config import DataConfig
+        from data_pipeline.loader import build_loader
+    except ImportError as e:  # the data pipeline is a separate component
+        raise RuntimeError(f"data.source=pipeline needs data_pipeline.loader ({e})") from e
+    cfg = dict(recipe.data.pipeline or {})
+    cfg.setdefault("seq_length", recipe.data.seq_length)
+    data_cfg = DataConfig.model_validate(cfg)
+    if split != "train":
+        seed = getattr(data_cfg, "seed", 0)
+        data_cfg = data_cfg.model_copy(update={"seed": seed + 7919})
+    return build_loader(data_cfg, **kw)
+
+
+# ---------------------------------------------------------------------- the run
+def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.passes import PassSchedule
+    from fbt_megatron.train import callbacks as cb
+    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.train.lr_schedule import LRSchedule
+    from fbt_megatron.train.train_step import FBTTrainStep, evaluate
+    from fbt_megatron.train.trainer import Trainer, TrainState
+
+    world = dist.get_world_size()
+    dp_size = check_layout(recipe, world)
+    runtime.init_parallel_state(runtime.ParallelLayout(tensor=recipe.parallel.tensor,
+                                                       pipeline=recipe.parallel.pipeline), seed=recipe.seed)
+    dp_rank = ps.get_data_parallel_rank()
+    device = runtime.device()
+    run_dir = recipe.resolved_run_dir()
+    log = print_fn if dist.get_rank() == 0 else (lambda *a, **k: None)
+
+    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel)
+    templates = ParamTemplates(model)
+    ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
+                             async_save=recipe.checkpoint.async_save)
+    latest = ckpt.latest() if recipe.checkpoint.resume else None
+    if latest is not None:
+        ckpt.load_weights(latest, templates)
+    engine = Engine(model, recipe)
+    state = TrainState()
+    if latest is not None:
+        saved = ckpt.load_training_state(latest, engine, templates)
+        state = TrainState.from_json(saved["train_state"])
+        log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
+            f"tp={recipe.parallel.tensor} dp={dp_size} zero={recipe.parallel.zero_stage})")
+
+    schedule = PassSchedule(recipe.schedule)
+    loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences)
+    valid = build_valid_batches(recipe, dp_rank, dp_size)
+    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite)
+    lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
+    feedback_depth = recipe.eval.feedback_passes or (schedule.max_passes if recipe.feedback.fusion != "off" else 1)
+
+    n_params = sum(p.numel() for p in model.parameters()) * recipe.parallel.tensor  # approx (TP shards)
+    m = recipe.model
+    flops_fn = lambda k: cb.model_flops_per_token(n_params, m.num_layers, m.hidden_size,  # noqa: E731
+                                                  recipe.data.seq_length, k)
+    layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
+              "zero_stage": recipe.parallel.zero_stage}
+
+    def save(st: TrainState):
+        payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,
+                   "pass_schedule": {"position": st.step, **recipe.schedule.model_dump()},
+                   "data_cursor": {"consumed_sequences": st.consumed_sequences},
+                   "recipe": recipe.model_dump(mode="json")}
+        return ckpt.save(st.step, engine, templates, payload)
+
+    callbacks = [
+        cb.Validation(recipe.eval.every, lambda k: evaluate(engine, valid, k, device), [1, feedback_depth],
+                      at_end=recipe.eval.at_end, print_fn=log),
+        cb.ConsoleLogger(recipe.logging.log_every, flops_fn, recipe.logging.peak_flops, world, print_fn=log),
+    ]
+    if recipe.logging.tensorboard:
+        callbacks.append(cb.TensorBoardLogger(run_dir / "tensorboard"))
+    if recipe.logging.wandb:
+        callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
+    callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log))
+    if recipe.profile.enabled:
+        callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
+
+    total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
+    trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
+                      lr_fn=lr_fn, total_steps=total, global_batch_size=recipe.global_batch_size, state=state,
+                      callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
+    if state.step < total:
+        log(f"training {recipe.name}: steps {state.step}->{total} of {recipe.train.steps}, layout {layout}, "
+            f"global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
+            f"accumulation {recipe.accumulation_steps(dp_size)}, feedback from step "
+            f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
+        trainer.fit()
+    ckpt.wait()
+
+    val = trainer.metrics.get("val_loss", {})
+    summary = {
+        "name": recipe.name, "run_dir": str(run_dir), "step": state.step, "total_steps": recipe.train.steps,
+        "skipped_steps": state.skipped_steps, "pass_counts": dict(state.pass_counts),
+        "stop_reason": trainer.stop_reason, "checkpoint": trainer.metrics.get("checkpoint"),
+        "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
+        "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
+        "history": [(r.step, r.num_passes, r.loss, r.skipped) for r in trainer.history],
+    }
+    if dist.get_rank() == 0 and trainer.history:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
+                                                         indent=1, default=str))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    d = s["feedback_depth"]
+    f = lambda x: "n/a" if x is None or not math.isfinite(x) else f"{x:.4f}"  # noqa: E731
+    lines = [
+        f"== summary: {s['name']} ==",
+        f"steps             {s['step']}/{s['total_steps']} (skipped {s['skipped_steps']})",
+        f"pass mix          {s['pass_counts']}",
+        f"val loss 1 pass   {f(s['val_loss_1pass'])}",
+        f"val loss {d} passes {f(s.get(f'val_loss_{d}pass'))}",
+        f"checkpoint        {s['checkpoint']}",
+        f"run dir           {s['run_dir']}",
+    ]
+    if s.get("stop_reason"):
+        lines.append(s["stop_reason"])
+    return "\n".join(lines)
+
+

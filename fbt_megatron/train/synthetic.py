@@ -1,0 +1,97 @@
+"""A deterministic synthetic token source with the data pipeline's batch interface.
+
+Sequence ``i`` of the stream is a pure function of ``(seed, i)``, so the global batch of step ``s``
+is the same whatever the data-parallel size: step ``s`` consumes sequences
+``[s * global_batch, (s + 1) * global_batch)``, cut into micro-batches of ``micro_batch_size``; DP
+rank ``r`` of ``d`` takes micro-batches ``r, r + d, r + 2d, ...``. The only state is the global
+count of consumed sequences, which is why a run can resume under another DP size.
+
+The text is learnable but not trivial: documents of random length, each following a random affine
+recurrence ``t[j+1] = (a * t[j] + b) mod V`` with occasional noise tokens, so a model that reads the
+context (and an FBT model that carries state) can lower the loss well below ``log V``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SyntheticDataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(256, ge=4)
+    seq_length: int = Field(64, ge=2)
+    seed: int = 0
+    mean_doc_length: int = Field(48, ge=2)
+    noise: float = Field(0.05, ge=0.0, le=1.0)
+
+
+def make_sequence(cfg: SyntheticDataConfig, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [S+1] and document-start flags [S+1] of global sequence ``index``."""
+    rng = np.random.Generator(np.random.Philox(key=cfg.seed, counter=[0, 0, 1, index]))
+    n, v = cfg.seq_length + 1, cfg.vocab_size
+    tokens = np.empty(n, dtype=np.int64)
+    starts = np.zeros(n, dtype=bool)
+    j = 0
+    while j < n:
+        length = int(rng.integers(2, 2 * cfg.mean_doc_length))
+        a, b = int(rng.integers(1, 8)), int(rng.integers(0, v))
+        t = int(rng.integers(0, v))
+        starts[j] = True
+        for _ in range(min(length, n - j)):
+            tokens[j] = t
+            t = (a * t + b) % v if rng.random() >= cfg.noise else int(rng.integers(0, v))
+            j += 1
+    return tokens, starts
+
+
+def make_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.Tensor]:
+    seqs = [make_sequence(cfg, int(i)) for i in indices]
+    tokens = torch.from_numpy(np.stack([s[0] for s in seqs]))
+    starts = torch.from_numpy(np.stack([s[1] for s in seqs]))
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    doc_start = starts[:, :-1].clone()
+    doc_start[:, 0] = True
+    # Position ids restart at every document start.
+    s = input_ids.shape[1]
+    ar = torch.arange(s).expand_as(input_ids)
+    last_start = torch.where(doc_start, ar, torch.zeros_like(ar)).cummax(dim=1).values
+    position_ids = ar - last_start
+    # No loss on the first token of a document: it is not predictable from the previous one.
+    loss_mask = (~starts[:, 1:]).to(torch.float32)
+    return dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                doc_start=doc_start)
+
+
+class SyntheticLoader:
+    """Yields this DP rank's micro-batches, step after step, from a global sequence cursor."""
+
+    def __init__(self, cfg: SyntheticDataConfig, *, micro_batch_size: int, global_batch_size: int,
+                 dp_rank: int, dp_size: int, consumed_sequences: int = 0, offset: int = 0):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(
+                f"global batch {global_batch_size} is not divisible by micro batch {micro_batch_size} "
+                f"x data-parallel size {dp_size}")
+        self.cfg, self.mbs, self.gbs = cfg, micro_batch_size, global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_sequences = consumed_sequences
+        self.offset = offset  # validation streams live far from the training stream
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            base = self.offset + self.consumed_sequences
+            micro_batches = self.gbs // self.mbs
+            for m in range(self.dp_rank, micro_batches, self.dp_size):
+                start = base + m * self.mbs
+                yield make_batch(self.cfg, range(start, start + self.mbs))
+            self.consumed_sequences += self.gbs
+
+    def state_dict(self) -> dict:
+        return {"consumed_sequences": self.consumed_sequences}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_sequences = int(state["consumed_sequences"])

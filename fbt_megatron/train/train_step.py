@@ -1,0 +1,114 @@
+"""The FBT-specific part of training: one optimiser step of multi-pass teacher forcing.
+
+Per step ``s``: ``k = PassSchedule.num_passes(s)`` (identical on every rank, a pure function of the
+step, so it survives resume); every micro-batch is forwarded with ``num_passes=k``; the loss is the
+token-weighted mean over the *whole global batch*:
+
+    loss = sum_over_all_micro_batches_and_DP_ranks(token_loss * loss_mask) / sum(loss_mask)
+
+Each micro-batch backpropagates ``sum(token_loss * mask) * DP / N_global`` (DeepSpeed then averages
+over DP), so the gradient is the same for any split of the global batch into DP ranks and
+accumulation steps: that is what makes DP=1 and DP=2 runs follow the same trajectory.
+
+A non-finite global loss skips the step (weights and moments untouched) and is counted; the trainer
+stops after ``train.max_nonfinite_in_row`` such steps in a row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class StepResult:
+    step: int
+    num_passes: int
+    loss: float
+    tokens: int  # loss tokens in the global batch
+    skipped: bool
+    grad_norm: float | None
+    lr: float
+    residuals: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def jitter_seed(seed: int, step: int, micro_batch: int) -> int:
+    """Deterministic jitter noise per (run seed, step, global micro-batch index)."""
+    return (seed * 1_000_003 + step * 10_007 + micro_batch) % (2**63 - 1)
+
+
+def micro_batch_forward(model, batch: dict, num_passes: int, jseed: int | None = None):
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                 doc_start=batch["doc_start"], labels=batch["labels"], num_passes=num_passes,
+                 jitter_seed=jseed)
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+class FBTTrainStep:
+    def __init__(self, engine, schedule, seed: int, device, inject_nonfinite=None):
+        from megatron.core import parallel_state as ps
+
+        self.engine, self.schedule, self.seed, self.device = engine, schedule, seed, device
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.inject_nonfinite = inject_nonfinite or set()  # steps whose loss is made NaN (tests)
+
+    def __call__(self, step: int, micro_batches: list[dict], lr: float) -> StepResult:
+        engine = self.engine
+        k = self.schedule.num_passes(step)
+        engine.train()
+        engine.set_lr(lr)
+        micro_batches = [_to_device(b, self.device) for b in micro_batches]
+        local_tokens = sum(b["loss_mask"].sum() for b in micro_batches).to(torch.float64)
+        total_tokens = local_tokens.clone()
+        dist.all_reduce(total_tokens, group=self.dp_group)
+        n_global = float(total_tokens.item())
+        scale = self.dp_size / max(n_global, 1.0)
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        residuals = None
+        for j, batch in enumerate(micro_batches):
+            global_mb = self.dp_rank + j * self.dp_size
+            out = micro_batch_forward(engine.ds, batch, k, jitter_seed(self.seed, step, global_mb))
+            tok_sum = (out.token_loss.float() * batch["loss_mask"]).sum()
+            if step in self.inject_nonfinite:
+                tok_sum = tok_sum * float("nan")
+            engine.backward(tok_sum * scale, is_boundary=j == len(micro_batches) - 1)
+            loss_sum += tok_sum.detach().to(torch.float64)
+            if out.pass_residuals:
+                r = torch.stack([x.detach().float() for x in out.pass_residuals])
+                residuals = r if residuals is None else residuals + r
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        loss = float(loss_sum.item()) / max(n_global, 1.0)
+        skip = not math.isfinite(loss)
+        grad_norm = engine.step(skip=skip)
+        if not skip and grad_norm is not None and not math.isfinite(grad_norm):
+            skip = True  # DeepSpeed refused the step itself (non-finite gradients)
+        res = [] if residuals is None else (residuals / len(micro_batches)).tolist()
+        return StepResult(step=step, num_passes=k, loss=loss, tokens=int(n_global), skipped=skip,
+                          grad_norm=grad_norm, lr=lr, residuals=res)
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[dict], num_passes: int, device) -> float:
+    """Token-weighted mean loss over ``batches`` (this rank's share) and all DP ranks."""
+    from megatron.core import parallel_state as ps
+
+    engine.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        batch = _to_device(batch, device)
+        out = micro_batch_forward(engine.ds, batch, num_passes, None)
+        sums[0] += (out.token_loss.float() * batch["loss_mask"]).sum().double()
+        sums[1] += batch["loss_mask"].sum().double()
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    engine.train()
+    return float(sums[0] / sums[1].clamp_min(1))
