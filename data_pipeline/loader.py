@@ -91,18 +91,15 @@ class _Packer:
         self.readers = [DatasetReader(ds, allow_skip_corrupt=spec.allow_skip, stats=self.stats)
                         for ds in spec.datasets]
         self._cache: OrderedDict = OrderedDict()
-        self._skipped_seen: set = set()
 
     def _doc(self, src: int, sid: int):
         key = (src, sid)
-        got = self._cache.get(key)
-        if got is None:
-            got = self.readers[src].get(sid)
-            if got is None and key not in self._skipped_seen:
-                self._skipped_seen.add(key)
-            self._cache[key] = got
-            if len(self._cache) > 64:
-                self._cache.popitem(last=False)
+        if key in self._cache:
+            return self._cache[key]
+        got = self.readers[src].get(sid)  # None: corrupt, skipping allowed (logged by the reader)
+        self._cache[key] = got
+        if len(self._cache) > 64:
+            self._cache.popitem(last=False)
         return got
 
     def micro_batch(self, u: int) -> dict:
@@ -120,7 +117,7 @@ class _Packer:
             doc = self._doc(src, sid)
             if doc is None:  # corrupt and skipping allowed: EOS filler, loss-masked
                 bad[out:out + hi - lo] = True
-                skipped += 1
+                skipped += lo == 0  # counted once in the whole global stream: where the document starts
                 continue
             if hi == length:  # slice includes the EOS (already in toks)
                 toks[out:out + hi - lo - 1] = doc[lo:]
