@@ -1,0 +1,134 @@
+"""Building: tokenizer, shard writer (WebDataset format, index, parallel = serial), embedded mix, CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import webdataset as wds
+import yaml
+
+from data_pipeline import cli
+from data_pipeline.config import DataConfig
+from data_pipeline.embedded import build_embedded, math_documents
+from data_pipeline.loader import build_loader
+from data_pipeline.shards import Dataset, prepare_dataset, verify_dataset
+from data_pipeline.testing import build_fixture
+from data_pipeline.tokenizer import load_tokenizer, tokenizer_hash
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    return build_fixture(tmp_path_factory.mktemp("build"))
+
+
+def test_tokenizer_roundtrip_byte_fallback_and_hash(fx, tmp_path):
+    sp = load_tokenizer(fx["tokenizer"])
+    text = "def f(x):\n\treturn 12345 + x  # naïve ✓\n"
+    assert sp.decode(sp.encode(text)) == text  # whitespace, tabs, newlines and unseen chars survive
+    assert sp.vocab_size() == 320 and sp.eos_id() == 2
+    idx = json.loads((fx["root"] / "math" / "index.json").read_text())
+    assert idx["tokenizer_hash"] == tokenizer_hash(fx["tokenizer"])
+    # `fbt data tokenizer --load` validates and copies an existing model, same identity
+    assert cli.main(["tokenizer", "--load", fx["tokenizer"], "--out", str(tmp_path / "copy.model")]) == 0
+    assert tokenizer_hash(tmp_path / "copy.model") == tokenizer_hash(fx["tokenizer"])
+
+
+def test_cli_trains_unigram_tokenizer(fx, tmp_path, capsys):
+    out = tmp_path / "u.model"
+    rc = cli.main(["tokenizer", "--input", str(fx["root"] / "raw" / "web.jsonl"), str(fx["root"] / "raw" / "code"),
+                   "--out", str(out), "--vocab-size", "350", "--model-type", "unigram"])
+    assert rc == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["hash"] == tokenizer_hash(out) and info["vocab_size"] == 350
+
+
+def test_shards_are_webdataset_samples_with_tokens_source_and_id(fx):
+    sp = load_tokenizer(fx["tokenizer"])
+    ds = Dataset.load(fx["root"] / "web")
+    assert len(ds.shards) > 3
+    urls = [str(fx["root"] / "web" / s["file"]) for s in ds.index["shards"]]
+    samples = list(wds.WebDataset(urls, shardshuffle=False).decode())
+    assert len(samples) == ds.index["num_samples"] == len(fx["docs"]["web"])
+    for i, (s, (doc_id, text)) in enumerate(zip(samples, fx["docs"]["web"])):
+        assert s["__key__"] == f"{i:010d}"
+        assert s["json"]["source"] == "web" and s["json"]["doc_id"] == doc_id
+        assert s["tokens.npy"].tolist() == sp.encode(text)
+        assert ds.lengths[i] == len(s["tokens.npy"])
+    # per-shard bookkeeping: samples and tokens per shard add up; first_sample maps a position to a shard
+    assert sum(s["num_samples"] for s in ds.shards) == ds.index["num_samples"]
+    assert sum(s["num_tokens"] for s in ds.shards) == ds.index["num_tokens"] == int(ds.lengths.sum())
+    firsts = [s["first_sample"] for s in ds.shards]
+    assert firsts == list(np.cumsum([0] + [s["num_samples"] for s in ds.shards[:-1]]))
+    assert verify_dataset(fx["root"] / "web")["samples"] == ds.index["num_samples"]
+
+
+def test_parallel_prepare_equals_serial(fx, tmp_path):
+    inputs = [str(fx["root"] / "raw" / "code")]
+    a = prepare_dataset(inputs, tmp_path / "a", fx["tokenizer"], name="code", shard_bytes=20000, num_workers=1, progress=False)
+    b = prepare_dataset(inputs, tmp_path / "b", fx["tokenizer"], name="code", shard_bytes=20000, num_workers=2, progress=False)
+    assert [s["file"] for s in a["shards"]] == [s["file"] for s in b["shards"]]
+    for s in a["shards"]:
+        assert (tmp_path / "a" / s["file"]).read_bytes() == (tmp_path / "b" / s["file"]).read_bytes()
+    assert np.array_equal(np.load(tmp_path / "a" / "samples.npz")["offsets"], np.load(tmp_path / "b" / "samples.npz")["offsets"])
+
+
+def test_math_generator_answers_are_correct():
+    checked = 0
+    for _, text in math_documents(300, seed=1):
+        for block in text.split("\n\n"):
+            ans = int(re.search(r"#### (-?\d+)", block).group(1))
+            if m := re.match(r"Question: What is (\d+) ([-+/]) (\d+)\?", block):
+                a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+                assert ans == {"+": a + b, "-": a - b, "/": a // b}[op]
+                checked += 1
+            elif m := re.match(r"Question: Compute (\d+) \* (\d+)\.", block):
+                assert ans == int(m.group(1)) * int(m.group(2))
+                checked += 1
+            elif m := re.match(r"Question: Solve for x: (\d+)x \+ (\d+) = (-?\d+)\.", block):
+                assert int(m.group(1)) * ans + int(m.group(2)) == int(m.group(3))
+                checked += 1
+    assert checked > 100
+    assert list(math_documents(5, seed=1)) == list(math_documents(5, seed=1))
+
+
+def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys):
+    out = tmp_path / "emb"
+    args = ["embedded", "--out", str(out), "--vocab-size", "512", "--code-mb", "0.3", "--prose-mb", "0.3",
+            "--math-docs", "400", "--workers", "2", "--seq-length", "64", "--quiet"]
+    assert cli.main(args) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["data"]
+    mix = yaml.safe_load((out / "mix.yaml").read_text())["data"]
+    assert printed == mix
+    cfg = DataConfig(**mix)
+    assert [s.name for s in cfg.sources] == ["code", "prose", "math"]
+    for s in cfg.sources:
+        idx = json.loads((out / s.name / "index.json").read_text())
+        assert idx["num_tokens"] > 10_000 and idx["tokenizer_hash"] == tokenizer_hash(out / "tokenizer.model")
+    stdlib_doc = json.loads((out / "code" / "index.json").read_text())
+    assert stdlib_doc["num_samples"] > 5
+    ld = build_loader(cfg, micro_batch_size=4, global_batch_size=8, dp_rank=0, dp_size=1)
+    b = next(ld)
+    assert b["input_ids"].shape == (4, 64) and int(b["input_ids"].max()) < 512
+    # second run: same settings -> skipped, nothing rewritten
+    stamp = (out / "embedded.json").stat().st_mtime_ns
+    shard = (out / "math" / "shard-000000.tar").stat().st_mtime_ns
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert "skipping" in captured.err and yaml.safe_load(captured.out)["data"] == mix
+    assert (out / "embedded.json").stat().st_mtime_ns == stamp
+    assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
+
+
+def test_cli_inspect_and_peek(fx, tmp_path, capsys):
+    assert cli.main(["inspect", str(fx["root"] / "math"), "--verify"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["samples"] == 200 and info["verified"]["tokens"] == info["tokens"]
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {
+        "tokenizer": fx["tokenizer"], "seq_length": 48,
+        "sources": [{"name": "math", "path": str(fx["root"] / "math"), "weight": 1.0}]}}))
+    assert cli.main(["peek", str(recipe), "--sequences", "1"]) == 0
+    assert "Question: what is" in capsys.readouterr().out
