@@ -123,18 +123,33 @@ class _Packer:
                 toks[out:out + hi - lo - 1] = doc[lo:]
             else:
                 toks[out:out + hi - lo] = doc[lo:hi]
-        idx = np.arange(m)[:, None] * S + np.arange(S)[None, :]
-        inp = toks[idx]
-        lab = toks[idx + 1]
-        mask = (inp != sp.eos) & ~bad[idx] & ~bad[idx + 1]
-        return {
-            "input_ids": torch.from_numpy(inp),
-            "labels": torch.from_numpy(lab),
-            "loss_mask": torch.from_numpy(mask.astype(np.float32)),
-            "position_ids": torch.from_numpy(np.broadcast_to(np.arange(S, dtype=np.int64), (m, S)).copy()),
-            "doc_start": torch.from_numpy(start[idx]),
-            "_skipped": skipped,
-        }
+        # compact form crosses the worker -> main process queue (plain pickled arrays, no shared-memory
+        # tensors); ``expand`` builds the [B, S] tensors in the consuming process.
+        return {"tokens": toks, "start": start, "bad": bad if bad.any() else None, "skipped": skipped,
+                "m": m, "S": S, "eos": sp.eos}
+
+
+def _identity(x):
+    return x
+
+
+def expand(c: dict) -> dict:
+    """Compact micro-batch (``m * S + 1`` stream tokens) -> the trainer's dict of [B, S] tensors."""
+    m, S, toks = c["m"], c["S"], c["tokens"]
+    inp = toks[: m * S].reshape(m, S)
+    lab = toks[1:].reshape(m * S)  # toks[1 : m*S+1]
+    lab = lab.reshape(m, S)
+    mask = inp != c["eos"]
+    if c["bad"] is not None:
+        bad = c["bad"]
+        mask &= ~bad[: m * S].reshape(m, S) & ~bad[1:].reshape(m, S)
+    return {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(inp)),
+        "labels": torch.from_numpy(np.ascontiguousarray(lab)),
+        "loss_mask": torch.from_numpy(mask.astype(np.float32)),
+        "position_ids": torch.arange(S, dtype=torch.int64).expand(m, S).contiguous(),
+        "doc_start": torch.from_numpy(np.ascontiguousarray(c["start"][: m * S].reshape(m, S))),
+    }
 
 
 class _RankStream(IterableDataset):
@@ -185,14 +200,13 @@ class TokenLoader:
         if self.num_workers == 0:
             source = iter(ds)
         else:
-            source = iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                     prefetch_factor=4, persistent_workers=False))
-        for batch in source:
-            skipped = int(batch.pop("_skipped"))
-            if skipped:
-                self.stats["skipped_corrupt_samples"] += skipped
+            source = iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
+                                     prefetch_factor=8, persistent_workers=False))
+        for compact in source:
+            if compact["skipped"]:
+                self.stats["skipped_corrupt_samples"] += int(compact["skipped"])
             self._yielded += 1
-            yield batch
+            yield expand(compact)
 
     def __iter__(self):
         return self

@@ -1,0 +1,130 @@
+"""Data pipeline throughput on CPU.
+
+* shard writing: tokens/s and MB/s of ``prepare_dataset`` on the Python standard library source
+  (1 and 2 tokenizer processes);
+* loader: tokens/s of the streaming loader with one DataLoader worker (DP=1) on the embedded mix;
+* the ratio of the loader's rate to what the tiny recipe consumes per second. The consumer rate is a
+  measured proxy unless given: forward + backward + AdamW of a 4-layer, 128-wide transformer LM
+  (vocab 4096, the tiny recipe's size) at the same batch shape. The FBT model runs one or more passes
+  per step, so it consumes at most this rate and the real ratio is at least the one printed.
+
+Usage: python benchmarks/bench_data.py [--out data/embedded] [--seq-length 256] [--micro-batch 8]
+       [--consumer-tokens-per-s N] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from data_pipeline.config import DataConfig  # noqa: E402
+from data_pipeline.embedded import build_embedded, code_documents, stdlib_files  # noqa: E402
+from data_pipeline.loader import build_loader  # noqa: E402
+from data_pipeline.shards import prepare_dataset  # noqa: E402
+
+
+def bench_write(tokenizer: str, workers: int, mb: float) -> dict:
+    docs = list(code_documents(stdlib_files(), int(mb * 1e6), seed=0))
+    nbytes = sum(len(t.encode()) for _, t in docs)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        idx = prepare_dataset([], Path(tmp) / "code", tokenizer, name="code", shard_bytes=4 << 20,
+                              num_workers=workers, progress=False, documents=iter(docs))
+        dt = time.perf_counter() - t0
+        shard_bytes = sum(s["bytes"] for s in idx["shards"])
+    return {"workers": workers, "seconds": round(dt, 2), "tokens": idx["num_tokens"],
+            "tokens_per_s": round(idx["num_tokens"] / dt), "text_MB_per_s": round(nbytes / dt / 1e6, 2),
+            "shard_MB_per_s": round(shard_bytes / dt / 1e6, 2)}
+
+
+def bench_loader(cfg: DataConfig, mb: int, gb: int, seconds: float, workers: int) -> dict:
+    cfg = cfg.model_copy(update={"num_workers": workers})
+    ld = build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=0, dp_size=1)
+    for _ in range(20):  # warm up (worker start)
+        next(ld)
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        b = next(ld)
+        n += b["input_ids"].numel()
+    dt = time.perf_counter() - t0
+    ld.close()
+    return {"workers": workers, "tokens_per_s": round(n / dt), "tokens": n, "seconds": round(dt, 2)}
+
+
+def bench_consumer(seq: int, mb: int, vocab: int, steps: int = 6) -> float:
+    torch.manual_seed(0)
+    d, layers = 128, 4
+    emb = torch.nn.Embedding(vocab, d)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True),
+                                      layers)
+    head = torch.nn.Linear(d, vocab, bias=False)
+    head.weight = emb.weight
+    params = list(emb.parameters()) + list(enc.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(seq)
+    x = torch.randint(0, vocab, (mb, seq))
+    y = torch.randint(0, vocab, (mb, seq))
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(head(enc(emb(x), mask=mask, is_causal=True)).flatten(0, 1),
+                                                 y.flatten())
+        loss.backward()
+        opt.step()
+
+    step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * mb * seq / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="data/embedded")
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--write-mb", type=float, default=3.0, help="MB of stdlib source for the write benchmark")
+    p.add_argument("--consumer-tokens-per-s", type=float, default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+
+    data = build_embedded(a.out, seq_length=a.seq_length, progress=False, log=lambda m: print(m, file=sys.stderr))
+    cfg = DataConfig(**{**data, "seq_length": a.seq_length})
+    res = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    res["write"] = [bench_write(cfg.tokenizer, w, a.write_mb) for w in (1, 2)]
+    res["loader"] = bench_loader(cfg, a.micro_batch, a.global_batch, a.seconds, workers=1)
+    res["loader_in_process"] = bench_loader(cfg, a.micro_batch, a.global_batch, a.seconds, workers=0)
+    if a.consumer_tokens_per_s:
+        consumer, how = a.consumer_tokens_per_s, "given"
+    else:
+        consumer, how = bench_consumer(a.seq_length, a.micro_batch, 4096), "proxy: 4x128 transformer fwd+bwd+AdamW"
+    res["consumer"] = {"tokens_per_s": round(consumer), "how": how}
+    res["ratio_loader_over_consumer"] = round(res["loader"]["tokens_per_s"] / consumer, 1)
+    res["goal_ratio"] = 50
+    print(json.dumps(res, indent=1))
+    for w in res["write"]:
+        print(f"shard writing ({w['workers']} proc): {w['tokens_per_s']:,} tokens/s, {w['text_MB_per_s']} MB text/s")
+    print(f"loader (1 worker): {res['loader']['tokens_per_s']:,} tokens/s; in-process: "
+          f"{res['loader_in_process']['tokens_per_s']:,} tokens/s")
+    print(f"tiny recipe consumes ~{res['consumer']['tokens_per_s']:,} tokens/s ({how}); "
+          f"ratio {res['ratio_loader_over_consumer']}x (goal >= 50x)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
