@@ -236,9 +236,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fault(point: str) -> None:
-    """Test hook: FBT_CKPT_FAULT=<point> kills this process at that point of a save."""
-    if os.environ.get("FBT_CKPT_FAULT") == point:
+def _fault(point: str, step: int) -> None:
+    """Test hook: FBT_CKPT_FAULT=<point>[@<step>] kills this process at that point of a save."""
+    want = os.environ.get("FBT_CKPT_FAULT", "")
+    if want and want.split("@")[0] == point and ("@" not in want or int(want.split("@")[1]) == step):
         os._exit(17)
 
 
@@ -292,11 +293,11 @@ class CheckpointManager:
         (tmp / "rng" / f"rank_{rank:05d}.json").write_text(json.dumps(rng_state()))
         state = dict(state, format_version=FORMAT_VERSION, saved_at=time.time(),
                      world_size=dist.get_world_size())
-        _fault("before_weights")
+        _fault("before_weights", step)
         if self.async_save:
             with _cpu_cuda_sync_shim():
                 request = dist_checkpointing.save(sharded, str(tmp / "weights"), async_sharded_save=True)
-            request.add_finalize_fn(lambda: self._publish(tmp, final, state))
+            request.add_finalize_fn(lambda: self._publish(tmp, final, state, step))
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             queue = AsyncCallsQueue()
@@ -305,19 +306,19 @@ class CheckpointManager:
         else:
             with _cpu_cuda_sync_shim():
                 dist_checkpointing.save(sharded, str(tmp / "weights"))
-            _fault("after_weights")
-            self._publish(tmp, final, state)
+            _fault("after_weights", step)
+            self._publish(tmp, final, state, step)
         return final
 
-    def _publish(self, tmp: Path, final: Path, state: dict) -> None:
+    def _publish(self, tmp: Path, final: Path, state: dict, step: int) -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
             _fsync_tree(tmp)
-            _fault("before_rename")
+            _fault("before_rename", step)
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            _fault("before_latest")
+            _fault("before_latest", step)
             pointer_tmp = self.root / f"{LATEST}.tmp"
             pointer_tmp.write_text(final.name + "\n")
             with open(pointer_tmp) as f:

@@ -182,6 +182,8 @@ class Engine:
             model=model, model_parameters=params, config=self.config, mpu=MegatronMPU(),
             dist_init_required=False)
         self.model = self.ds.module
+        if self.zero_stage == 3:
+            self._register_shared_weights(deepspeed, self.model)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self.skipper = SkippableStep(self.torch_optimizer)
         self._materialize_optimizer_state()
@@ -239,6 +241,16 @@ class Engine:
             return None
         norm = self.ds.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    @staticmethod
+    def _register_shared_weights(deepspeed, model) -> None:
+        """ZeRO-3 gathers a parameter only around its owning module's forward. Megatron's tied
+        output layer reads the embedding weight from another module: register it as external."""
+        for module in model.modules():
+            if getattr(module, "share_embeddings_and_output_weights", False) and hasattr(module, "output_layer"):
+                weight = module.shared_embedding_or_output_weight()
+                if weight is not None:
+                    deepspeed.zero.register_external_parameter(module.output_layer, weight)
 
     @staticmethod
     def _hook_sequence_parallel_grads(params) -> None:

@@ -196,7 +196,7 @@ def format_validation_error(err: ValidationError) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             got = e.get("input")
             got = "" if isinstance(got, dict) or e["type"] in ("value_error",) else f" (got {got!r})"
-            lines.append(f"recipe key {path!r}: {msg}{got}")
+            lines.append(f"recipe key {path!r}: {msg}{got}" if path != "<recipe>" else f"{msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)
 
 

@@ -34,6 +34,7 @@ class StepResult:
     lr: float
     residuals: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    data_checksum: int = 0  # identifies the global batch's samples, whatever the DP layout
 
 
 def jitter_seed(seed: int, step: int, micro_batch: int) -> int:
@@ -73,6 +74,12 @@ class FBTTrainStep:
         n_global = float(total_tokens.item())
         scale = self.dp_size / max(n_global, 1.0)
 
+        checksum = torch.zeros((), dtype=torch.int64, device=self.device)
+        for b in micro_batches:
+            ids = b["input_ids"]
+            weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
+            checksum += ((ids * weights).sum(1) * (ids[:, 0] + 7)).sum()
+        dist.all_reduce(checksum, group=self.dp_group)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         residuals = None
         for j, batch in enumerate(micro_batches):
@@ -94,7 +101,7 @@ class FBTTrainStep:
             skip = True  # DeepSpeed refused the step itself (non-finite gradients)
         res = [] if residuals is None else (residuals / len(micro_batches)).tolist()
         return StepResult(step=step, num_passes=k, loss=loss, tokens=int(n_global), skipped=skip,
-                          grad_norm=grad_norm, lr=lr, residuals=res)
+                          grad_norm=grad_norm, lr=lr, residuals=res, data_checksum=int(checksum))
 
 
 @torch.no_grad()

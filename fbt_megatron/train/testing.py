@@ -1,0 +1,51 @@
+"""Helpers for the training tests: a tiny recipe and a picklable entry point for run_distributed."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+TINY = {
+    "name": "test",
+    "seed": 1234,
+    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128,
+              "max_sequence_length": 32},
+    "feedback": {"jitter_std": 0.02},
+    # Feedback from step 2 with a mix that makes multi-pass steps common in a short run.
+    "schedule": {"feedback_start_step": 2, "mix": [0.2, 0.5, 0.3], "seed": 3},
+    "parallel": {"tensor": 1, "zero_stage": 0},
+    "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+    "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
+    "lr_schedule": {"kind": "cosine", "warmup_steps": 2},
+    "data": {"seq_length": 32, "synthetic": {"vocab_size": 128}, "valid_sequences": 8},
+    "train": {"steps": 6},
+    "logging": {"log_every": 100, "tensorboard": False},
+    "eval": {"every": 1000, "at_end": False},
+    "checkpoint": {"every": 1000, "at_end": False, "keep_last": 2},
+}
+
+
+def tiny_recipe(run_dir: str, **sections) -> dict:
+    """TINY with ``sections`` merged in (one level deep: ``parallel={"zero_stage": 2}``)."""
+    data = copy.deepcopy(TINY)
+    data["run_dir"] = str(run_dir)
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return data
+
+
+def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None) -> dict:
+    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary."""
+    os.environ.update(env or {})
+    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.train.run import train
+
+    recipe = load_recipe(data=recipe_data)
+    return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=set(inject_nonfinite or ()))
+
+
+def losses(summary: dict) -> list[float]:
+    return [h[2] for h in summary["history"]]

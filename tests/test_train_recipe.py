@@ -1,0 +1,105 @@
+"""Recipes are validated before any process group starts; errors name the key."""
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fbt_megatron.train.lr_schedule import lr_at
+from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_recipe_validates():
+    r = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    assert r.name == "tiny"
+    assert 0 < r.schedule.feedback_start_step < r.train.steps
+    assert r.resolved_run_dir() == Path("runs/tiny")
+    assert check_layout(r, 1) == 1
+
+
+def test_unknown_key_names_path_and_nearest():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"model": {"hiden_size": 64}})
+    assert "model.hiden_size" in str(e.value) and "model.hidden_size" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"optimiser": {"lr": 1}})
+    assert "'optimiser'" in str(e.value) and "'optimizer'" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={}, overrides=["schedule.feedback_start=3"])
+    assert "schedule.feedback_start" in str(e.value) and "schedule.feedback_start_step" in str(e.value)
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={}, overrides=["model.num_layers=many"])
+    assert "model.num_layers" in str(e.value) and "many" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"parallel": {"zero_stage": 4}})
+    assert "parallel.zero_stage" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"feedback": {"fusion": "multiply"}})
+    assert "feedback.fusion" in str(e.value)
+
+
+def test_overrides_apply_and_parse_yaml_scalars():
+    r = load_recipe(data={}, overrides=["optimizer.lr=3e-4", "parallel.zero_stage=2", "schedule.mix=[0.5,0.5]",
+                                        "logging.wandb=false", "name=x"])
+    assert r.optimizer.lr == 3e-4 and r.parallel.zero_stage == 2 and r.schedule.mix == [0.5, 0.5]
+    assert r.name == "x" and r.logging.wandb is False
+    with pytest.raises(RecipeError):
+        load_recipe(data={}, overrides=["optimizer.lr"])
+
+
+def test_impossible_layouts_fail_with_key():
+    r = load_recipe(data={"parallel": {"tensor": 2}})
+    with pytest.raises(RecipeError) as e:
+        check_layout(r, 3)
+    assert "parallel.tensor" in str(e.value)
+    r = load_recipe(data={"batch": {"global_batch_size": 6, "micro_batch_size": 2}})
+    with pytest.raises(RecipeError) as e:
+        check_layout(r, 2)
+    assert "batch.global_batch_size" in str(e.value)
+    with pytest.raises(RecipeError) as e:  # TP must divide the model's sharded sizes
+        load_recipe(data={"parallel": {"tensor": 3}, "model": {"hidden_size": 64, "num_attention_heads": 4}})
+    assert "divisible by tensor parallel size 3" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"parallel": {"pipeline": 2}})
+    assert "parallel.pipeline" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        check_layout(load_recipe(data={"batch": {"global_batch_size": 8, "micro_batch_size": 2,
+                                                 "accumulation_steps": 3}}), 1)
+    assert "batch.accumulation_steps" in str(e.value)
+
+
+def test_batch_in_tokens():
+    r = load_recipe(data={"batch": {"global_batch_tokens": 1024, "micro_batch_size": 4}, "data": {"seq_length": 64}})
+    assert r.global_batch_size == 16 and r.tokens_per_step == 1024
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"batch": {"global_batch_tokens": 1000}, "data": {"seq_length": 64}})
+    assert "batch.global_batch_tokens" in str(e.value)
+
+
+def test_cli_rejects_bad_recipe_before_any_process_group(capsys, tmp_path):
+    from fbt_megatron.train.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_sise: 64\n")
+    assert main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "model.hidden_sise" in err and "model.hidden_size" in err
+    assert main([str(ROOT / "recipes" / "tiny.yaml"), "parallel.tensor=2"]) == 2  # 1 process
+    assert "parallel.tensor" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_lr_schedules():
+    kw = dict(lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, kind="cosine", **kw) == pytest.approx(0.1)
+    assert lr_at(9, kind="cosine", **kw) == pytest.approx(1.0)
+    assert lr_at(99, kind="cosine", **kw) == pytest.approx(0.1)
+    assert lr_at(50, kind="wsd", decay_fraction=0.2, **kw) == 1.0
+    assert lr_at(79, kind="wsd", decay_fraction=0.2, **kw) == 1.0
+    assert lr_at(99, kind="wsd", decay_fraction=0.2, **kw) == pytest.approx(0.1)
+    assert 0.1 < lr_at(90, kind="wsd", decay_fraction=0.2, **kw) < 1.0
