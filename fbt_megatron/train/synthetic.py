@@ -2,8 +2,9 @@
 
 Sequence ``i`` of the stream is a pure function of ``(seed, i)``, so the global batch of step ``s``
 is the same whatever the data-parallel size: step ``s`` consumes sequences
-``[s * global_batch, (s + 1) * global_batch)``, cut into micro-batches of ``micro_batch_size``; DP
-rank ``r`` of ``d`` takes micro-batches ``r, r + d, r + 2d, ...``. The only state is the global
+``[s * global_batch, (s + 1) * global_batch)``; DP rank ``r`` of ``d`` takes the contiguous block
+``[r * G/d, (r + 1) * G/d)`` of it, cut into micro-batches of ``micro_batch_size`` in order (the data
+pipeline's convention, so global micro-batch ``r * (G/d/B) + j`` is the same data for every layout). The only state is the global
 count of consumed sequences, which is why a run can resume under another DP size.
 
 The text is learnable but not trivial: documents of random length, each following a random affine
@@ -67,7 +68,7 @@ def make_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.Tensor]:
                 doc_start=doc_start)
 
 
-class SyntheticLoader:
+class SyntheticLoader:  # same constructor keywords as data_pipeline.loader.build_loader
     """Yields this DP rank's micro-batches, step after step, from a global sequence cursor."""
 
     def __init__(self, cfg: SyntheticDataConfig, *, micro_batch_size: int, global_batch_size: int,
@@ -84,9 +85,9 @@ class SyntheticLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             base = self.offset + self.consumed_sequences
-            micro_batches = self.gbs // self.mbs
-            for m in range(self.dp_rank, micro_batches, self.dp_size):
-                start = base + m * self.mbs
+            per_rank = self.gbs // self.dp_size
+            for j in range(per_rank // self.mbs):
+                start = base + self.dp_rank * per_rank + j * self.mbs
                 yield make_batch(self.cfg, range(start, start + self.mbs))
             self.consumed_sequences += self.gbs
 

@@ -83,7 +83,7 @@ class FBTTrainStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         residuals = None
         for j, batch in enumerate(micro_batches):
-            global_mb = self.dp_rank + j * self.dp_size
+            global_mb = self.dp_rank * len(micro_batches) + j  # contiguous DP blocks (see the loaders)
             out = micro_batch_forward(engine.ds, batch, k, jitter_seed(self.seed, step, global_mb))
             tok_sum = (out.token_loss.float() * batch["loss_mask"]).sum()
             if step in self.inject_nonfinite:
