@@ -64,8 +64,9 @@ class DataSection(Section):
     synthetic: SyntheticDataConfig = Field(default_factory=SyntheticDataConfig)
     # The data pipeline's DataConfig (validated by data_pipeline.config when source == "pipeline").
     pipeline: dict[str, Any] | None = None
-    # Embedded token mix: built with `fbt data embedded --out DIR` when DIR is missing.
-    embedded_dir: str | None = None
+    # With source=pipeline and no `pipeline` section: the embedded token mix in this directory, built
+    # offline on first use (`fbt data embedded --out DIR`).
+    embedded_dir: str = "data/embedded"
     valid_sequences: int = Field(64, ge=1)
 
 
@@ -141,6 +142,16 @@ class Recipe(Section):
         if d.seq_length > self.model.max_sequence_length:
             raise ValueError(f"data.seq_length={d.seq_length} exceeds "
                              f"model.max_sequence_length={self.model.max_sequence_length}")
+        if d.source == "pipeline" and d.pipeline is not None:
+            try:
+                from data_pipeline.config import DataConfig
+            except ImportError:  # pragma: no cover - the pipeline ships with the package
+                DataConfig = None
+            if DataConfig is not None:
+                try:
+                    DataConfig.model_validate(dict(d.pipeline, seq_length=d.seq_length))
+                except ValidationError as err:
+                    raise ValueError(format_validation_error(err, prefix="data.pipeline.", root=DataConfig)) from None
         if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
             raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
                              f"model.vocab_size={self.model.vocab_size}")
@@ -172,31 +183,36 @@ def _nearest(name: str, options, prefix: str = "") -> str:
     return f"; did you mean {prefix + match[0]!r}?" if match else ""
 
 
-def _section_fields(loc: tuple) -> list[str]:
+def _section_fields(loc: tuple, root=None) -> list[str]:
     """Valid field names of the section at ``loc`` (a pydantic error location)."""
-    model: Any = Recipe
+    model: Any = root or Recipe
     for part in loc:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return []
         model = field.annotation
+        args = [a for a in getattr(model, "__args__", ()) if hasattr(a, "model_fields")]
+        if args:  # list[SourceConfig], X | None
+            model = args[0]
     return list(getattr(model, "model_fields", {}))
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, prefix: str = "", root=None) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not isinstance(p, int))
-        path = ".".join(str(p) for p in e["loc"]) or "<recipe>"
+        path = prefix + ".".join(str(p) for p in e["loc"]) or "<recipe>"
         if e["type"] == "extra_forbidden":
-            prefix = "".join(f"{p}." for p in loc[:-1])
-            hint = _nearest(str(loc[-1]), _section_fields(loc[:-1]), prefix)
+            dotted = prefix + "".join(f"{p}." for p in loc[:-1])
+            hint = _nearest(str(loc[-1]), _section_fields(loc[:-1], root), dotted)
             lines.append(f"unknown recipe key {path!r}{hint}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             got = e.get("input")
             got = "" if isinstance(got, dict) or e["type"] in ("value_error",) else f" (got {got!r})"
             lines.append(f"recipe key {path!r}: {msg}{got}" if path != "<recipe>" else f"{msg}")
+    if prefix:
+        return "; ".join(lines)
     return "invalid recipe:\n  " + "\n  ".join(lines)
 
 

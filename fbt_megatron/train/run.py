@@ -51,18 +51,49 @@ def _synthetic_cfg(recipe: Recipe):
     return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
 
 
-def _pipeline_loader(recipe: Recipe, split: str, **kw):
-    try:
-        from data_pipeline.config import DataConfig
-        from data_pipeline.loader import build_loader
-    except ImportError as e:  # the data pipeline is a separate component
-        raise RuntimeError(f"data.source=pipeline needs data_pipeline.loader ({e})") from e
+def prepare_data(recipe: Recipe, log=print) -> None:
+    """Build the embedded token mix if the recipe uses it and it is missing (offline, idempotent):
+    rank 0 builds, the others wait; then every rank reads the mix's ``data`` section."""
+    d = recipe.data
+    if d.source != "pipeline" or d.pipeline is not None:
+        return
+    from data_pipeline.embedded import build_embedded
+
+    kw = dict(seq_length=d.seq_length, progress=False, log=lambda m: log(f"[data] {m}"))
+    if dist.get_rank() == 0:
+        section = build_embedded(d.embedded_dir, **kw)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        section = build_embedded(d.embedded_dir, **dict(kw, log=lambda m: None))
+    d.pipeline = dict(section, seq_length=d.seq_length)
+
+
+def _pipeline_config(recipe: Recipe):
+    from data_pipeline.config import DataConfig
+
     cfg = dict(recipe.data.pipeline or {})
-    cfg.setdefault("seq_length", recipe.data.seq_length)
-    data_cfg = DataConfig.model_validate(cfg)
+    cfg["seq_length"] = recipe.data.seq_length
+    return DataConfig.model_validate(cfg)
+
+
+def check_tokenizer(recipe: Recipe) -> None:
+    if recipe.data.source != "pipeline":
+        return
+    from data_pipeline.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(_pipeline_config(recipe).tokenizer).get_piece_size()
+    if vocab > recipe.model.vocab_size:
+        raise ValueError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
+                         f"vocabulary ({vocab})")
+
+
+def _pipeline_loader(recipe: Recipe, split: str, **kw):
+    from data_pipeline.loader import build_loader
+
+    data_cfg = _pipeline_config(recipe)
     if split != "train":
-        seed = getattr(data_cfg, "seed", 0)
-        data_cfg = data_cfg.model_copy(update={"seed": seed + 7919})
+        # The pipeline has no held-out split yet: validation reads the mix under another shuffle seed.
+        data_cfg = data_cfg.model_copy(update={"seed": data_cfg.seed + 7919})
     return build_loader(data_cfg, **kw)
 
 
@@ -88,6 +119,8 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
     run_dir = recipe.resolved_run_dir()
     log = print_fn if dist.get_rank() == 0 else (lambda *a, **k: None)
 
+    prepare_data(recipe, log)
+    check_tokenizer(recipe)
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel)
     templates = ParamTemplates(model)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
@@ -157,10 +190,11 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
         "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
         "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
         "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum) for r in trainer.history],
+        "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
     }
-    if dist.get_rank() == 0 and trainer.history:
+    if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
+        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds")},
                                                          indent=1, default=str))
     return summary
 
