@@ -106,3 +106,15 @@ def test_checkpoint_metadata_loader_refuses_code():
     from torch.distributed.checkpoint.metadata import Metadata
 
     assert isinstance(_SafePickleModule.loads(pickle.dumps(Metadata(state_dict_metadata={}))), Metadata)
+
+
+def test_async_save_publishes_and_resumes(tmp_path):
+    recipe = tiny_recipe(tmp_path / "run", train={"steps": 4},
+                         checkpoint={"every": 2, "at_end": True, "async_save": True})
+    run_distributed(train_fn, 2, recipe)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000004"
+    assert not list(ckpts.glob("*.tmp"))
+    recipe["train"]["steps"] = 6
+    out = run_distributed(train_fn, 1, recipe)[0]
+    assert out["history"][0][0] == 4 and out["step"] == 6

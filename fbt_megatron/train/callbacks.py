@@ -148,8 +148,9 @@ class Validation(Callback):
 
 
 class Checkpointer(Callback):
-    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print):
+    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print, async_save: bool = False):
         self.save_fn, self.every, self.at_end, self.print = save_fn, every, at_end, print_fn
+        self.async_save = async_save
         self._last_step = None
 
     def save(self, trainer) -> None:
@@ -157,7 +158,7 @@ class Checkpointer(Callback):
         self._last_step = trainer.state.step
         trainer.metrics["checkpoint"] = str(path)
         if is_rank0():
-            self.print(f"checkpoint saved: {path}", flush=True)
+            self.print(f"checkpoint {'scheduled' if getattr(self, 'async_save', False) else 'saved'}: {path}", flush=True)
 
     def on_step_end(self, trainer, r) -> None:
         if trainer.state.step % self.every == 0 or (trainer.stop_reason and self._last_step != trainer.state.step):

@@ -301,7 +301,8 @@ class CheckpointManager:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             queue = AsyncCallsQueue()
-            queue.schedule_async_request(request)
+            with _cpu_cuda_sync_shim():
+                queue.schedule_async_request(request)
             self._pending = queue
         else:
             with _cpu_cuda_sync_shim():
@@ -330,7 +331,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         if self._pending is not None:
-            self._pending.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            with _cpu_cuda_sync_shim():
+                self._pending.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self._pending.close()
             self._pending = None
 

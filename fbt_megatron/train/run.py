@@ -166,7 +166,8 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
         callbacks.append(cb.TensorBoardLogger(run_dir / "tensorboard"))
     if recipe.logging.wandb:
         callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
-    callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log))
+    callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
+                                   async_save=recipe.checkpoint.async_save))
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
 
