@@ -5,9 +5,9 @@ distributed backend and the Megatron parallel state, and gets the same code path
 (NCCL, CUDA RNG tracker) and on a CPU machine (gloo, a CPU RNG tracker).
 
 Why shims are needed on CPU (megatron-core 0.16): tensor-parallel layers allocate buffers on
-``torch.cuda.current_device()`` and dropout inside attention forks ``get_cuda_rng_tracker()``. We
-answer the first with ``"cpu"`` and replace the tracker with one that saves/restores the CPU
-generator. Nothing else in megatron-core's *layers* touches CUDA when built with
+``torch.cuda.current_device()``, dropout inside attention forks ``get_cuda_rng_tracker()`` and the
+dist_checkpointing writer calls ``torch.cuda.synchronize()``. We answer the first with ``"cpu"``,
+make the sync a no-op and replace the tracker with one that saves/restores the CPU generator. Nothing else in megatron-core's *layers* touches CUDA when built with
 ``use_cpu_initialization=True``. (Its pipeline schedules, DDP and distributed optimizer remain
 CUDA-bound; fbt_megatron uses DeepSpeed for data parallelism instead.)
 """
@@ -102,6 +102,7 @@ def install_cpu_shims() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
     torch.cuda.current_device = lambda: "cpu"  # buffers allocated "on the current device"
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's writer syncs; nothing to wait for
     tracker_cls = _cpu_tracker_class()
     mp_random._CUDA_RNG_STATE_TRACKER = tracker_cls()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -131,12 +132,16 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     """Start torch.distributed from torchrun's env (RANK/WORLD_SIZE/MASTER_*), single-process if absent."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend(), timeout=timeout)
+    else:  # a world of one. MASTER_*/RANK stay unset so child processes don't inherit a taken
+        # port; LOCAL_RANK is set because DeepSpeed insists on it (harmless to inherit).
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
 
 
 def init_parallel_state(layout: ParallelLayout, seed: int = 1234) -> None:

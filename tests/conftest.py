@@ -14,3 +14,4 @@ def single_process():
     runtime.init_distributed()
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=1234)
     yield
+    runtime.shutdown()  # tests after this one see no process group

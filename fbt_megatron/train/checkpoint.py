@@ -27,7 +27,6 @@ file is read with a restricted unpickler that only admits torch's checkpoint-met
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import io
 import json
@@ -94,22 +93,6 @@ class _SafePickleModule:
     @staticmethod
     def loads(data, **kwargs):
         return _RestrictedUnpickler(io.BytesIO(data), **kwargs).load()
-
-
-@contextlib.contextmanager
-def _cpu_cuda_sync_shim():
-    """megatron's torch_dist writer calls ``torch.cuda.synchronize()``; a no-op on the CPU path."""
-    from fbt_megatron import runtime
-
-    if runtime.use_cuda():
-        yield
-        return
-    orig = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = orig
 
 
 def _install_safe_metadata_reader() -> None:
@@ -295,18 +278,15 @@ class CheckpointManager:
                      world_size=dist.get_world_size())
         _fault("before_weights", step)
         if self.async_save:
-            with _cpu_cuda_sync_shim():
-                request = dist_checkpointing.save(sharded, str(tmp / "weights"), async_sharded_save=True)
+            request = dist_checkpointing.save(sharded, str(tmp / "weights"), async_sharded_save=True)
             request.add_finalize_fn(lambda: self._publish(tmp, final, state, step))
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             queue = AsyncCallsQueue()
-            with _cpu_cuda_sync_shim():
-                queue.schedule_async_request(request)
+            queue.schedule_async_request(request)
             self._pending = queue
         else:
-            with _cpu_cuda_sync_shim():
-                dist_checkpointing.save(sharded, str(tmp / "weights"))
+            dist_checkpointing.save(sharded, str(tmp / "weights"))
             _fault("after_weights", step)
             self._publish(tmp, final, state, step)
         return final
@@ -331,8 +311,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         if self._pending is not None:
-            with _cpu_cuda_sync_shim():
-                self._pending.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            self._pending.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self._pending.close()
             self._pending = None
 
@@ -354,8 +333,7 @@ class CheckpointManager:
                     okey = f"optimizer.{key}.{tpl.key}"
                     request[f"optimizer.{key}.{pname}"] = templates.with_data(
                         tpl, okey, torch.zeros(shape, dtype=torch.float32))
-        with _cpu_cuda_sync_shim():
-            return dist_checkpointing.load(request, str(Path(path) / "weights"))
+        return dist_checkpointing.load(request, str(Path(path) / "weights"))
 
     def load_weights(self, path: Path, templates: ParamTemplates) -> None:
         """Model weights into the (not yet DeepSpeed-wrapped) model."""
