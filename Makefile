@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m fbt_megatron.cli demo
+	$(PY) -m fbt_megatron.cli train recipes/tiny.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
