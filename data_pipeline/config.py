@@ -37,6 +37,13 @@ class DataConfig(BaseModel):
     # the loader's stats) and a sample whose bytes are corrupt is replaced by a loss-masked EOS run of
     # the same length (logged, counted). When False (default) either raises, naming the file.
     allow_skip_corrupt: bool = False
+    # Held-out validation documents per source: the last ``valid_documents`` sample ids of each source's
+    # index (by position in ``index.json``, so every rank, worker and resume agrees). The ``train``
+    # split never reads them; the ``valid`` split reads only them. ``None`` (default) = automatic:
+    # ``min(200, ceil(5% of the source))`` for a source of >= 2 documents, 0 for a single-document one.
+    # ``0`` disables the split (the ``valid`` split then refuses to build). An explicit count must
+    # leave every source at least one training document.
+    valid_documents: int | None = Field(None, ge=0)
 
     @field_validator("sources")
     @classmethod

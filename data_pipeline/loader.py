@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .config import DataConfig
 from .errors import DataError, TokenizerMismatchError
 from .shards import Dataset, DatasetReader
-from .stream import Planner
+from .stream import SPLITS, Planner, auto_valid_documents
 from .tokenizer import load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,10 @@ class _Spec:
     """Everything a worker needs to rebuild the stream (picklable)."""
 
     def __init__(self, datasets, weights, seed, seq_length, eos_id, allow_skip,
-                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor):
+                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor, held_out=None, split="train"):
         self.datasets = datasets
+        self.held_out = held_out
+        self.split = split
         self.weights = weights
         self.seed = seed
         self.S = seq_length
@@ -67,7 +69,7 @@ class _Spec:
         return self.G // self.D // self.m
 
     def new_planner(self) -> Planner:
-        p = Planner(self.datasets, self.weights, self.seed)
+        p = Planner(self.datasets, self.weights, self.seed, held_out=self.held_out, split=self.split)
         c = self.cursor
         p.reset_to(c["doc_index"], np.asarray(c["per_source"], np.int64), c["doc_offset"], c["token_position"])
         return p
@@ -235,6 +237,8 @@ class TokenLoader:
             "doc_offset": int(loc["doc_offset"]),
             "per_source_consumed": {n: int(k) for n, k in zip(self.source_names, loc["per_source"])},
             "weights": {n: float(w) for n, w in zip(self.source_names, spec.weights)},
+            "split": spec.split,
+            "valid_documents": {n: int(h) for n, h in zip(self.source_names, spec.held_out)},
             "tokenizer_hash": self.tokenizer_hash,
         }
 
@@ -248,6 +252,7 @@ def build_loader(
     dp_size: int,
     consumed_sequences: int = 0,
     state: dict | None = None,
+    split: str = "train",
 ) -> TokenLoader:
     """Build this rank's loader.
 
@@ -256,7 +261,14 @@ def build_loader(
     read). Both give the same stream. The state must come from the same seed, sources, weights and
     tokenizer; ``dp_size``, ``num_workers`` and the batch sizes may differ. If ``seq_length`` differs,
     the stream continues at the state's token position with the new length.
+
+    ``split``: ``"train"`` (every document except the held-out ones) or ``"valid"`` (only the held-out
+    documents: the last ``data.valid_documents`` samples of each source, see
+    :func:`held_out_documents`). A state is only accepted by the same split with the same held-out
+    counts.
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     if micro_batch_size < 1 or global_batch_size < 1:
@@ -277,6 +289,10 @@ def build_loader(
     names = [s.name for s in cfg.sources]
     weights = cfg.weights
     seed, S = cfg.seed, cfg.seq_length
+    held_out = held_out_documents(cfg, datasets)
+    if split == "valid" and not any(held_out):
+        raise DataError(f"the 'valid' split is empty: data.valid_documents={cfg.valid_documents!r} holds out no "
+                        f"document of any source ({dict(zip(names, held_out))})")
 
     if state is not None:
         if state.get("version") != STATE_VERSION:
@@ -292,6 +308,14 @@ def build_loader(
         if not np.allclose(sw, weights, rtol=0, atol=1e-9):
             raise DataError(f"loader state weights {state['weights']} != data.sources weights "
                             f"{dict(zip(names, weights))}")
+        st_split = state.get("split", "train")  # states from before the split: train, nothing held out
+        if st_split != split:
+            raise DataError(f"loader state is for the {st_split!r} split, this loader reads the {split!r} split")
+        st_held = state.get("valid_documents", {n: 0 for n in names})
+        if [st_held.get(n) for n in names] != held_out:
+            raise DataError(f"loader state was saved with valid_documents (held-out documents per source) "
+                            f"{st_held}; data.valid_documents={cfg.valid_documents!r} now holds out "
+                            f"{dict(zip(names, held_out))}: the train/valid split differs")
         if consumed_sequences not in (0, state["consumed_sequences"]):
             raise DataError(f"consumed_sequences={consumed_sequences} contradicts the state's "
                             f"{state['consumed_sequences']}")
@@ -307,7 +331,7 @@ def build_loader(
         }
     else:
         pos = consumed_sequences * S
-        planner = Planner(datasets, weights, seed)
+        planner = Planner(datasets, weights, seed, held_out=held_out, split=split)
         planner.reset()
         loc = planner.locate(pos)
         cursor = {
@@ -318,5 +342,31 @@ def build_loader(
             "per_source": [int(x) for x in loc["per_source"]],
         }
     spec = _Spec(datasets, weights, seed, S, sp.eos_id(), cfg.allow_skip_corrupt,
-                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor)
+                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor, held_out, split)
     return TokenLoader(spec, cfg.num_workers, thash, names, stats)
+
+
+def held_out_documents(cfg: DataConfig, datasets: list[Dataset]) -> list[int]:
+    """Per source, how many documents the split holds out: the last that many sample ids of its index.
+
+    Depends only on ``data.valid_documents`` and each index's ``num_samples`` (not on which shards are
+    usable), so every rank, worker and resume agrees."""
+    out = []
+    for s, ds in zip(cfg.sources, datasets):
+        n = int(ds.index["num_samples"])
+        if cfg.valid_documents is None:
+            out.append(auto_valid_documents(n))
+            continue
+        if cfg.valid_documents >= n:
+            raise DataError(f"data.valid_documents={cfg.valid_documents} would hold out every document of "
+                            f"source '{s.name}' ({n} documents, {ds.path}); it must be smaller than each "
+                            f"source's document count")
+        out.append(int(cfg.valid_documents))
+    return out
+
+
+def planner_for(cfg: DataConfig, split: str = "train", *, datasets: list[Dataset] | None = None) -> Planner:
+    """The planner of ``split``'s stream as :func:`build_loader` defines it (inspection and tests)."""
+    if datasets is None:
+        datasets = [Dataset.load(s.path, allow_skip_corrupt=cfg.allow_skip_corrupt) for s in cfg.sources]
+    return Planner(datasets, cfg.weights, cfg.seed, held_out=held_out_documents(cfg, datasets), split=split)

@@ -19,6 +19,12 @@ Definition (seed ``s``, normalised weights ``w``, block size ``B = 1024`` docume
   ``[P0 + (j - c0) * S, P0 + (j - c0) * S + S + 1)`` (``S + 1`` tokens: inputs and next-token labels,
   consecutive sequences overlap by one token, as in Megatron's GPT dataset); ``P0 = c0 * S`` for a
   fresh stream.
+* **Splits.** Each source holds out its last ``h`` sample ids (by position in its ``index.json``;
+  ``h`` from ``data.valid_documents``, see :func:`auto_valid_documents`). The ``train`` split's epoch
+  layout is the usable shards cut at sample ``num_samples - h`` (shards left empty are dropped); the
+  ``valid`` split's layout is the rest, and its source choice runs over the sources that hold out at
+  least one usable document (weights renormalised). Everything else is the same definition; with
+  ``h = 0`` the train split is exactly the unsplit stream.
 * **Cursor.** A position ``P`` of the stream is the document ``doc_index`` holding it, the offset in
   that document, and per source the number of documents taken before ``doc_index``. That triple plus
   the seed is the loader state; resuming needs no replay.
@@ -31,18 +37,46 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import DataError
 from .shards import Dataset
 
 BLOCK = 1024
+SPLITS = ("train", "valid")
+VALID_CAP = 200  # automatic held-out documents per source: min(VALID_CAP, ceil(n / VALID_DIVISOR))
+VALID_DIVISOR = 20  # (5%)
+
+
+def auto_valid_documents(num_samples: int) -> int:
+    """Default held-out documents of a source with ``num_samples`` documents (its index's count)."""
+    n = int(num_samples)
+    return 0 if n < 2 else min(VALID_CAP, -(-n // VALID_DIVISOR))
+
+
+def split_layout(ds: Dataset, held_out: int, split: str):
+    """(first sample ids, sizes) of the usable shards restricted to ``split``; the held-out documents are
+    sample ids ``>= index num_samples - held_out``. Shards left without a sample are dropped."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    firsts, sizes = ds.epoch_layout()
+    if held_out == 0 and split == "train":
+        return firsts, sizes
+    cut = int(ds.index["num_samples"]) - int(held_out)
+    ends = firsts + sizes
+    if split == "train":
+        lo, hi = firsts, np.minimum(ends, cut)
+    else:
+        lo, hi = np.maximum(firsts, cut), ends
+    keep = hi > lo
+    return lo[keep], (hi - lo)[keep]
 
 
 class SourceOrder:
     """k-th document taken from a source -> sample id in its dataset."""
 
-    def __init__(self, ds: Dataset, seed: int):
+    def __init__(self, ds: Dataset, seed: int, layout=None):
         self.ds = ds
         self.seed = seed
-        self.firsts, self.sizes = ds.epoch_layout()
+        self.firsts, self.sizes = ds.epoch_layout() if layout is None else layout
         self.n = int(self.sizes.sum())
         self.name_key = zlib.crc32(ds.name.encode())
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -109,16 +143,38 @@ class Block:
 class Planner:
     """Walks the global stream forward and answers "which documents cover positions [a, b)"."""
 
-    def __init__(self, datasets: list[Dataset], weights, seed: int):
+    def __init__(self, datasets: list[Dataset], weights, seed: int, *, held_out=None, split: str = "train"):
+        """``held_out``: per source, the number of held-out documents (default none); ``split``: which
+        side of the split the stream reads (see the module docstring)."""
         self.datasets = datasets
         self.weights = np.asarray(weights, np.float64) / float(np.sum(weights))
         self.seed = seed
-        self.orders = [SourceOrder(ds, seed) for ds in datasets]
+        self.split = split
+        self.held_out = [0] * len(datasets) if held_out is None else [int(h) for h in held_out]
+        self.orders = [SourceOrder(ds, seed, split_layout(ds, h, split)) for ds, h in zip(datasets, self.held_out)]
+        active = [i for i, o in enumerate(self.orders) if o.n > 0]
+        empty = [ds.name for i, ds in enumerate(datasets) if i not in active]
+        if split == "train" and empty:
+            raise DataError(f"sources {empty} have no training document left (held out: "
+                            f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; data.valid_documents)")
+        if not active:
+            raise DataError(f"the {split!r} split holds no usable document in any source (held out per source: "
+                            f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; data.valid_documents)")
+        self._active = np.asarray(active, np.int64)
+        if len(active) == len(datasets):
+            self._active_weights = self.weights
+        else:
+            w = self.weights[self._active]
+            self._active_weights = w / float(w.sum())
         self._blocks: list[Block] = []
+
+    def block_sources(self, b: int) -> np.ndarray:
+        """Source index of each document of block ``b`` (sources without a document are never drawn)."""
+        return self._active[block_sources(self.seed, self._active_weights, b)]
 
     # -- block generation
     def _make_block(self, b: int, base_k: np.ndarray, start_pos: int | None, *, anchor=None) -> Block:
-        src = block_sources(self.seed, self.weights, b)
+        src = self.block_sources(b)
         onehot_cum = np.zeros(len(src), np.int64)
         k = np.empty(len(src), np.int64)
         sid = np.empty(len(src), np.int64)
@@ -145,7 +201,7 @@ class Planner:
     def reset_to(self, doc_index: int, per_source: np.ndarray, doc_offset: int, position: int) -> None:
         """Position the walker at a cursor (see module docstring)."""
         b, j = divmod(int(doc_index), BLOCK)
-        src = block_sources(self.seed, self.weights, b)
+        src = self.block_sources(b)
         before = np.bincount(src[:j], minlength=len(self.datasets)).astype(np.int64)
         base_k = np.asarray(per_source, np.int64) - before
         if (base_k < 0).any():

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from data_pipeline import cli
 from data_pipeline.config import DataConfig
 from data_pipeline.errors import CorruptShardError, IndexError_, SourceError, TokenizerMismatchError
-from data_pipeline.loader import build_loader
+from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.shards import Dataset, prepare_dataset, sample_key, verify_dataset
 from data_pipeline.stream import Planner
 from data_pipeline.testing import build_fixture, fixture_config
@@ -45,7 +45,7 @@ def stream(cfg, steps):
 def first_math_sample(fx, cfg):
     """The math sample the stream reaches first, and the shard file holding it."""
     ds = Dataset.load(fx["root"] / "math")
-    src, sid = Planner([Dataset.load(s.path) for s in cfg.sources], cfg.weights, cfg.seed).documents(50)
+    src, sid = planner_for(cfg).documents(50)  # the train split build_loader reads
     target = int(sid[np.flatnonzero(src == 2)[0]])
     shard = [s for s in ds.index["shards"] if s["first_sample"] <= target][-1]
     return target, fx["root"] / "math" / shard["file"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data_pipeline.errors import DataError
-from data_pipeline.loader import build_loader
+from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.shards import Dataset
 from data_pipeline.stream import BLOCK, Planner
 from data_pipeline.testing import build_fixture, fixture_config
@@ -52,7 +52,7 @@ def expected_stream(fx, cfg, n_tokens):
     sp = load_tokenizer(fx["tokenizer"])
     names = [s.name for s in cfg.sources]
     encoded = {n: sp.encode([t for _, t in fx["docs"][n]]) for n in names}
-    planner = Planner([Dataset.load(s.path) for s in cfg.sources], cfg.weights, cfg.seed)
+    planner = planner_for(cfg)  # the train split build_loader reads (held-out documents excluded)
     src, sid = planner.documents(4000)
     toks, starts = [], []
     pos = 0

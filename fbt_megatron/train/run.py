@@ -90,11 +90,9 @@ def check_tokenizer(recipe: Recipe) -> None:
 def _pipeline_loader(recipe: Recipe, split: str, **kw):
     from data_pipeline.loader import build_loader
 
-    data_cfg = _pipeline_config(recipe)
-    if split != "train":
-        # The pipeline has no held-out split yet: validation reads the mix under another shuffle seed.
-        data_cfg = data_cfg.model_copy(update={"seed": data_cfg.seed + 7919})
-    return build_loader(data_cfg, **kw)
+    # split="valid" reads only the held-out documents (data.pipeline.valid_documents per source), which
+    # the train split never contains.
+    return build_loader(_pipeline_config(recipe), split=split, **kw)
 
 
 # ---------------------------------------------------------------------- the run

@@ -1,0 +1,207 @@
+"""The held-out validation split: disjoint from training, DP-independent, refused across split settings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from data_pipeline.errors import DataError
+from data_pipeline.loader import build_loader, held_out_documents, planner_for
+from data_pipeline.shards import Dataset
+from data_pipeline.stream import Planner, auto_valid_documents
+from data_pipeline.testing import build_fixture, fixture_config
+from data_pipeline.tokenizer import load_tokenizer
+
+S, MB, GB = 32, 2, 8
+NAMES = ("web", "code", "math")
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    return build_fixture(tmp_path_factory.mktemp("split"))
+
+
+def stream(cfg, steps, dp=1, *, split, state=None, gb=GB, mb=MB):
+    loaders = [build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=r, dp_size=dp,
+                            state=state, split=split) for r in range(dp)]
+    out = {}
+    for _ in range(steps):
+        for ld in loaders:
+            for _ in range(ld.micro_batches_per_step):
+                for k, v in next(ld).items():
+                    out.setdefault(k, []).append(v)
+    for ld in loaders:
+        ld.close()
+    return {k: torch.cat(v) for k, v in out.items()}, loaders
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def full_documents(batch, eos):
+    """Token tuples of the documents that start and end inside the (contiguous) stream."""
+    flat = batch["input_ids"].reshape(-1).numpy()
+    starts = np.flatnonzero(batch["doc_start"].reshape(-1).numpy())
+    docs = []
+    for a, b in zip(starts[:-1], starts[1:]):
+        assert flat[b - 1] == eos
+        docs.append(tuple(flat[a:b - 1].tolist()))
+    return docs
+
+
+def test_default_held_out_counts(fx):
+    cfg = fixture_config(fx)
+    datasets = [Dataset.load(s.path) for s in cfg.sources]
+    held = held_out_documents(cfg, datasets)
+    assert held == [auto_valid_documents(ds.index["num_samples"]) for ds in datasets]
+    assert all(h >= 1 for h in held)
+    assert [auto_valid_documents(n) for n in (1, 2, 20, 21, 1000, 5000, 10**6)] == [0, 1, 1, 2, 50, 200, 200]
+
+
+@pytest.mark.parametrize("valid_documents", [None, 7])
+def test_splits_are_disjoint_and_cover_every_document(fx, valid_documents):
+    cfg = fixture_config(fx, valid_documents=valid_documents)
+    datasets = [Dataset.load(s.path) for s in cfg.sources]
+    held = held_out_documents(cfg, datasets)
+    train, valid = planner_for(cfg, "train", datasets=datasets), planner_for(cfg, "valid", datasets=datasets)
+    for i, ds in enumerate(datasets):
+        n = ds.index["num_samples"]
+        # one whole epoch of each split's order for this source
+        t_ids = train.orders[i].sample_ids(np.arange(train.orders[i].n))
+        v_ids = valid.orders[i].sample_ids(np.arange(valid.orders[i].n))
+        assert len(set(t_ids.tolist())) == len(t_ids) == n - held[i]
+        assert sorted(v_ids.tolist()) == list(range(n - held[i], n))  # the last `held` samples of the index
+        assert not set(t_ids.tolist()) & set(v_ids.tolist()), ds.name
+    # and the streams themselves: a long stretch of each covers whole epochs of every source
+    for planner, want in ((train, lambda i, n: set(range(n - held[i]))), (valid, lambda i, n: set(range(n - held[i], n)))):
+        src, sid = planner.documents(6000)
+        for i, ds in enumerate(datasets):
+            assert set(sid[src == i].tolist()) == want(i, ds.index["num_samples"]), (planner.split, ds.name)
+
+
+def test_loader_streams_hold_no_shared_document(fx):
+    """Token-level check on what the loaders actually return: every complete document of the valid
+    stream is a held-out document; no complete document of the train stream is."""
+    cfg = fixture_config(fx)
+    sp = load_tokenizer(fx["tokenizer"])
+    datasets = [Dataset.load(s.path) for s in cfg.sources]
+    held = held_out_documents(cfg, datasets)
+    enc = {n: [tuple(t) for t in sp.encode([t for _, t in fx["docs"][n]])] for n in NAMES}
+    held_docs = {d for i, n in enumerate(NAMES) for d in enc[n][len(enc[n]) - held[i]:]}
+    train_docs = {d for i, n in enumerate(NAMES) for d in enc[n][:len(enc[n]) - held[i]]}
+    only_held = held_docs - train_docs  # (identical texts on both sides cannot tell the splits apart)
+    assert len(only_held) >= sum(held) - 2
+
+    valid, _ = stream(cfg, 250, split="valid")
+    vdocs = full_documents(valid, sp.eos_id())
+    assert len(vdocs) > 3 * sum(held)  # cycles through the held-out set several times
+    assert set(vdocs) <= held_docs
+    assert set(vdocs) >= only_held  # and reaches every held-out document
+
+    train, _ = stream(cfg, 600, split="train")
+    tdocs = full_documents(train, sp.eos_id())
+    assert len(set(tdocs)) > 300
+    assert not set(tdocs) & only_held
+
+
+@pytest.mark.parametrize("dp,workers", [(2, 0), (4, 0), (2, 1)])
+def test_valid_stream_independent_of_dp_size(fx, dp, workers):
+    ref, _ = stream(fixture_config(fx), 10, 1, split="valid")
+    got, _ = stream(fixture_config(fx, num_workers=workers), 10, dp, split="valid")
+    assert_same(ref, got)
+    assert ref["doc_start"].any() and (ref["loss_mask"] == 0).any()
+
+
+def test_valid_split_resumes_exactly(fx):
+    cfg = fixture_config(fx)
+    ref, _ = stream(cfg, 20, split="valid", gb=16)
+    _, loaders = stream(cfg, 7, 2, split="valid", gb=16)
+    state = json.loads(json.dumps(loaders[0].state_dict()))
+    assert state["split"] == "valid" and list(state["valid_documents"]) == list(NAMES)
+    resumed, _ = stream(cfg, 13, 4, split="valid", gb=16, state=state)
+    assert_same({k: v[7 * 16:] for k, v in ref.items()}, resumed)
+
+
+def test_train_split_without_holdout_is_the_unsplit_stream(fx):
+    cfg = fixture_config(fx, valid_documents=0)
+    datasets = [Dataset.load(s.path) for s in cfg.sources]
+    a = Planner(datasets, cfg.weights, cfg.seed).documents(5000)
+    b = planner_for(cfg, "train", datasets=datasets).documents(5000)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    # with a hold-out, the train stream only loses documents: the source choice is unchanged
+    c = planner_for(fixture_config(fx), "train", datasets=datasets).documents(5000)
+    assert np.array_equal(a[0], c[0])
+
+
+def test_state_from_another_split_setting_is_refused(fx):
+    kw = dict(micro_batch_size=MB, global_batch_size=GB, dp_rank=0, dp_size=1)
+    cfg = fixture_config(fx)
+    st = build_loader(cfg, consumed_sequences=16, **kw).state_dict()
+    assert st["split"] == "train"
+    with pytest.raises(DataError, match="valid_documents"):
+        build_loader(fixture_config(fx, valid_documents=3), state=st, **kw)
+    with pytest.raises(DataError, match="valid_documents"):
+        build_loader(fixture_config(fx, valid_documents=0), state=st, **kw)
+    with pytest.raises(DataError, match="'train' split.*'valid' split"):
+        build_loader(cfg, state=st, split="valid", **kw)
+    # a state from before the split existed (nothing held out) is refused by a split config ...
+    old = {k: v for k, v in st.items() if k not in ("split", "valid_documents")}
+    with pytest.raises(DataError, match="valid_documents"):
+        build_loader(cfg, state=old, **kw)
+    # ... and accepted with valid_documents=0, which is that stream
+    st0 = build_loader(fixture_config(fx, valid_documents=0), consumed_sequences=16, **kw).state_dict()
+    old0 = {k: v for k, v in st0.items() if k not in ("split", "valid_documents")}
+    build_loader(fixture_config(fx, valid_documents=0), state=old0, **kw)
+    # the same setting is accepted
+    assert build_loader(cfg, state=st, **kw).state_dict() == st
+
+
+def test_bad_split_settings_name_the_field(fx):
+    kw = dict(micro_batch_size=MB, global_batch_size=GB, dp_rank=0, dp_size=1)
+    with pytest.raises(ValidationError, match="valid_documents"):
+        fixture_config(fx, valid_documents=-1)
+    with pytest.raises(DataError, match=r"data\.valid_documents=60 .*'code'"):  # code has 60 documents
+        build_loader(fixture_config(fx, valid_documents=60), **kw)
+    with pytest.raises(DataError, match=r"'valid' split is empty: data\.valid_documents=0"):
+        build_loader(fixture_config(fx, valid_documents=0), split="valid", **kw)
+    with pytest.raises(ValueError, match="split"):
+        build_loader(fixture_config(fx), split="test", **kw)
+
+
+def test_trainer_validation_reads_only_held_out_documents(fx):
+    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.train.run import build_train_loader, build_valid_batches
+
+    cfg = fixture_config(fx)
+    pipeline = cfg.model_dump(exclude={"seq_length"})
+    recipe = load_recipe(data={"data": {"source": "pipeline", "seq_length": S, "pipeline": pipeline,
+                                        "valid_sequences": 64},
+                               "batch": {"micro_batch_size": 2, "global_batch_size": 8}})
+    sp = load_tokenizer(fx["tokenizer"])
+    datasets = [Dataset.load(s.path) for s in cfg.sources]
+    held = held_out_documents(cfg, datasets)
+    enc = {n: [tuple(t) for t in sp.encode([t for _, t in fx["docs"][n]])] for n in NAMES}
+    held_docs = {d for i, n in enumerate(NAMES) for d in enc[n][len(enc[n]) - held[i]:]}
+    train_docs = {d for i, n in enumerate(NAMES) for d in enc[n][:len(enc[n]) - held[i]]}
+
+    batches = build_valid_batches(recipe, 0, 1)
+    valid = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    assert valid["input_ids"].shape[0] == 64
+    vdocs = full_documents(valid, sp.eos_id())
+    assert vdocs and set(vdocs) <= held_docs
+    # the same set at DP=2 (rank shares concatenated)
+    halves = [build_valid_batches(recipe, r, 2) for r in range(2)]
+    both = torch.cat([b["input_ids"] for h in halves for b in h])
+    assert torch.equal(both, valid["input_ids"])
+
+    train = build_train_loader(recipe, 0, 1, 0)
+    tb = [next(train) for _ in range(4 * 20)]
+    tdocs = full_documents({k: torch.cat([b[k] for b in tb]) for k in tb[0]}, sp.eos_id())
+    assert tdocs and not set(tdocs) & (held_docs - train_docs)
