@@ -84,12 +84,12 @@ def _cmd_peek(a) -> int:
     cfg = DataConfig(**(raw.get("data", raw)))
     sp = load_tokenizer(cfg.tokenizer)
     loader = build_loader(cfg, micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1,
-                          consumed_sequences=a.start)
+                          consumed_sequences=a.start, split=a.split)
     for n in range(a.sequences):
         b = next(loader)
         ids = b["input_ids"][0].tolist()
         starts = b["doc_start"][0].nonzero().flatten().tolist()
-        print(f"--- sequence {a.start + n} (document starts at {starts})")
+        print(f"--- {a.split} sequence {a.start + n} (document starts at {starts})")
         print(sp.decode(ids))
     return 0
 
@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("recipe")
     k.add_argument("--sequences", type=int, default=2)
     k.add_argument("--start", type=int, default=0)
+    k.add_argument("--split", choices=("train", "valid"), default="train",
+                   help="train (default) or the held-out valid split (data.valid_documents)")
     k.set_defaults(fn=_cmd_peek)
     return p
 

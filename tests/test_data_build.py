@@ -132,3 +132,6 @@ def test_cli_inspect_and_peek(fx, tmp_path, capsys):
         "sources": [{"name": "math", "path": str(fx["root"] / "math"), "weight": 1.0}]}}))
     assert cli.main(["peek", str(recipe), "--sequences", "1"]) == 0
     assert "Question: what is" in capsys.readouterr().out
+    assert cli.main(["peek", str(recipe), "--sequences", "1", "--split", "valid"]) == 0
+    out = capsys.readouterr().out
+    assert "--- valid sequence 0" in out and "Question: what is" in out
