@@ -235,6 +235,7 @@ class TokenLoader:
             "token_position": int(pos),
             "doc_index": int(loc["doc_index"]),
             "doc_offset": int(loc["doc_offset"]),
+            "sources": list(self.source_names),
             "per_source_consumed": {n: int(k) for n, k in zip(self.source_names, loc["per_source"])},
             "weights": {n: float(w) for n, w in zip(self.source_names, spec.weights)},
             "split": spec.split,
@@ -302,8 +303,10 @@ def build_loader(
                                          f"configured tokenizer {cfg.tokenizer} is {thash}")
         if state["seed"] != seed:
             raise DataError(f"loader state has seed {state['seed']}, data.seed is {seed}")
-        if list(state["per_source_consumed"]) != names:
-            raise DataError(f"loader state sources {list(state['per_source_consumed'])} != data.sources {names}")
+        # Source order defines the stream; stored as a list because JSON writers may sort dict keys.
+        state_names = state.get("sources", list(state["per_source_consumed"]))
+        if state_names != names:
+            raise DataError(f"loader state sources {state_names} != data.sources {names}")
         sw = [state["weights"][n] for n in names]
         if not np.allclose(sw, weights, rtol=0, atol=1e-9):
             raise DataError(f"loader state weights {state['weights']} != data.sources weights "

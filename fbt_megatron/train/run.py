@@ -18,7 +18,11 @@ VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the tra
 
 
 # ---------------------------------------------------------------------- data
-def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequences: int):
+def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequences: int,
+                       saved_cursor: dict | None = None):
+    """This rank's training batches from the global cursor. ``saved_cursor`` is the loader state a
+    checkpoint recorded: the pipeline resumes from it and refuses a changed seed, mix, tokenizer or
+    split (a silently different data stream would make the resumed run a different experiment)."""
     d = recipe.data
     kw = dict(micro_batch_size=recipe.batch.micro_batch_size, global_batch_size=recipe.global_batch_size,
               dp_rank=dp_rank, dp_size=dp_size, consumed_sequences=consumed_sequences)
@@ -26,7 +30,7 @@ def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequ
         from fbt_megatron.train.synthetic import SyntheticLoader
 
         return SyntheticLoader(_synthetic_cfg(recipe), **kw)
-    return _pipeline_loader(recipe, split="train", **kw)
+    return _pipeline_loader(recipe, split="train", state=saved_cursor, **kw)
 
 
 def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict]:
@@ -127,15 +131,16 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
     if latest is not None:
         ckpt.load_weights(latest, templates)
     engine = Engine(model, recipe)
-    state = TrainState()
+    state, saved_cursor = TrainState(), None
     if latest is not None:
         saved = ckpt.load_training_state(latest, engine, templates)
         state = TrainState.from_json(saved["train_state"])
+        saved_cursor = saved.get("data_cursor", {}).get("loader")
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
             f"tp={recipe.parallel.tensor} dp={dp_size} zero={recipe.parallel.zero_stage})")
 
     schedule = PassSchedule(recipe.schedule)
-    loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences)
+    loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences, saved_cursor)
     valid = build_valid_batches(recipe, dp_rank, dp_size)
     step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
@@ -151,7 +156,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
     def save(st: TrainState):
         payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,
                    "pass_schedule": {"position": st.step, **recipe.schedule.model_dump()},
-                   "data_cursor": {"consumed_sequences": st.consumed_sequences},
+                   "data_cursor": {"consumed_sequences": st.consumed_sequences, "loader": loader.state_dict()},
                    "recipe": recipe.model_dump(mode="json")}
         return ckpt.save(st.step, engine, templates, payload)
 
