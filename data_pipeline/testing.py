@@ -73,3 +73,31 @@ def fixture_config(fx: dict, *, weights=(0.5, 0.2, 0.3), seq_length: int = 32, *
     return DataConfig(
         sources=[SourceConfig(name=n, path=str(fx["root"] / n), weight=w) for n, w in zip(("web", "code", "math"), weights)],
         tokenizer=fx["tokenizer"], seq_length=seq_length, **kw)
+
+
+def global_stream(cfg: DataConfig, steps: int, dp: int = 1, *, gb: int = 8, mb: int = 2, **loader_kw):
+    """Run ``dp`` rank loaders for ``steps`` global steps; concatenate the ranks' shares in global
+    order (rank r's block is block r of each global batch). Returns (tensors by key, the loaders)."""
+    import torch
+
+    from .loader import build_loader
+
+    loaders = [build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=r, dp_size=dp, **loader_kw)
+               for r in range(dp)]
+    out: dict[str, list] = {}
+    for _ in range(steps):
+        for ld in loaders:
+            for _ in range(ld.micro_batches_per_step):
+                for k, v in next(ld).items():
+                    out.setdefault(k, []).append(v)
+    for ld in loaders:
+        ld.close()
+    return {k: torch.cat(v) for k, v in out.items()}, loaders
+
+
+def assert_same_batches(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -12,7 +12,7 @@ import yaml
 
 from data_pipeline import cli
 from data_pipeline.config import DataConfig
-from data_pipeline.embedded import build_embedded, math_documents
+from data_pipeline.embedded import math_documents
 from data_pipeline.loader import build_loader
 from data_pipeline.shards import Dataset, prepare_dataset, verify_dataset
 from data_pipeline.testing import build_fixture

@@ -13,7 +13,8 @@ from data_pipeline.errors import DataError
 from data_pipeline.loader import build_loader, held_out_documents, planner_for
 from data_pipeline.shards import Dataset
 from data_pipeline.stream import Planner, auto_valid_documents
-from data_pipeline.testing import build_fixture, fixture_config
+from data_pipeline.testing import assert_same_batches as assert_same
+from data_pipeline.testing import build_fixture, fixture_config, global_stream
 from data_pipeline.tokenizer import load_tokenizer
 
 S, MB, GB = 32, 2, 8
@@ -26,23 +27,18 @@ def fx(tmp_path_factory):
 
 
 def stream(cfg, steps, dp=1, *, split, state=None, gb=GB, mb=MB):
-    loaders = [build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=r, dp_size=dp,
-                            state=state, split=split) for r in range(dp)]
-    out = {}
-    for _ in range(steps):
-        for ld in loaders:
-            for _ in range(ld.micro_batches_per_step):
-                for k, v in next(ld).items():
-                    out.setdefault(k, []).append(v)
-    for ld in loaders:
-        ld.close()
-    return {k: torch.cat(v) for k, v in out.items()}, loaders
+    return global_stream(cfg, steps, dp, gb=gb, mb=mb, state=state, split=split)
 
 
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+def split_documents(fx, cfg):
+    """(tokenizer, held-out count per source, token tuples of held-out docs, of training docs)."""
+    sp = load_tokenizer(fx["tokenizer"])
+    datasets = [Dataset.load(s.path) for s in cfg.sources]
+    held = held_out_documents(cfg, datasets)
+    enc = {n: [tuple(t) for t in sp.encode([t for _, t in fx["docs"][n]])] for n in NAMES}
+    held_docs = {d for i, n in enumerate(NAMES) for d in enc[n][len(enc[n]) - held[i]:]}
+    train_docs = {d for i, n in enumerate(NAMES) for d in enc[n][:len(enc[n]) - held[i]]}
+    return sp, held, held_docs, train_docs
 
 
 def full_documents(batch, eos):
@@ -90,12 +86,7 @@ def test_loader_streams_hold_no_shared_document(fx):
     """Token-level check on what the loaders actually return: every complete document of the valid
     stream is a held-out document; no complete document of the train stream is."""
     cfg = fixture_config(fx)
-    sp = load_tokenizer(fx["tokenizer"])
-    datasets = [Dataset.load(s.path) for s in cfg.sources]
-    held = held_out_documents(cfg, datasets)
-    enc = {n: [tuple(t) for t in sp.encode([t for _, t in fx["docs"][n]])] for n in NAMES}
-    held_docs = {d for i, n in enumerate(NAMES) for d in enc[n][len(enc[n]) - held[i]:]}
-    train_docs = {d for i, n in enumerate(NAMES) for d in enc[n][:len(enc[n]) - held[i]]}
+    sp, held, held_docs, train_docs = split_documents(fx, cfg)
     only_held = held_docs - train_docs  # (identical texts on both sides cannot tell the splits apart)
     assert len(only_held) >= sum(held) - 2
 
@@ -184,12 +175,7 @@ def test_trainer_validation_reads_only_held_out_documents(fx):
     recipe = load_recipe(data={"data": {"source": "pipeline", "seq_length": S, "pipeline": pipeline,
                                         "valid_sequences": 64},
                                "batch": {"micro_batch_size": 2, "global_batch_size": 8}})
-    sp = load_tokenizer(fx["tokenizer"])
-    datasets = [Dataset.load(s.path) for s in cfg.sources]
-    held = held_out_documents(cfg, datasets)
-    enc = {n: [tuple(t) for t in sp.encode([t for _, t in fx["docs"][n]])] for n in NAMES}
-    held_docs = {d for i, n in enumerate(NAMES) for d in enc[n][len(enc[n]) - held[i]:]}
-    train_docs = {d for i, n in enumerate(NAMES) for d in enc[n][:len(enc[n]) - held[i]]}
+    sp, held, held_docs, train_docs = split_documents(fx, cfg)
 
     batches = build_valid_batches(recipe, 0, 1)
     valid = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}

@@ -12,7 +12,9 @@ from data_pipeline.errors import DataError
 from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.shards import Dataset
 from data_pipeline.stream import BLOCK, Planner
+from data_pipeline.testing import assert_same_batches as assert_same
 from data_pipeline.testing import build_fixture, fixture_config
+from data_pipeline.testing import global_stream as _global_stream
 from data_pipeline.tokenizer import load_tokenizer
 
 S = 32
@@ -26,25 +28,7 @@ def fx(tmp_path_factory):
 
 
 def global_stream(cfg, steps, dp, *, state=None, consumed=0, gb=GB, mb=MB):
-    """Run ``dp`` rank loaders for ``steps`` global steps; concatenate the ranks' shares in global order."""
-    loaders = [build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=r, dp_size=dp,
-                            state=state, consumed_sequences=consumed) for r in range(dp)]
-    out = {}
-    for _ in range(steps):
-        for ld in loaders:  # rank r's block is block r of the global batch
-            for _ in range(ld.micro_batches_per_step):
-                b = next(ld)
-                for k, v in b.items():
-                    out.setdefault(k, []).append(v)
-    for ld in loaders:
-        ld.close()
-    return {k: torch.cat(v) for k, v in out.items()}, loaders
-
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    return _global_stream(cfg, steps, dp, gb=gb, mb=mb, state=state, consumed_sequences=consumed)
 
 
 def expected_stream(fx, cfg, n_tokens):

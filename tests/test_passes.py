@@ -1,6 +1,5 @@
 """The pass schedule: deterministic from (seed, step), same on every rank and after restart."""
 
-import pytest
 
 from fbt_megatron.config import PassScheduleConfig
 from fbt_megatron.passes import PassSchedule
