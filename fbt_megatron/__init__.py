@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 from fbt_megatron import runtime as _runtime  # noqa: E402
 
-_runtime.quiet_cpu_warnings()
+_runtime.quiet_known_warnings()

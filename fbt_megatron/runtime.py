@@ -25,13 +25,17 @@ import torch
 import torch.distributed as dist
 
 
-def quiet_cpu_warnings() -> None:
-    """Megatron warns at import and once per layer that apex/TE are absent and CUDA streams unused:
-    expected on CPU, noise in every log line. (Called from the package's __init__.)"""
-    if use_cuda():
-        return
+def quiet_known_warnings() -> None:
+    """Silence warnings that say nothing actionable and repeat on every log line (called from the
+    package's __init__): torch's ShardedTensor / load_state_dict deprecations, raised from inside
+    megatron's dist_checkpointing on every save/load; and on CPU, megatron's notes that apex/TE are absent and
+    CUDA streams unused."""
     import warnings
 
+    for pattern in (".*Please use DTensor instead.*", ".*`load_state_dict` is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+    if use_cuda():
+        return
     for pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
                     ".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)

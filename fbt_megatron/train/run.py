@@ -160,9 +160,10 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
                    "recipe": recipe.model_dump(mode="json")}
         return ckpt.save(st.step, engine, templates, payload)
 
+    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine, valid, k, device),
+                               [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
     callbacks = [
-        cb.Validation(recipe.eval.every, lambda k: evaluate(engine, valid, k, device), [1, feedback_depth],
-                      at_end=recipe.eval.at_end, print_fn=log),
+        validation,
         cb.ConsoleLogger(recipe.logging.log_every, flops_fn, recipe.logging.peak_flops, world, print_fn=log),
     ]
     if recipe.logging.tensorboard:
@@ -184,6 +185,12 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
             f"accumulation {recipe.accumulation_steps(dp_size)}, feedback from step "
             f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
         trainer.fit()
+    else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
+        log(f"{recipe.name} is already at step {state.step} of {total}: nothing to train "
+            f"(checkpoint.resume=false starts over)")
+        trainer.metrics["checkpoint"] = str(latest) if latest is not None else None
+        if recipe.eval.at_end:
+            validation.run(trainer)
     ckpt.wait()
 
     val = trainer.metrics.get("val_loss", {})
