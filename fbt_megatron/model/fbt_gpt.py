@@ -128,7 +128,6 @@ class FBTGPTModel(MegatronModule):
             return tensor_parallel.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False)
         return t
 
-
     def run_stack(self, stack_input, mask, rotary) -> torch.Tensor:
         """One pass through every transformer layer (final layernorm included)."""
         return self.gpt.decoder(hidden_states=stack_input, attention_mask=mask, rotary_pos_emb=rotary)
@@ -150,6 +149,9 @@ class FBTGPTModel(MegatronModule):
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
                 jitter_seed: int | None = None) -> FBTOutput:
+        """[B, S] tokens -> FBTOutput. ``doc_start`` [B, S] marks document starts (state reset);
+        ``jitter_seed`` seeds the training-time jitter (without it the jitter draws from torch's
+        global generator, which is not reproducible across resumes)."""
         check_num_passes(num_passes)
         batch, seq_len = input_ids.shape
         if position_ids is None:

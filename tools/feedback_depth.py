@@ -1,0 +1,90 @@
+"""Feedback depth probe: validation loss and Jacobi residual of a checkpoint at growing pass counts.
+
+    python tools/feedback_depth.py RUN_DIR [--passes 1,2,3,5,10,30,100] [--json out.json]
+
+Loads ``RUN_DIR/checkpoints/latest`` (any layout it was saved under), runs the held-out validation
+batches of the run's own recipe with k passes of teacher forcing and prints, per k, the token-mean
+loss and the last pass's relative residual ||h^k - h^{k-1}|| / ||h^{k-1}||. A map that has become a
+contraction shows residuals shrinking towards 0 and a loss that stays flat as k grows (DEQ's
+convention calls < 0.05 converged); a diverging one shows both growing. Once k exceeds the sequence
+length the iteration has reached the exact recurrence, so the residual must be ~0 whatever the weights.
+Runs on one process (TP=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONVERGED = 0.05
+
+
+def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
+    """Evaluate the latest checkpoint of ``run_dir`` at each pass count (call inside a process group)."""
+    import torch
+
+    from fbt_megatron import runtime
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.train.run import build_valid_batches
+
+    ckpts = CheckpointManager(Path(run_dir) / "checkpoints")
+    latest = ckpts.latest()
+    if latest is None:
+        raise FileNotFoundError(f"{run_dir}/checkpoints has no published checkpoint (no 'latest' pointer)")
+    recipe = load_recipe(data=ckpts.read_state(latest)["recipe"])
+    recipe.parallel.tensor = 1
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
+    model = build_model(recipe.model, recipe.feedback)
+    ckpts.load_weights(latest, ParamTemplates(model))
+    model.eval()
+    batches = build_valid_batches(recipe, 0, 1)
+    rows = []
+    with torch.no_grad():
+        for k in passes:
+            loss_sum = tokens = 0.0
+            residual = []
+            for b in batches:
+                out = model(b["input_ids"], b["position_ids"], b["doc_start"], b["labels"], num_passes=k)
+                loss_sum += float((out.token_loss * b["loss_mask"]).sum())
+                tokens += float(b["loss_mask"].sum())
+                if out.pass_residuals:
+                    residual.append(float(out.pass_residuals[-1]))
+            res = max(residual) if residual else None
+            rows.append({"passes": k, "val_loss": loss_sum / max(tokens, 1.0), "last_residual": res,
+                         "converged": res is not None and res < CONVERGED})
+    return {"checkpoint": str(latest), "seq_length": recipe.data.seq_length, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    ap.add_argument("--passes", default="1,2,3,5,10,30,100")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("FBT_DEVICE", "cpu")
+    from fbt_megatron import runtime
+
+    runtime.init_distributed()
+    try:
+        report = depth_report(a.run_dir, [int(k) for k in a.passes.split(",")])
+    finally:
+        runtime.shutdown()
+    print(f"{report['checkpoint']} (sequence length {report['seq_length']})")
+    print(f"{'passes':>6}  {'val loss':>9}  {'last residual':>13}")
+    for r in report["rows"]:
+        res = "-" if r["last_residual"] is None else f"{r['last_residual']:.2e}"
+        print(f"{r['passes']:>6}  {r['val_loss']:9.4f}  {res:>13}{'  converged' if r['converged'] else ''}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
