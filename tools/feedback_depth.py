@@ -26,13 +26,12 @@ CONVERGED = 0.05
 
 def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     """Evaluate the latest checkpoint of ``run_dir`` at each pass count (call inside a process group)."""
-    import torch
-
     from fbt_megatron import runtime
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
     from fbt_megatron.train.recipe import load_recipe
     from fbt_megatron.train.run import build_valid_batches
+    from fbt_megatron.train.train_step import evaluate
 
     ckpts = CheckpointManager(Path(run_dir) / "checkpoints")
     latest = ckpts.latest()
@@ -43,22 +42,12 @@ def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     model = build_model(recipe.model, recipe.feedback)
     ckpts.load_weights(latest, ParamTemplates(model))
-    model.eval()
     batches = build_valid_batches(recipe, 0, 1)
     rows = []
-    with torch.no_grad():
-        for k in passes:
-            loss_sum = tokens = 0.0
-            residual = []
-            for b in batches:
-                out = model(b["input_ids"], b["position_ids"], b["doc_start"], b["labels"], num_passes=k)
-                loss_sum += float((out.token_loss * b["loss_mask"]).sum())
-                tokens += float(b["loss_mask"].sum())
-                if out.pass_residuals:
-                    residual.append(float(out.pass_residuals[-1]))
-            res = max(residual) if residual else None
-            rows.append({"passes": k, "val_loss": loss_sum / max(tokens, 1.0), "last_residual": res,
-                         "converged": res is not None and res < CONVERGED})
+    for k in passes:
+        ev = evaluate(model, batches, k, runtime.device())
+        rows.append({"passes": k, "val_loss": ev.loss, "last_residual": ev.last_residual,
+                     "converged": ev.last_residual is not None and ev.last_residual < CONVERGED})
     return {"checkpoint": str(latest), "seq_length": recipe.data.seq_length, "rows": rows}
 
 

@@ -32,6 +32,7 @@ Stabilisers (switches in FeedbackConfig; our documented reading of the paper, se
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from megatron.core import tensor_parallel
@@ -50,8 +51,6 @@ class LatentFeedback(MegatronModule):
         hidden = config.hidden_size
         # The fusion sees full-sequence inputs (the shift crosses sequence-parallel chunks), so its
         # linears are built without sequence parallelism; the output is redistributed explicitly.
-        from dataclasses import replace
-
         linear_config = replace(config, sequence_parallel=False)
         std = config.init_method_std
         value_std = std / math.sqrt(2.0 * config.num_layers) if feedback.depth_scaling else std

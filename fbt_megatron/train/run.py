@@ -160,7 +160,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
                    "recipe": recipe.model_dump(mode="json")}
         return ckpt.save(st.step, engine, templates, payload)
 
-    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine, valid, k, device),
+    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
     callbacks = [
         validation,

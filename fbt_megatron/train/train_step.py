@@ -104,18 +104,31 @@ class FBTTrainStep:
                           grad_norm=grad_norm, lr=lr, residuals=res, data_checksum=int(checksum))
 
 
+@dataclass
+class Evaluation:
+    loss: float  # token-weighted mean over the batches of every DP rank
+    last_residual: float | None  # largest last-pass Jacobi residual over the batches (None at 1 pass)
+
+
 @torch.no_grad()
-def evaluate(engine, batches: list[dict], num_passes: int, device) -> float:
-    """Token-weighted mean loss over ``batches`` (this rank's share) and all DP ranks."""
+def evaluate(model, batches: list[dict], num_passes: int, device) -> Evaluation:
+    """Eval-mode loss of ``model`` (the DeepSpeed engine or a bare model) over ``batches`` (this
+    rank's share) and all DP ranks; the model's train/eval mode is restored afterwards."""
     from megatron.core import parallel_state as ps
 
-    engine.eval()
+    was_training = model.training
+    model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
+    residual = torch.full((), -1.0, dtype=torch.float64, device=device)
     for batch in batches:
         batch = _to_device(batch, device)
-        out = micro_batch_forward(engine.ds, batch, num_passes, None)
+        out = micro_batch_forward(model, batch, num_passes, None)
         sums[0] += (out.token_loss.float() * batch["loss_mask"]).sum().double()
         sums[1] += batch["loss_mask"].sum().double()
-    dist.all_reduce(sums, group=ps.get_data_parallel_group())
-    engine.train()
-    return float(sums[0] / sums[1].clamp_min(1))
+        if out.pass_residuals:
+            residual = torch.maximum(residual, out.pass_residuals[-1].double())
+    group = ps.get_data_parallel_group()
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(residual, op=dist.ReduceOp.MAX, group=group)
+    model.train(was_training)
+    return Evaluation(float(sums[0] / sums[1].clamp_min(1)), float(residual) if residual >= 0 else None)
