@@ -95,7 +95,7 @@ def layer_spec(model: ModelConfig):
 
 
 class FBTGPTModel(MegatronModule):
-    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig):
+    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig, spec=None):
         super().__init__(config)
         if config.pipeline_model_parallel_size != 1:
             raise ValueError(
@@ -105,7 +105,7 @@ class FBTGPTModel(MegatronModule):
         self.model_config, self.feedback_config = model, feedback
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(model),
+            transformer_layer_spec=spec or layer_spec(model),  # generation passes the local spec
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_sequence_length,
             position_embedding_type=model.position_embedding_type,
