@@ -31,14 +31,14 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 
 
 class TextGenerator:
-    def __init__(self, loaded: LoadedModel, mode: str = "feedback", prefill_passes=1):
+    def __init__(self, loaded: LoadedModel, mode: str = "feedback", prefill_passes=2):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.decoder = FeedbackDecoder(loaded.model, mode, prefill_passes)
 
     @classmethod
     def from_checkpoint(cls, path, *, tokenizer: str | None = None, mode: str = "feedback",
-                        prefill_passes=1) -> TextGenerator:
+                        prefill_passes=2) -> TextGenerator:
         return cls(load_for_inference(path, tokenizer=tokenizer), mode, prefill_passes)
 
     @property

@@ -58,8 +58,10 @@ def parse_prefill_passes(value) -> int | str:
 class DecodeSession:
     """One batch's decoding state: the KV cache, the slot layout and each sequence's last top state."""
 
-    def __init__(self, model: FBTGPTModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+    def __init__(self, model: FBTGPTModel, prompts: Sequence[Sequence[int]], appended: int | Sequence[int], *,
                  mode: str, prefill_passes, padding: str):
+        """``appended``: how many tokens will be fed after each prompt (one int for all, or one per
+        prompt); that many slots are allocated after the longest prompt."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         if not prompts:
@@ -71,26 +73,30 @@ class DecodeSession:
         self.model, self.mode, self.passes = model, mode, prefill_passes
         self.device = next(model.parameters()).device
         lengths = [len(p) for p in prompts]
+        extra = [appended] * len(prompts) if isinstance(appended, int) else list(appended)
         batch, width = len(prompts), max(lengths)
-        self.batch, self.width, self.total = batch, width, width + max_new_tokens
-        longest = max(lengths) + max_new_tokens
+        self.batch, self.width, self.total = batch, width, width + max(extra)
         limit = model.model_config.max_sequence_length
-        if longest > limit:
-            raise ValueError(f"prompt ({max(lengths)} tokens) + max_new_tokens ({max_new_tokens}) = {longest} "
-                             f"exceeds the model's max_sequence_length={limit}")
+        for n, e in zip(lengths, extra):
+            if n + e > limit:
+                raise ValueError(f"a prompt of {n} tokens followed by {e} fed tokens needs {n + e} positions; "
+                                 f"the model's max_sequence_length={limit}")
 
         # Slot layout. positions: [total, B]; valid: [B, total] (False = padding, never attended).
         tokens = torch.zeros(batch, width, dtype=torch.long)
         valid = torch.zeros(batch, self.total, dtype=torch.bool)
         positions = torch.zeros(self.total, batch, dtype=torch.long)
         first = []
+        after = torch.arange(self.total - width)
         for b, ids in enumerate(prompts):
             off = width - len(ids) if padding == "left" else 0
             tokens[b, off:off + len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
             valid[b, off:off + len(ids)] = True
             valid[b, width:] = True
             positions[off:off + len(ids), b] = torch.arange(len(ids))
-            positions[width:, b] = torch.arange(len(ids), len(ids) + max_new_tokens)
+            # slots past this sequence's own need (a shorter continuation in the batch) are unused:
+            # their positions are clamped into the model's range
+            positions[width:, b] = (len(ids) + after).clamp_max(limit - 1)
             first.append(off)
         self.tokens, self.valid = tokens.to(self.device), valid.to(self.device)
         self.positions = positions.to(self.device)
@@ -211,15 +217,15 @@ class GenerationOutput:
 class FeedbackDecoder:
     """Decoding of an FBT model with a KV cache: ``mode`` feedback|standard, ``prefill_passes``."""
 
-    def __init__(self, model: FBTGPTModel, mode: str = "feedback", prefill_passes=1):
+    def __init__(self, model: FBTGPTModel, mode: str = "feedback", prefill_passes=2):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         self.model = model.eval()
         self.mode = mode if model.feedback is not None else "standard"
         self.prefill_passes = parse_prefill_passes(prefill_passes)
 
-    def session(self, prompts, max_new_tokens: int, padding: str = "left") -> DecodeSession:
-        return DecodeSession(self.model, prompts, max_new_tokens, mode=self.mode,
+    def session(self, prompts, appended, padding: str = "left") -> DecodeSession:
+        return DecodeSession(self.model, prompts, appended, mode=self.mode,
                              prefill_passes=self.prefill_passes, padding=padding)
 
     @torch.no_grad()
@@ -234,7 +240,8 @@ class FeedbackDecoder:
         (stop strings); ``on_token(b, id)`` streams. Every TP rank draws the same tokens (same seed,
         gathered logits)."""
         params = params or SamplingParams()
-        session = self.session(prompts, params.max_new_tokens, padding)
+        # the last sampled token is returned, never fed: max_new_tokens - 1 slots after the prompt
+        session = self.session(prompts, params.max_new_tokens - 1, padding)
         generator = torch.Generator(device=session.device).manual_seed(int(params.seed))
         out = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
@@ -275,7 +282,7 @@ class FeedbackDecoder:
         if any(len(c) == 0 for c in continuations):
             raise ValueError("an empty continuation has no log-likelihood")
         steps = max(len(c) for c in continuations)
-        session = self.session(contexts, steps, padding)
+        session = self.session(contexts, [len(c) - 1 for c in continuations], padding)
         logits = session.prefill()
         total = torch.zeros(len(contexts), dtype=torch.float64)
         greedy = [True] * len(contexts)
