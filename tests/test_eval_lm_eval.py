@@ -121,3 +121,28 @@ def test_lm_eval_runs_local_tasks_through_fbt_model(tmp_path, single_process, mo
     for sample in out["samples"]["fbt_local_gen"]:
         want = gen.generate([sample["doc"]["question"]], SamplingParams(max_new_tokens=6, stop=["\n"]))[0].text
         assert sample["resps"][0][0] == want
+
+
+def test_fbt_eval_writes_mode_table(tmp_path, single_process, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    from fbt_megatron.cli import main
+
+    tok = make_tokenizer(tmp_path)
+    save_run(tmp_path / "run", tok)
+    tasks = write_tasks(tmp_path / "tasks")
+    common = [str(tmp_path / "run"), "--modes", "standard,fused", "--limit", "2", "--out", str(tmp_path / "out")]
+    # code tasks refuse to run without the explicit opt-in
+    assert main(["eval", *common, "--tasks", "fbt_humaneval"]) == 2
+    assert "unsafe" in capsys.readouterr().err.lower()
+    rc = main(["eval", *common, "--tasks", f"{tasks / 'fbt_local_gen.yaml'},fbt_humaneval", "--allow-code-execution"])
+    assert rc == 0
+    table = json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"]
+    assert set(table) == {"fbt_local_gen", "fbt_humaneval"}
+    for task in table:
+        assert set(table[task]) == {"standard", "fused"}
+        for row in table[task].values():
+            assert row["value"] is not None and 0.0 <= row["value"] <= 1.0
+            assert row["generations"] == 2 and row["median_tokens"] >= 1
+    md = (tmp_path / "out" / "eval.md").read_text()
+    assert "| task | metric | standard | FUSED |" in md and "Median generated tokens" in md
