@@ -44,7 +44,7 @@ def parse_args(argv):
 
 def read_prompts(args) -> list[str]:
     if args.prompt:
-        return [s.encode().decode("unicode_escape") if "\\" in s else s for s in args.prompt]
+        return [s.replace("\\n", "\n").replace("\\t", "\t") for s in args.prompt]
     path = args.prompts_file
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--prompts-file {path} does not exist")

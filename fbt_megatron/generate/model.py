@@ -24,10 +24,7 @@ def build_inference_model(model: ModelConfig, feedback: FeedbackConfig) -> FBTGP
     config = transformer_config(model, sequence_parallel=False)
     config.masked_softmax_fusion = False  # the fused causal kernel ignores an explicit padding mask
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization)
-    fbt = FBTGPTModel(model, feedback, config, spec=spec).to(runtime.device())
-    for p in fbt.parameters():
-        p.requires_grad_(True)  # (ParamTemplates lists trainable parameters: the checkpoint's keys)
-    return fbt.eval()
+    return FBTGPTModel(model, feedback, config, spec=spec).to(runtime.device()).eval()
 
 
 @torch.no_grad()
