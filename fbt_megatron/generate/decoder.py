@@ -31,7 +31,7 @@ it gets when run alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -211,7 +211,6 @@ class GenerationOutput:
     finish_reasons: list[str]  # "length", "eos" or "stop"
     logits: torch.Tensor | None = None  # [B, T, V] when return_logits (T = steps run)
     steps: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class FeedbackDecoder:
