@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.checkpoint import _SafePickleModule
+from fbt_megatron.checkpoint.safe_load import SafePickleModule as _SafePickleModule
 from fbt_megatron.train.testing import tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]

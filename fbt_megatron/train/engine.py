@@ -187,6 +187,17 @@ class Engine:
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self.skipper = SkippableStep(self.torch_optimizer)
         self._materialize_optimizer_state()
+        self._clip_norm = None
+        if hasattr(self.ds, "clip_fp32_gradients"):
+            self.ds.clip_fp32_gradients = self._clip_fp32_gradients
+
+    def _clip_fp32_gradients(self) -> None:
+        """ZeRO-0 fp32: DeepSpeed clips with its model-parallel-aware ``clip_grad_norm_`` but drops the
+        norm (``get_global_grad_norm()`` stays None); keep it so every stage reports its grad norm."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        self._clip_norm = float(clip_grad_norm_(parameters=self.ds.module.parameters(),
+                                                max_norm=self.ds.gradient_clipping(), mpu=self.ds.mpu))
 
     def _materialize_optimizer_state(self) -> None:
         """Create AdamW's state (step 0, zero moments) now instead of lazily at the first step.
@@ -232,6 +243,7 @@ class Engine:
     def step(self, skip: bool = False) -> float | None:
         """Optimiser step at the accumulation boundary; returns the global grad norm (None if skipped)."""
         self.skipper.skip_next = skip
+        self._clip_norm = None
         try:
             self.ds.set_gradient_accumulation_boundary(True)
             self.ds.step()
@@ -240,6 +252,7 @@ class Engine:
         if skip:
             return None
         norm = self.ds.get_global_grad_norm()
+        norm = self._clip_norm if norm is None else norm
         return None if norm is None else float(norm)
 
     @staticmethod
