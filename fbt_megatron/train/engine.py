@@ -204,17 +204,20 @@ class Engine:
 
         torch's AdamW initialises exactly these values on its first step, so training is unchanged;
         having them early lets a resume write loaded moments into them (and ZeRO 1/2 link each
-        parameter's fragment of the flat state, which ``safe_{get,set}_full_optimizer_state`` use).
+        parameter's fragment of the flat state, which the checkpoint's fragment access uses).
         """
         opt = self.torch_optimizer
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state.get(p):
-                    opt.state[p] = {
-                        "step": torch.tensor(0.0, dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    }
+        params = [p for group in opt.param_groups for p in group["params"]]
+        # ZeRO-3 hands its flat fp32 partitions to the inner optimiser only during step(): find them here
+        # so a resume can load moments before the first step.
+        params += [p for p in getattr(self.ds.optimizer, "fp32_partitioned_groups_flat", None) or [] if p is not None]
+        for p in params:
+            if not opt.state.get(p):
+                opt.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
         link = getattr(self.ds.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None and self.zero_stage in (1, 2):
             link()
