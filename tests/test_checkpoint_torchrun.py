@@ -20,8 +20,8 @@ CHAIN = [(1, 4), (2, 6), (3, 8), (0, 10), (1, 12)]  # (ZeRO stage, train.steps):
 
 
 def _torchrun(run_dir: Path, zero: int, steps: int) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29500 + os.getpid() % 1000), "-m", "fbt_megatron.cli", "train", "recipes/tiny.yaml",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fbt_megatron.cli", "train", "recipes/tiny.yaml",
            f"run_dir={run_dir}", f"parallel.zero_stage={zero}", f"train.steps={steps}", "checkpoint.every=2",
            "eval.at_end=false", "data.valid_sequences=8", "logging.tensorboard=false", "logging.log_every=1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), FBT_DEVICE="cpu", OMP_NUM_THREADS="1")

@@ -130,6 +130,18 @@ def read_tensor_metadata(path: Path) -> dict:
             for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
+def read_full_tensors(path: str | Path, keys=None) -> dict:
+    """Whole tensors of a checkpoint in one process, no process group (tests, single-process tools;
+    holds every requested tensor in full, so not for large models)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve_checkpoint(path)
+    meta = read_tensor_metadata(path)
+    state = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype, _) in meta.items() if keys is None or k in keys}
+    dcp.load(state, checkpoint_id=str(path / "weights"), no_dist=True)
+    return state
+
+
 def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_KEYS) -> None:
     stored = read_tensor_metadata(path)
     meta_file = path / "weights" / ".metadata"
