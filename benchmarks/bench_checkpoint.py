@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ["FBT_DEVICE"] = "cpu"
 
+    from fbt_megatron.runtime import ParallelLayout
     from fbt_megatron.testing.distributed import run_distributed
     from fbt_megatron.train.testing import tiny_recipe
 
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
                                  data={"seq_length": 64, "synthetic": {"vocab_size": a.vocab}},
                                  batch={"global_batch_size": 2, "micro_batch_size": 1},
                                  parallel={"tensor": 1, "zero_stage": zero})
-            for r in run_distributed(bench_rank, 2, recipe, tmp, timeout=3600):
+            for r in run_distributed(bench_rank, 2, recipe, tmp, layout=ParallelLayout(), timeout=3600):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     for zero in a.zero:

