@@ -62,8 +62,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (path / "checkpoints", path):
         if (root / LATEST).exists():
             return _follow_latest(root)
-    raise CheckpointError(f"{path} is neither a checkpoint (no state.json) nor a run directory with a "
-                          f"checkpoints/{LATEST} pointer")
+    raise CheckpointError(f"{path} has no published checkpoint: it is neither a checkpoint (no state.json) "
+                          f"nor a run directory with a checkpoints/{LATEST} pointer")
 
 
 def _follow_latest(root: Path) -> Path:
@@ -205,6 +205,29 @@ def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
     return path
 
 
+# ---------------------------------------------------------------------- writing tensors
+def _write_pieces(pieces: list, weights_dir: Path) -> None:
+    """Synchronous torch_dist save of this rank's main-replica pieces, through PyTorch DCP's own file
+    writer: it serialises one piece at a time (megatron's writer would first copy every piece that is a
+    view, i.e. this rank's whole shard, and fork writer processes). Same files as megatron writes, so
+    ``dist_checkpointing.load`` reads them. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    grouped: dict[str, list] = {}
+    for piece in pieces:
+        if not any(piece.replica_id):  # another rank writes the other replicas' identical bytes
+            grouped.setdefault(piece.key, []).append(piece)
+    state = mcore_to_pyt_state_dict(grouped, is_loading=False)
+    # DCP checks the global plan: the pieces of every tensor must tile it exactly (no gap, no overlap).
+    dcp.save(state, storage_writer=FileSystemWriter(str(weights_dir), thread_count=1))
+    if dist.get_rank() == 0:
+        torch.save({}, weights_dir / "common.pt")  # megatron's (empty) non-sharded part
+        save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(weights_dir))
+
+
 # ---------------------------------------------------------------------- the manager
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -289,7 +312,7 @@ class CheckpointManager:
             self._queue = AsyncCallsQueue()
             self._queue.schedule_async_request(request)
         else:
-            dist_checkpointing.save(sharded, str(tmp / "weights"), validate_access_integrity=False)
+            _write_pieces(list(sharded.values()), tmp / "weights")
             self._publish(tmp, final, state, step)
         return final
 

@@ -23,6 +23,8 @@ _ALLOWED_PICKLE_GLOBALS = {
     ("torch", "dtype"), ("torch", "layout"), ("torch", "memory_format"),
     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
     ("builtins", "getattr"), ("torch.serialization", "_get_layout"),
+    # DCP records the checkpoint path (a PosixPath) in its storage metadata; building one runs no code
+    ("pathlib", "PosixPath"), ("pathlib", "Path"),
 }
 
 
