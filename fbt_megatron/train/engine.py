@@ -4,7 +4,7 @@ DeepSpeed is told about Megatron's parallel groups through :class:`MegatronMPU`,
 over the data-parallel group only, and the gradient norm counts TP-sharded parameters once per TP
 rank and TP-replicated parameters once. On CPU DeepSpeed runs with ``DS_ACCELERATOR=cpu`` over the
 gloo process group that :mod:`fbt_megatron.runtime` already started; params and optimiser are fp32.
-On GPU the model is bf16 with fp32 master weights (DeepSpeed's bf16 mode).
+On GPU (or with FBT_DTYPE=bf16) the model is bf16 with fp32 master weights (DeepSpeed's bf16 mode).
 
 The optimiser is ``torch.optim.AdamW`` (``"torch_adam": true``); its ``step`` is wrapped so a step
 that the train step flags as non-finite is skipped without touching weights or moments, for every
