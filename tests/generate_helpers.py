@@ -3,8 +3,6 @@ written by the real CheckpointManager (random weights, zero optimiser moments), 
 layout."""
 
 from pathlib import Path
-from types import SimpleNamespace
-
 import torch
 
 from fbt_megatron.config import FeedbackConfig, ModelConfig
@@ -23,26 +21,28 @@ def make_tokenizer(directory: Path) -> Path:
     return path
 
 
-class _ZeroMoments(dict):
-    def __missing__(self, p):
-        self[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-        return self[p]
-
-
 def save_run(run_dir: Path, tokenizer: Path, seed: int = 0, value_std: float = 0.3) -> Path:
-    """Build the tiny model (seeded) in the current layout and save it as ``run_dir``'s checkpoint."""
+    """Build the tiny model (seeded) in the current layout and save it as ``run_dir``'s checkpoint
+    through the training engine and the checkpoint manager (as a training run saves it)."""
     import torch.distributed as dist
 
+    from fbt_megatron.checkpoint import CheckpointManager
+    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
     from fbt_megatron.generate.model import build_inference_model
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.train.recipe import load_recipe
 
     torch.manual_seed(seed)
+    train_recipe = load_recipe(data={"model": MODEL, "data": {"synthetic": {"vocab_size": 256}},
+                                     "parallel": {"tensor": dist.get_world_size(), "zero_stage": 0},
+                                     "batch": {"micro_batch_size": 1, "global_batch_size": 1}})
     model = build_inference_model(ModelConfig(**MODEL), FeedbackConfig())
     with torch.no_grad():  # make the fed-back state matter
         model.feedback.value.weight.normal_(0.0, value_std)
-    engine = SimpleNamespace(torch_optimizer=SimpleNamespace(state=_ZeroMoments()))
+    specs = param_specs(model)
+    zero = ZeroState(Engine(model, train_recipe), specs)
     recipe = {"name": "gen-test", "model": MODEL, "feedback": FeedbackConfig().model_dump(),
               "data": {"source": "pipeline", "pipeline": {"tokenizer": str(tokenizer)}}}
-    state = {"train_state": {}, "optimizer_steps": 0, "recipe": recipe,
+    state = {"train_state": {"step": 1}, "optimizer_steps": 0, "recipe": recipe,
              "layout": {"tensor": dist.get_world_size()}}
-    return CheckpointManager(Path(run_dir) / "checkpoints").save(1, engine, ParamTemplates(model), state)
+    return CheckpointManager(Path(run_dir) / "checkpoints").save(1, zero, state)

@@ -4,14 +4,12 @@ A checkpoint stores every tensor with its tensor-parallel sharding metadata, so 
 TP size: each rank reads the slice its layout needs. ``load_for_inference`` accepts a run directory
 (its ``checkpoints/latest``), a ``checkpoints`` directory or one ``step_N`` directory.
 
-The checkpoint API is wrapped here, in ONE place (:func:`resolve_checkpoint`, :func:`read_state`,
-:func:`load_weights`), so the package-level API of issue 7 (``fbt_megatron.checkpoint``) replaces it
-by a one-line change.
+The checkpoint package's public API (``fbt_megatron.checkpoint``: resolve_checkpoint,
+read_checkpoint_state, load_model_weights) is used here only.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,30 +27,27 @@ class CheckpointNotFound(FileNotFoundError):
 # ---------------------------------------------------------------------- checkpoint access (one place)
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run dir -> its latest checkpoint; a ``checkpoints`` dir -> its latest; a step dir -> itself."""
-    p = Path(path)
-    if (p / "state.json").is_file():
-        return p
-    for root in (p / "checkpoints", p):
-        pointer = root / "latest"
-        if pointer.is_file():
-            step = root / pointer.read_text().strip()
-            if not (step / "state.json").is_file():
-                raise CheckpointNotFound(f"{pointer} names {step.name}, which is not a complete checkpoint")
-            return step
-    if not p.exists():
-        raise CheckpointNotFound(f"{p} does not exist (expected a run directory or a checkpoint step_N directory)")
-    raise CheckpointNotFound(f"{p} holds no checkpoint: expected {p}/checkpoints/latest, {p}/latest or "
-                             f"{p}/state.json")
+    from fbt_megatron.checkpoint import CheckpointError
+    from fbt_megatron.checkpoint import resolve_checkpoint as resolve
+
+    if not Path(path).exists():
+        raise CheckpointNotFound(f"{path} does not exist (expected a run directory or a checkpoint step_N directory)")
+    try:
+        return resolve(path)
+    except CheckpointError as e:
+        raise CheckpointNotFound(str(e)) from None
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((Path(path) / "state.json").read_text())
+    from fbt_megatron.checkpoint import read_checkpoint_state
+
+    return read_checkpoint_state(path)
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.checkpoint import load_model_weights
 
-    CheckpointManager(Path(path).parent).load_weights(Path(path), ParamTemplates(model))
+    load_model_weights(path, model)
 
 
 # ---------------------------------------------------------------------- model + tokenizer
