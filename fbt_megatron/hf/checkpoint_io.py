@@ -14,6 +14,7 @@ present and long enough; errors name the file or key and the expected value.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,8 +102,10 @@ class CheckpointTensors:
                 buffers[row.key] = torch.empty((1, *shape[1:]), dtype=torch.float32)
                 slices[row.key] = (layer,) + (0,) * (len(shape) - 1)
         try:
-            dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(self.dir)), planner=_SlicePlanner(slices),
-                     no_dist=True)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(self.dir)), planner=_SlicePlanner(slices),
+                         no_dist=True)
         except Exception as exn:  # a shard whose bytes do not match its metadata, unreadable files
             keys = sorted(buffers)
             raise ConversionError(f"cannot read {keys} from {self.dir}: {type(exn).__name__}: {exn}") from exn

@@ -24,7 +24,12 @@ MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-IMPORT_DIR = "hf_import"  # inside a checkpoint made by `from-hf`: the source's tokenizer + provenance
+IMPORT_DIR = "hf_import"  # in a run made by `from-hf`: the source's tokenizer and provenance
+
+
+def import_dir(path: Path) -> Path:
+    """``<run>/hf_import`` for a checkpoint ``<run>/checkpoints/step_N``."""
+    return path.parent.parent / IMPORT_DIR
 
 
 def _recipe(state: dict):
@@ -42,7 +47,7 @@ def provenance(path: Path, state: dict, recipe) -> dict:
     ts = state.get("train_state", {})
     own = {"steps": int(ts.get("step", 0)), "tokens_seen": int(ts.get("tokens_seen", 0)),
            "pass_counts": {str(k): int(v) for k, v in ts.get("pass_counts", {}).items()}}
-    src_file = path / IMPORT_DIR / "provenance.json"
+    src_file = import_dir(path) / "provenance.json"
     if src_file.is_file():
         src = json.loads(src_file.read_text())
         counts = dict(src.get("pass_counts", {}))
@@ -61,7 +66,7 @@ def provenance(path: Path, state: dict, recipe) -> dict:
 def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
     """("hf", dir) for an imported checkpoint's HF tokenizer, ("sp", model) for the run's sentencepiece
     model, or None (synthetic data: no tokenizer)."""
-    imported = path / IMPORT_DIR
+    imported = import_dir(path)
     if (imported / "tokenizer.json").is_file():
         return "hf", imported
     pipeline = recipe.data.pipeline or {}
@@ -74,7 +79,7 @@ def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
     return None
 
 
-def write_tokenizer(source: tuple[str, Path] | None, out: Path) -> dict:
+def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int | None = None) -> dict:
     """Tokenizer files AutoTokenizer loads; returns the special token ids for the config."""
     if source is None:
         return {}
@@ -88,6 +93,9 @@ def write_tokenizer(source: tuple[str, Path] | None, out: Path) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
+    if vocab_size is not None and len(tok) > vocab_size:
+        raise ConversionError(f"tokenizer {where} has {len(tok)} tokens, more than the model's vocab_size="
+                              f"{vocab_size}")
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
@@ -209,7 +217,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     tok_source = ("sp", Path(tokenizer)) if tokenizer else tokenizer_source(path, recipe)
-    tokens = write_tokenizer(tok_source, out)
+    tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size)
     prov = provenance(path, state, recipe)
     config = hf_config(recipe, prov, tokens, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
