@@ -142,3 +142,20 @@ def _slice_planner_class():
 
 def _SlicePlanner(offsets: dict):
     return _slice_planner_class()(offsets)
+
+
+def load_framework_model(checkpoint: str | Path):
+    """The checkpoint's FBT model at the current (world-of-one) parallel layout, weights loaded, in eval
+    mode: the reference the parity tests compare an export against. Call inside a process group."""
+    from fbt_megatron import runtime
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.train.recipe import load_recipe
+
+    path = resolve_checkpoint(checkpoint)
+    recipe = load_recipe(data=read_checkpoint_state(path)["recipe"])
+    recipe.parallel.tensor = 1
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
+    model = build_model(recipe.model, recipe.feedback)
+    CheckpointManager(path.parent).load_weights(path, ParamTemplates(model))
+    return model.eval()
