@@ -30,6 +30,14 @@ for name, kw in modes.items():
     g = model.generate(prompt, max_new_tokens=req["new_tokens"], do_sample=False, return_dict_in_generate=True,
                        output_logits=True, eos_token_id=None, pad_token_id=0, **kw)
     res["generate"][name] = {"tokens": g.sequences, "logits": torch.stack(g.logits, 1)}
+# A left-padded batch (the prompt and its last 2 tokens) gives each prompt's own tokens.
+short = prompt[:, -2:]
+batch = torch.cat([prompt, torch.cat([torch.zeros_like(prompt[:, :-2]), short], 1)])
+mask = torch.ones_like(batch)
+mask[1, : prompt.shape[1] - 2] = 0
+kw = dict(max_new_tokens=req["new_tokens"], do_sample=False, eos_token_id=None, pad_token_id=0)
+res["padded_batch"] = model.generate(batch, attention_mask=mask, **kw)
+res["short_alone"] = model.generate(short, **kw)
 if req.get("texts"):
     tok = AutoTokenizer.from_pretrained(export)
     res["encodings"] = [tok.encode(t) for t in req["texts"]]

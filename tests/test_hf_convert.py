@@ -129,6 +129,9 @@ def test_export_matches_framework(exported, variant, tmp_path, single_process):
         generated = torch.cat([gen[m]["tokens"][0, p:] for m in ("feedback", "standard")])
         assert len(set(generated.tolist())) > 1, f"degenerate greedy outputs {generated.tolist()}"
         assert torch.equal(gen["fused_full"]["tokens"], gen["feedback"]["tokens"])
+        padded = hf["padded_batch"]
+        assert torch.equal(padded[0], gen["feedback"]["tokens"][0])
+        assert torch.equal(padded[1, p:], hf["short_alone"][0, 2:])
         # FUSED prefill (2 passes): the first generated token's logits are the framework's 2-pass logits.
         assert rel(gen["fused2"]["logits"][0, 0], model(prompt, num_passes=2).logits[0, -1]) < RTOL
 

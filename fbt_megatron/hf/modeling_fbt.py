@@ -252,7 +252,8 @@ class FBTForCausalLM(LlamaForCausalLM):
         ``prefill_passes`` choose the decoding (see the module docstring)."""
         if input_ids is None:
             raise ValueError("FBTForCausalLM needs input_ids (the fusion gates on token embeddings)")
-        kwargs.pop("past_key_values", None)
+        legacy = kwargs.pop("past_key_values", None)  # the pre-5.x name of `cache`
+        cache = legacy if cache is None else cache
         batch, seq = input_ids.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None and not self.training:
