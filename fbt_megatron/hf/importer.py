@@ -107,24 +107,19 @@ def build_recipe(cfg: dict, stock: bool, out: Path, fusion: str | None) -> dict:
 
 def _load_into_model(model, recipe, tensors: HFTensors, stock: bool) -> None:
     """Copy HF tensors into the freshly built TP=1 model through the mapping table (inverse)."""
-    from fbt_megatron.train.checkpoint import ParamTemplates
-
-    params = {}
-    for _, p, tpl in ParamTemplates(model).entries:
-        layer = tpl.global_offset[0] if tpl.prepend_axis_num else None
-        params[(tpl.key, layer)] = p
-    rows = mapping.weight_rows(recipe.model, recipe.feedback)
-    for row in rows:
+    params = dict(model.named_parameters())
+    for row in mapping.weight_rows(recipe.model, recipe.feedback):
         if stock and row.key.startswith("feedback."):
             continue  # the fusion of a stock model is freshly initialised
         for layer in (range(recipe.model.num_layers) if row.per_layer else [None]):
-            param = params.get((row.key, layer))
-            if param is None:
-                raise ConversionError(f"the model built from the recipe has no parameter for {row.key!r}")
-            names = mapping.hf_names(row, layer)
-            value = mapping.from_hf(row, [tensors.get(n) for n in names], padded_vocab=param.shape[0])
+            name = row.param.format(i=layer)
+            if name not in params:
+                raise ConversionError(f"the model built from the recipe has no parameter {name!r} ({row.key})")
+            param = params[name]
+            hf_names = mapping.hf_names(row, layer)
+            value = mapping.from_hf(row, [tensors.get(n) for n in hf_names], padded_vocab=param.shape[0])
             if tuple(value.shape) != tuple(param.shape):
-                raise ConversionError(f"{tensors.root}: {names} give shape {tuple(value.shape)} for {row.key!r}, "
+                raise ConversionError(f"{tensors.root}: {hf_names} give shape {tuple(value.shape)} for {name!r}, "
                                       f"the model from config.json expects {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(value)

@@ -156,6 +156,19 @@ class Row:
     per_layer: bool = False
     meta: dict = field(default_factory=dict)
 
+    @property
+    def param(self) -> str:
+        """The parameter's module path in a TP=1 model on the local (torch) layer spec, "{i}" = layer:
+        the key without the layer axis, and the layer norms under their module names."""
+        if not self.per_layer:
+            return self.key
+        suffix = self.key[len(LAYERS):]
+        for fused, module in (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+                              ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")):
+            if suffix.startswith(fused):
+                suffix = module + suffix[len(fused):]
+        return f"{LAYERS}{{i}}.{suffix}"
+
 
 def weight_rows(model: ModelConfig, feedback: FeedbackConfig) -> list[Row]:
     """Every tensor of a checkpoint of this config, in export order (non-layer tensors around the layers)."""
