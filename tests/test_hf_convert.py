@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fbt_megatron.config import ModelConfig
 from fbt_megatron.hf.mapping import ConversionError
 from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.train.testing import tiny_recipe
@@ -35,6 +36,11 @@ VARIANTS = {
                           "tie_embeddings": False, "normalization": "RMSNorm"},
                 "feedback": {"bias": True, "prefix_mixin": 0.3}},
 }
+if "activation" in ModelConfig.model_fields:  # the Llama-class options (SwiGLU, GQA, no bias, RoPE base, padding)
+    VARIANTS["llama"] = {"model": {"vocab_size": VOCAB - 50, "init_method_std": 0.2, "activation": "swiglu",
+                                   "normalization": "RMSNorm", "num_query_groups": 2, "add_bias_linear": False,
+                                   "tie_embeddings": False, "rotary_base": 500000, "ffn_hidden_size": 96},
+                         "feedback": {}}
 
 
 def _recipe(run_dir, variant):
@@ -99,8 +105,9 @@ def test_export_matches_framework(exported, variant, tmp_path, single_process):
     files = sorted(p.name for p in export.iterdir())
     assert "model.safetensors.index.json" in files and "modeling_fbt.py" in files and "README.md" in files
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, 11), generator=g)
-    prompt = torch.randint(0, VOCAB, (1, 4), generator=g)
+    vocab = VARIANTS[variant]["model"]["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 11), generator=g)
+    prompt = torch.randint(0, vocab, (1, 4), generator=g)
     request = {"ids": ids, "passes": PASSES, "prompt": prompt, "new_tokens": 6,
                "texts": TEXTS if variant == "rope" else None}
     hf = run_hf_side(export, request, tmp_path)
