@@ -171,8 +171,17 @@ def test_export_import_export_is_bit_identical(exported, tmp_path, single_proces
     original = dict(load_framework_model(run).named_parameters())
     for name, p in load_framework_model(tmp_path / "imported").named_parameters():
         assert torch.equal(p, original[name]), name
-    recipe = (tmp_path / "imported" / "recipe.yaml").read_text()
-    assert "fbt train" in recipe
+    # The imported checkpoint is trainable in another layout: its own recipe resumes it at TP=2.
+    import yaml
+
+    from fbt_megatron.train.testing import train_fn
+
+    recipe = yaml.safe_load((tmp_path / "imported" / "recipe.yaml").read_text())
+    recipe["parallel"]["tensor"] = 2
+    recipe["train"]["stop_at_step"] = 1
+    recipe["logging"] = {"tensorboard": False}
+    summary = run_distributed(train_fn, 2, recipe)[0]
+    assert summary["step"] == 1 and summary["checkpoint"].endswith("step_00000001")
 
 
 def _stock_llama(path: Path):
