@@ -20,10 +20,10 @@ res = {"loading_info": {k: sorted(str(x) for x in v) for k, v in info.items()}, 
 with torch.no_grad():
     res["logits"] = {k: model(req["ids"], num_passes=k, use_cache=False).logits for k in req["passes"]}
 prompt, modes = req["prompt"], {
-    "feedback": {},
+    "feedback": {"prefill_passes": "exact"},
     "standard": {"feedback_decoding": "standard"},
     "fused_full": {"prefill_passes": req["prompt"].shape[1]},  # K = prompt length: the exact recurrence
-    "fused2": {"prefill_passes": 2},
+    "fused2": {},  # the export's default: FUSED prefill with 2 passes
 }
 res["generate"] = {}
 for name, kw in modes.items():
@@ -36,8 +36,8 @@ batch = torch.cat([prompt, torch.cat([torch.zeros_like(prompt[:, :-2]), short], 
 mask = torch.ones_like(batch)
 mask[1, : prompt.shape[1] - 2] = 0
 kw = dict(max_new_tokens=req["new_tokens"], do_sample=False, eos_token_id=None, pad_token_id=0)
-res["padded_batch"] = model.generate(batch, attention_mask=mask, **kw)
-res["short_alone"] = model.generate(short, **kw)
+res["padded_batch"] = model.generate(batch, attention_mask=mask, prefill_passes="exact", **kw)
+res["short_alone"] = model.generate(short, prefill_passes="exact", **kw)
 if req.get("texts"):
     tok = AutoTokenizer.from_pretrained(export)
     res["encodings"] = [tok.encode(t) for t in req["texts"]]

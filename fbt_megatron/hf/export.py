@@ -135,7 +135,7 @@ def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
         **fields,
         "forward_passes": deepest,
         "feedback_decoding": "feedback",
-        "prefill_passes": "exact",
+        "prefill_passes": 2,  # the paper's FUSED prefill, as `fbt generate` (issue 11) defaults to
         "use_cache": True,
         "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
         "bos_token_id": tokens.get("bos_token_id"),

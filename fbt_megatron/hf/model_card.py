@@ -46,15 +46,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 path = "."  # this folder
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 {tok_line}
-out = model.generate(ids, max_new_tokens=32, do_sample=False)          # latent-feedback decoding
-out = model.generate(ids, max_new_tokens=32, prefill_passes=2)         # FUSED prefill (2 passes)
+out = model.generate(ids, max_new_tokens=32, do_sample=False)          # latent feedback, FUSED prefill
+out = model.generate(ids, max_new_tokens=32, prefill_passes="exact")   # prompt through the recurrence
 out = model.generate(ids, max_new_tokens=32, feedback_decoding="standard")  # no feedback
 {decode}
 logits = model(ids, num_passes=3).logits                               # 3 fused passes
 ```
 
-`prefill_passes="exact"` (default) runs the prompt token by token through the recurrence; an integer K
-runs K fused passes over the prompt. Greedy and sampling are supported, beam search is not.
+`prefill_passes=K` runs K fused passes over the prompt (default {config.get('prefill_passes')}, the
+paper's FUSED prefill); `"exact"` runs it token by token through the recurrence. Greedy and sampling are supported, beam search is not.
 
 ## Notes
 

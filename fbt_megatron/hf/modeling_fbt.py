@@ -21,9 +21,9 @@ Generation (``model.generate(...)``) keyword options, defaults from the config:
 - ``feedback_decoding="feedback"``: each new token's stack input fuses the previous token's top state
   (carried between steps as ``feedback_state``) with its embedding; ``"standard"`` decodes without
   feedback (every state is ``h_init``: the model's 1-pass behaviour), for comparison;
-- ``prefill_passes="exact"``: the prompt is run token by token through the cache (the exact
-  recurrence); an integer K runs K fused passes over the whole prompt instead (K=2 is the paper's
-  FUSED prefill; the cache then holds the last pass's keys and values).
+- ``prefill_passes``: an integer K runs K fused passes over the whole prompt (K=2 is the paper's
+  FUSED prefill, the exporter's default; the cache then holds the last pass's keys and values);
+  ``"exact"`` runs the prompt token by token through the cache (the exact recurrence).
 Greedy search and sampling are supported; beam search is not (the fed-back state is not reordered).
 """
 
