@@ -159,3 +159,20 @@ def load_framework_model(checkpoint: str | Path):
     model = build_model(recipe.model, recipe.feedback)
     CheckpointManager(path.parent).load_weights(path, ParamTemplates(model))
     return model.eval()
+
+
+def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
+    """Save a freshly built (TP=1) model as step 0 of ``run_dir`` with the trainer's own checkpoint
+    manager and a fresh optimiser (zero AdamW moments), so ``fbt train`` resumes it in any layout."""
+    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.train.trainer import TrainState
+
+    templates = ParamTemplates(model)  # before DeepSpeed wraps the model
+    engine = Engine(model, recipe)
+    payload = {"train_state": TrainState().to_json(), "optimizer_steps": 0,
+               "layout": {"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage},
+               "pass_schedule": {"position": 0, **recipe.schedule.model_dump()},
+               "data_cursor": {"consumed_sequences": 0, "loader": None},
+               "recipe": recipe.model_dump(mode="json")}
+    return CheckpointManager(Path(run_dir) / "checkpoints").save(0, engine, templates, payload)

@@ -134,11 +134,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
     """Write ``out_dir/checkpoints/step_00000000`` + ``latest``, ``out_dir/recipe.yaml`` and
     ``out_dir/hf_import/``. Call inside a world-of-one process group. Returns the checkpoint path."""
     from fbt_megatron import runtime
+    from fbt_megatron.hf.checkpoint_io import save_initial_checkpoint
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
-    from fbt_megatron.train.engine import Engine
     from fbt_megatron.train.recipe import RecipeError, load_recipe
-    from fbt_megatron.train.trainer import TrainState
 
     root, out = Path(hf_dir), Path(out_dir)
     cfg, stock = read_hf_config(root)
@@ -154,15 +152,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     model = build_model(recipe.model, recipe.feedback)
     _load_into_model(model, recipe, tensors, stock)
-    templates = ParamTemplates(model)
-    engine = Engine(model, recipe)
-    state = TrainState()
-    payload = {"train_state": state.to_json(), "optimizer_steps": 0,
-               "layout": {"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage},
-               "pass_schedule": {"position": 0, **recipe.schedule.model_dump()},
-               "data_cursor": {"consumed_sequences": 0, "loader": None},
-               "recipe": recipe.model_dump(mode="json"), "imported_from": str(root.resolve())}
-    path = CheckpointManager(out / "checkpoints").save(0, engine, templates, payload)
+    path = save_initial_checkpoint(out, model, recipe)
 
     keep = out / IMPORT_DIR
     keep.mkdir(parents=True, exist_ok=True)
