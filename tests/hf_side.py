@@ -39,7 +39,7 @@ kw = dict(max_new_tokens=req["new_tokens"], do_sample=False, eos_token_id=None, 
 res["padded_batch"] = model.generate(batch, attention_mask=mask, prefill_passes="exact", **kw)
 res["short_alone"] = model.generate(short, prefill_passes="exact", **kw)
 if req.get("texts"):
-    tok = AutoTokenizer.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
     res["encodings"] = [tok.encode(t) for t in req["texts"]]
     res["decodings"] = [tok.decode(tok.encode(t)) for t in req["texts"]]
 res["fbt_megatron_imported"] = sorted(m for m in sys.modules if m.startswith("fbt_megatron"))

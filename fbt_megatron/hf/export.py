@@ -90,9 +90,9 @@ def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int 
                 shutil.copyfile(where / name, out / name)
     else:
         _convert_sentencepiece(where, out)
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(out))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))  # (AutoTokenizer would read config.json)
     if vocab_size is not None and len(tok) > vocab_size:
         raise ConversionError(f"tokenizer {where} has {len(tok)} tokens, more than the model's vocab_size="
                               f"{vocab_size}")

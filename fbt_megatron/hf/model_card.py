@@ -18,7 +18,7 @@ def model_card(config: dict, *, has_tokenizer: bool) -> str:
             f"{config.get('norm_type')}, {config.get('position_embedding_type')} positions, "
             f"vocabulary {config['vocab_size']}, {'tied' if config.get('tie_word_embeddings') else 'untied'} "
             "embeddings")
-    tok_line = ("tok = AutoTokenizer.from_pretrained(path)\nids = tok(\"def add(a, b):\", return_tensors=\"pt\")"
+    tok_line = ("tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # (it reads config.json)\nids = tok(\"def add(a, b):\", return_tensors=\"pt\")"
                 ".input_ids" if has_tokenizer else "ids = torch.tensor([[1, 2, 3]])  # no tokenizer was exported")
     decode = ("print(tok.decode(out[0]))" if has_tokenizer else "print(out[0].tolist())")
     return f"""---
