@@ -50,7 +50,7 @@ def analyse(runs: Path, passes: int, rows: int = 8) -> dict:
 
     results = {}
     for name in MIXES:
-        model, recipe = load_trained_model(runs / name)
+        model, recipe, _ = load_trained_model(runs / name)
         batches = build_valid_batches(recipe, 0, 1)
         ids = torch.cat([b["input_ids"] for b in batches])[:rows]
         it = iterate_passes(model, ids, passes)

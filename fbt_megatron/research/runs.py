@@ -28,20 +28,18 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def load_trained_model(run_dir: Path):
-    """(model, recipe) from a run's latest checkpoint, TP=1 (inside a world-of-one process group)."""
+def load_trained_model(run_dir_or_checkpoint):
+    """(model, recipe, checkpoint dir) from a run's latest checkpoint (or a step dir), saved in any
+    layout, as a TP=1 eval-mode model (inside a world-of-one process group)."""
     from fbt_megatron import runtime
+    from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
     from fbt_megatron.train.recipe import load_recipe
 
-    ckpts = CheckpointManager(Path(run_dir) / "checkpoints")
-    latest = ckpts.latest()
-    if latest is None:
-        raise FileNotFoundError(f"{run_dir}/checkpoints has no published checkpoint")
-    recipe = load_recipe(data=ckpts.read_state(latest)["recipe"])
+    latest = resolve_checkpoint(run_dir_or_checkpoint)
+    recipe = load_recipe(data=read_checkpoint_state(latest)["recipe"])
     recipe.parallel.tensor = 1
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     model = build_model(recipe.model, recipe.feedback)
-    ckpts.load_weights(latest, ParamTemplates(model))
-    return model.eval(), recipe
+    load_model_weights(latest, model)
+    return model.eval(), recipe, latest
