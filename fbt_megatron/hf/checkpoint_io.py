@@ -13,7 +13,6 @@ present and long enough; errors name the file or key and the expected value.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -24,47 +23,28 @@ from fbt_megatron.hf.mapping import ConversionError, Row, global_shape, shape_ma
 WEIGHTS = "weights"
 
 
-# The checkpoint package (fbt_megatron.checkpoint: load_model_weights, CheckpointManager.save with the
-# ZeRO state) replaces fbt_megatron.train.checkpoint; both are supported here, in this module only, so
-# the conversion works whichever is installed. Drop the train.checkpoint branches once it is gone.
-def _new_checkpoint_api() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("fbt_megatron.checkpoint") is not None
-
-
-def _safe_metadata_reader() -> None:
-    if _new_checkpoint_api():
-        from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
-    else:
-        from fbt_megatron.train.checkpoint import _install_safe_metadata_reader as install_safe_metadata_reader
-    install_safe_metadata_reader()
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A run dir (-> its checkpoints' ``latest``), a checkpoints dir (-> ``latest``) or a step dir."""
-    path = Path(path)
-    if (path / "state.json").is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        pointer = root / "latest"
-        if pointer.is_file():
-            step = root / pointer.read_text().strip()
-            if not (step / "state.json").is_file():
-                raise ConversionError(f"{pointer} names {step.name}, which is not a complete checkpoint "
-                                      f"(no {step / 'state.json'})")
-            return step
-    raise ConversionError(f"{path} is not a checkpoint: expected a step directory with state.json, or a run / "
-                          "checkpoints directory with a 'latest' pointer")
+    """A run dir or its checkpoints dir (-> the checkpoint ``latest`` names) or a step dir."""
+    from fbt_megatron.checkpoint import CheckpointError
+    from fbt_megatron.checkpoint import resolve_checkpoint as resolve
+
+    try:
+        return resolve(path)
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
 
 
 def read_checkpoint_state(path: Path) -> dict:
-    return json.loads((Path(path) / "state.json").read_text())
+    from fbt_megatron.checkpoint import read_checkpoint_state as read
+
+    return read(path)
 
 
 class CheckpointTensors:
     def __init__(self, path: Path):
-        _safe_metadata_reader()  # no arbitrary unpickling of the .metadata file
+        from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
+
+        install_safe_metadata_reader()  # no arbitrary unpickling of the .metadata file
         self.path = Path(path)
         self.dir = self.path / WEIGHTS
         if not (self.dir / ".metadata").is_file():
@@ -163,6 +143,7 @@ def load_framework_model(checkpoint: str | Path):
     """The checkpoint's FBT model at the current (world-of-one) parallel layout, weights loaded, in eval
     mode: the reference the parity tests compare an export against. Call inside a process group."""
     from fbt_megatron import runtime
+    from fbt_megatron.checkpoint import load_model_weights
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.train.recipe import load_recipe
 
@@ -171,38 +152,23 @@ def load_framework_model(checkpoint: str | Path):
     recipe.parallel.tensor = 1
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     model = build_model(recipe.model, recipe.feedback)
-    if _new_checkpoint_api():
-        from fbt_megatron.checkpoint import load_model_weights
-
-        load_model_weights(path, model)
-    else:
-        from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
-
-        CheckpointManager(path.parent).load_weights(path, ParamTemplates(model))
+    load_model_weights(path, model)
     return model.eval()
 
 
 def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
     """Save a freshly built (TP=1) model as step 0 of ``run_dir`` with the trainer's own checkpoint
     manager and a fresh optimiser (zero AdamW moments), so ``fbt train`` resumes it in any layout."""
+    from fbt_megatron.checkpoint import CheckpointManager
+    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
     from fbt_megatron.train.engine import Engine
     from fbt_megatron.train.trainer import TrainState
 
-    if _new_checkpoint_api():
-        from fbt_megatron.checkpoint import CheckpointManager
-        from fbt_megatron.checkpoint.shards import ZeroState, param_specs
-
-        specs = param_specs(model)  # before DeepSpeed wraps the model
-        save = lambda manager, engine, payload: manager.save(0, ZeroState(engine, specs), payload)  # noqa: E731
-    else:
-        from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
-
-        templates = ParamTemplates(model)
-        save = lambda manager, engine, payload: manager.save(0, engine, templates, payload)  # noqa: E731
+    specs = param_specs(model)  # before DeepSpeed wraps the model (ZeRO-3 empties parameters)
     engine = Engine(model, recipe)
     payload = {"train_state": TrainState().to_json(), "optimizer_steps": 0,
                "layout": {"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage},
                "pass_schedule": {"position": 0, **recipe.schedule.model_dump()},
                "data_cursor": {"consumed_sequences": 0, "loader": None},
                "recipe": recipe.model_dump(mode="json")}
-    return save(CheckpointManager(Path(run_dir) / "checkpoints"), engine, payload)
+    return CheckpointManager(Path(run_dir) / "checkpoints").save(0, ZeroState(engine, specs), payload)
