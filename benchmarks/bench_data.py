@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from data_pipeline.config import DataConfig  # noqa: E402
 from data_pipeline.embedded import build_embedded, code_documents, stdlib_files  # noqa: E402
 from data_pipeline.loader import build_loader  # noqa: E402
-from data_pipeline.shards import prepare_dataset  # noqa: E402
+from data_pipeline.prepare import prepare_dataset  # noqa: E402
 
 
 def bench_write(tokenizer: str, workers: int, mb: float) -> dict:
