@@ -83,30 +83,39 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 class FeistelPermutation:
-    """A seeded bijection of ``[0, n)`` with O(1) memory and random access: a balanced Feistel network on
-    the smallest even number of bits covering ``n`` (6 rounds of a splitmix64 round function), with
-    cycle-walking for values ``>= n`` (fewer than 4 walks expected, since the domain is < 4n)."""
+    """A seeded bijection of ``[0, n)`` with O(1) memory and random access (a Feistel network).
 
-    ROUNDS = 6
+    A value of ``bits = bit_length(n - 1)`` bits is split into a high part ``L`` and a low part ``R``;
+    rounds alternately XOR one part with a keyed splitmix64 hash of the other (each such step is its own
+    inverse, so the whole is a bijection of ``[0, 2^bits)``, also when the parts differ in width).
+    Values ``>= n`` are cycle-walked (mapped again until they fall in range; ``2^bits < 2n``, so fewer
+    than 2 walks are expected)."""
+
+    ROUNDS = 8
 
     def __init__(self, n: int, key: list[int]):
         self.n = int(n)
-        half = max(1, (max(1, (self.n - 1).bit_length()) + 1) // 2)
-        self.half = np.uint64(half)
-        self.mask = np.uint64((1 << half) - 1)
+        bits = max(1, (self.n - 1).bit_length())
+        low = (bits + 1) // 2
+        self.low = np.uint64(low)
+        self.low_mask = np.uint64((1 << low) - 1)
+        self.high_mask = np.uint64((1 << (bits - low)) - 1)
         self.keys = np.random.default_rng(key).integers(0, 2**63, size=self.ROUNDS, dtype=np.uint64)
 
-    def _round_trip(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> self.half, x & self.mask
-        for k in self.keys:
-            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
-        return (left << self.half) | right
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        high, low = x >> self.low, x & self.low_mask
+        for r, k in enumerate(self.keys):
+            if r % 2 == 0:
+                high = high ^ (_mix64(low ^ k) & self.high_mask)
+            else:
+                low = low ^ (_mix64(high ^ k) & self.low_mask)
+        return (high << self.low) | low
 
     def __call__(self, pos: np.ndarray) -> np.ndarray:
-        y = self._round_trip(np.asarray(pos, np.uint64))
+        y = self._rounds(np.asarray(pos, np.uint64))
         out = y >= self.n
         while out.any():
-            y[out] = self._round_trip(y[out])
+            y[out] = self._rounds(y[out])
             out = y >= self.n
         return y.astype(np.int64)
 
