@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import tarfile
 import weakref
@@ -188,6 +189,10 @@ class Dataset:
                 names = [s["file"] for s in index["shards"]]
             else:
                 lengths, offsets, crc = (np.load(path / ARRAY_FILES[k], mmap_mode="r") for k in ("lengths", "offsets", "crc32"))
+                for arr in (lengths, offsets, crc):  # shuffled reads: no readahead of neighbouring pages
+                    mm = getattr(arr, "_mmap", None)
+                    if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+                        mm.madvise(mmap.MADV_RANDOM)
                 table = np.load(path / SHARDS_FILE).astype(np.int64, copy=False)
                 names = [shard_name(i) for i in range(len(table))]
         except Exception as exn:
