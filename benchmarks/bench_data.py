@@ -31,16 +31,16 @@ from data_pipeline.loader import build_loader  # noqa: E402
 from data_pipeline.prepare import prepare_dataset  # noqa: E402
 
 
-def bench_write(tokenizer: str, workers: int, mb: float) -> dict:
+def bench_write(tokenizer: str, workers: int, mb: float, shard_mb: float) -> dict:
     docs = list(code_documents(stdlib_files(), int(mb * 1e6), seed=0))
     nbytes = sum(len(t.encode()) for _, t in docs)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        idx = prepare_dataset([], Path(tmp) / "code", tokenizer, name="code", shard_bytes=4 << 20,
+        idx = prepare_dataset([], Path(tmp) / "code", tokenizer, name="code", shard_bytes=int(shard_mb * (1 << 20)),
                               num_workers=workers, progress=False, documents=iter(docs))
         dt = time.perf_counter() - t0
         shard_bytes = sum(f.stat().st_size for f in (Path(tmp) / "code").glob("shard-*.tar"))
-    return {"workers": workers, "seconds": round(dt, 2), "tokens": idx["num_tokens"],
+    return {"workers": workers, "seconds": round(dt, 2), "tokens": idx["num_tokens"], "shards": idx["num_shards"],
             "tokens_per_s": round(idx["num_tokens"] / dt), "text_MB_per_s": round(nbytes / dt / 1e6, 2),
             "shard_MB_per_s": round(shard_bytes / dt / 1e6, 2)}
 
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--write-mb", type=float, default=3.0, help="MB of stdlib source for the write benchmark")
+    p.add_argument("--write-shard-mb", type=float, default=0.25, help="shard size of the write benchmark "
+                   "(the work is split by shard: several shards are needed to use 2 workers)")
     p.add_argument("--write-repeats", type=int, default=2, help="alternating 1/2-worker write runs (best kept)")
     p.add_argument("--consumer-tokens-per-s", type=float, default=None)
     p.add_argument("--recipe", default=str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"))
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     cfg = DataConfig(**{**data, "seq_length": a.seq_length})
     res = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     # alternate 1 and 2 workers (the machine is shared: load changes during the run), keep each best
-    runs = [bench_write(cfg.tokenizer, w, a.write_mb) for _ in range(a.write_repeats) for w in (1, 2)]
+    runs = [bench_write(cfg.tokenizer, w, a.write_mb, a.write_shard_mb) for _ in range(a.write_repeats) for w in (1, 2)]
     res["write_runs"] = runs
     res["write"] = [max((r for r in runs if r["workers"] == w), key=lambda r: r["tokens_per_s"]) for w in (1, 2)]
     res["write_speedup_2_over_1"] = round(res["write"][1]["tokens_per_s"] / res["write"][0]["tokens_per_s"], 2)

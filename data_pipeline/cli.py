@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tokenizer", required=True)
     q.add_argument("--out", required=True, help="dataset directory to write")
     q.add_argument("--name", help="source name (default: the output directory's name)")
-    q.add_argument("--shard-mb", type=float, default=16.0)
+    q.add_argument("--shard-mb", type=float, default=16.0,
+                   help="about this many MB per shard (estimated from the text; shards are the unit of parallel work)")
     q.add_argument("--workers", type=int, default=2, help="tokenizer/shard-writer processes")
     q.add_argument("--text-field", default="text")
     q.add_argument("--id-field", default="id")

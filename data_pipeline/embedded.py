@@ -207,7 +207,7 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = 4096, code_mb: f
     del sample
     summary = {}
     for name, make in makers.items():
-        idx = prepare_dataset([], out / name, out / "tokenizer.model", name=name, shard_bytes=4 << 20,
+        idx = prepare_dataset([], out / name, out / "tokenizer.model", name=name, shard_bytes=1 << 20,
                               num_workers=workers, progress=progress, documents=make(),
                               extra_meta={"embedded": settings})
         summary[name] = {"samples": idx["num_samples"], "tokens": idx["num_tokens"], "shards": idx["num_shards"]}
