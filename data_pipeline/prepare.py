@@ -20,6 +20,7 @@ How the work is split, and why:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import multiprocessing as mp
@@ -173,6 +174,37 @@ def prepare_dataset(
     settings = {"format_version": FORMAT_VERSION, "name": name, "tokenizer_hash": thash, "shard_bytes": shard_bytes,
                 "text_field": text_field, "id_field": id_field, "inputs": inputs, "meta": extra_meta}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    lock = _lock(out_dir.with_name(out_dir.name + ".lock"))
+    try:
+        return _prepare(documents, out_dir, tmp, tokenizer, name=name, thash=thash, vocab=vocab, eos=sp.eos_id(),
+                        dtype=dtype, counts=counts, settings=settings, shard_bytes=shard_bytes,
+                        num_workers=num_workers, progress=progress, paths=paths, extra_meta=extra_meta)
+    finally:
+        Path(lock.name).unlink(missing_ok=True)
+        lock.close()
+
+
+def _lock(path: Path):
+    """An exclusive lock on ``<out>.lock``: two runs writing the same ``<out>.tmp`` would corrupt it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise SourceError(f"another `fbt data prepare` (pid {holder}) is writing {path.with_suffix('.tmp')} "
+                          f"(lock {path}); wait for it or stop it") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
+
+
+def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, vocab, eos, dtype, counts, settings,
+             shard_bytes, num_workers, progress, paths, extra_meta) -> dict:
     resumed = False
     if tmp.is_dir():
         try:
@@ -249,7 +281,7 @@ def prepare_dataset(
         raise SourceError(f"source {name!r} is empty: no non-empty documents in {where} "
                           f"({counts.get('empty', 0)} empty skipped)")
     infos.sort(key=lambda i: i["shard"])
-    index = _write_index(tmp, infos, name=name, thash=thash, tokenizer=tokenizer, vocab=vocab, eos=sp.eos_id(),
+    index = _write_index(tmp, infos, name=name, thash=thash, tokenizer=tokenizer, vocab=vocab, eos=eos,
                          dtype=dtype, counts=counts, paths=paths, extra_meta=extra_meta)
     seconds = time.time() - t0
     index["seconds"] = round(seconds, 3)

@@ -124,3 +124,17 @@ def test_cli_prepare_prints_throughput(corpus, tmp_path, capsys):
     assert summary["shards"] == corpus["ref_index"]["num_shards"] and summary["prepare"]["tokens_per_s"] > 0
     assert "tokens/s with 2 worker(s)" in cap.err
     assert json.loads((out / "index.json").read_text())["format_version"] == 2
+
+
+def test_a_second_concurrent_prepare_is_refused(corpus, tmp_path):
+    from data_pipeline.errors import SourceError
+    from data_pipeline.prepare import _lock
+
+    held = _lock(tmp_path / "mix.lock")  # as a running prepare holds it
+    try:
+        with pytest.raises(SourceError, match=rf"another `fbt data prepare` \(pid {os.getpid()}\) is writing .*mix\.tmp"):
+            prepare_dataset(corpus["inputs"], tmp_path / "mix", corpus["tok"], shard_bytes=SHARD, progress=False)
+    finally:
+        held.close()
+    idx = prepare_dataset(corpus["inputs"], tmp_path / "mix", corpus["tok"], shard_bytes=SHARD, progress=False)
+    assert idx["num_samples"] == corpus["ref_index"]["num_samples"] and not (tmp_path / "mix.lock").exists()
