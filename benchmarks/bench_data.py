@@ -2,6 +2,10 @@
 
 * shard writing: tokens/s and MB/s of ``prepare_dataset`` on the Python standard library source
   with 1 and 2 worker processes (alternated ``--write-repeats`` times, best of each kept);
+  Wall-clock speed-up needs idle cores: with ``sched_autogroup`` (on here) the kernel shares the CPU
+  between sessions, so while other sessions keep the cores busy a second worker in the same session
+  gets no extra CPU. ``tokens_per_cpu_s`` (CPU time of the process and its workers) shows the parallel
+  overhead independently of other load;
 * loader: tokens/s of the streaming loader with one DataLoader worker (DP=1) on the embedded mix;
 * the ratio of the loader's rate to what the tiny recipe consumes per second, measured in the same
   run: the recipe's FBT model at its micro-batch shape, 1 pass, forward + backward + AdamW. Steps
@@ -131,6 +135,8 @@ def main(argv=None) -> int:
             print(f"shard writing ({w['workers']} proc): {w['tokens_per_s']:,} tokens/s ({w['tokens_per_cpu_s']:,} "
                   f"tokens per CPU-second)")
         print(f"2 workers / 1 worker: {res['write_speedup_2_over_1']}x")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
         return 0
     res["loader"] = bench_loader(cfg, a.micro_batch, a.global_batch, a.seconds, workers=1)
     res["loader_in_process"] = bench_loader(cfg, a.micro_batch, a.global_batch, a.seconds, workers=0)
