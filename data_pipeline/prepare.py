@@ -37,7 +37,7 @@ import numpy as np
 import webdataset as wds
 
 from .errors import SourceError
-from .shards import (ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDS_FILE, sample_key, shard_name)
+from .shards import ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDS_FILE, sample_key, shard_name
 from .sources import expand_paths, iter_documents
 from .tokenizer import load_tokenizer, tokenizer_hash
 

@@ -17,7 +17,6 @@ from data_pipeline.errors import CorruptShardError, IndexError_, SourceError, To
 from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.shards import Dataset, sample_key, verify_dataset
-from data_pipeline.stream import Planner
 from data_pipeline.testing import build_fixture, fixture_config
 from data_pipeline.tokenizer import train_tokenizer
 
