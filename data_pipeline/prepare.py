@@ -21,6 +21,7 @@ How the work is split, and why:
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -244,6 +245,9 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
     pool = None
     try:
         if num_workers > 1:
+            # forked workers would otherwise copy the parent's heap page by page as their garbage
+            # collector walks the inherited objects (torch is imported by webdataset): freeze them first
+            gc.freeze()
             pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
                                        initargs=init)
             submit = pool.submit
@@ -273,6 +277,7 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)  # finished shards stay for a resume
+            gc.unfreeze()
         if pbar is not None:
             pbar.close()
     if not infos:
