@@ -100,7 +100,11 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
+def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, probe=None) -> dict:
+    """Train ``recipe``; returns a summary. Test hooks: ``inject_nonfinite`` ({step: fault}, see
+    ``train_step.FAULT_KINDS``) and ``probe``, a callable ``(engine) -> Callback`` whose callback may
+    leave a result in ``trainer.metrics["probe"]`` (returned as ``summary["probe"]``)."""
+    import torch
     from megatron.core import parallel_state as ps
 
     from fbt_megatron.model.fbt_gpt import build_model
@@ -123,7 +127,9 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
 
     prepare_data(recipe, log)
     check_tokenizer(recipe)
-    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel)
+    dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
+    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
+                        dtype=dtype)
     templates = ParamTemplates(model)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
                              async_save=recipe.checkpoint.async_save)
@@ -174,6 +180,8 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
                                    async_save=recipe.checkpoint.async_save))
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
+    if probe is not None:
+        callbacks.append(probe(engine))
 
     total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
@@ -200,12 +208,13 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
         "stop_reason": trainer.stop_reason, "checkpoint": trainer.metrics.get("checkpoint"),
         "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
         "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
-        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum) for r in trainer.history],
+        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm) for r in trainer.history],
         "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
+        "probe": trainer.metrics.get("probe"),
     }
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds")},
+        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds", "probe")},
                                                          indent=1, default=str))
     return summary
 
