@@ -29,11 +29,11 @@ def reference(tmp_path_factory):
 def assert_same_training(reference, summary, what):
     ref, got = losses(reference), losses(summary)
     assert len(got) == len(ref)
-    diffs = [abs(a - b) for a, b in zip(ref, got)]
-    assert max(diffs) < TOL, f"{what}: per-step loss |diff| {diffs}"
     ref_norms, norms = grad_norms(reference), grad_norms(summary)
     rel = [abs(a - b) / a for a, b in zip(ref_norms, norms)]
     assert max(rel) < TOL, f"{what}: per-step grad-norm relative diff {rel} ({ref_norms} vs {norms})"
+    diffs = [abs(a - b) for a, b in zip(ref, got)]
+    assert max(diffs) < TOL, f"{what}: per-step loss |diff| {diffs}"
     assert [h[1] for h in summary["history"]] == [h[1] for h in reference["history"]]
     assert [h[4] for h in summary["history"]] == [h[4] for h in reference["history"]]  # same samples
     params, ref_params = summary["probe"], reference["probe"]

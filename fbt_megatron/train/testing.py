@@ -41,8 +41,9 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
     """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary.
 
     ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``train_step.FAULT_KINDS``).
-    ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end) or "step_states"
-    (parameters, both AdamW moments and Adam's step count before training and after every step)."""
+    ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end), "step_states"
+    (parameters, both AdamW moments and Adam's step count before training and after every step) or
+    "engine_info" (DeepSpeed's optimiser and dtypes)."""
     os.environ.update(env or {})
     from fbt_megatron.train.recipe import load_recipe
     from fbt_megatron.train.run import train
@@ -120,4 +121,23 @@ def _step_states(engine):
     return StepStates()
 
 
-PROBES = {"final_params": _final_params, "step_states": _step_states}
+def _engine_info(engine):
+    from fbt_megatron.train.trainer import Callback
+
+    class EngineInfo(Callback):
+        """The precision DeepSpeed actually runs with (optimiser, dtypes of weights, masters, grads)."""
+
+        def on_train_end(self, trainer):
+            ds = engine.ds
+            _, accum = ds.get_data_types()
+            masters = [p for g in engine.torch_optimizer.param_groups for p in g["params"]]
+            masters += list(getattr(ds.optimizer, "fp32_partitioned_groups_flat", None) or [])
+            trainer.metrics["probe"] = {
+                "optimizer": type(ds.optimizer).__name__, "param_dtype": str(next(engine.model.parameters()).dtype),
+                "master_dtype": str(masters[0].dtype), "grad_accum_dtype": str(accum),
+                "communication_data_type": str(ds.communication_data_type)}
+
+    return EngineInfo()
+
+
+PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info}
