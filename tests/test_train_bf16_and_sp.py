@@ -10,7 +10,9 @@ import torch
 from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.train.testing import grad_norms, losses, tiny_recipe, train_fn
 
-BF16 = dict(precision="bf16", parallel={"zero_stage": 1}, train={"steps": 4},
+# bf16 matmuls are slow on CPU: a shorter run on shorter rows than the other training tests.
+BF16 = dict(precision="bf16", parallel={"zero_stage": 1}, train={"steps": 3}, data={"seq_length": 16},
+            batch={"global_batch_size": 4, "micro_batch_size": 2}, schedule={"feedback_start_step": 1},
             checkpoint={"every": 1000, "at_end": True})
 
 
@@ -20,13 +22,13 @@ def test_bf16_resume_matches_straight_bf16_run(tmp_path):
     assert info["optimizer"] == "BF16_Optimizer" and info["param_dtype"] == "torch.bfloat16"
     assert info["grad_accum_dtype"] == "torch.float32" and info["communication_data_type"] == "torch.float32"
     assert info["master_dtype"] == "torch.float32"
-    assert all(math.isfinite(x) for x in losses(straight)) and losses(straight)[-1] < losses(straight)[0]
+    assert all(math.isfinite(x) for x in losses(straight)) and not any(h[3] for h in straight["history"])
 
     first = tiny_recipe(tmp_path / "resumed", **BF16)
     first["train"]["stop_at_step"] = 2
     a = run_distributed(train_fn, 1, first)[0]
     b = run_distributed(train_fn, 1, tiny_recipe(tmp_path / "resumed", **BF16))[0]
-    assert a["step"] == 2 and b["history"][0][0] == 2 and b["step"] == 4
+    assert a["step"] == 2 and b["history"][0][0] == 2 and b["step"] == 3
     assert losses(a) + losses(b) == losses(straight)  # bit-identical: fp32 masters and moments restored
     assert grad_norms(a) + grad_norms(b) == grad_norms(straight)
 
