@@ -37,7 +37,8 @@ def test_forward_feeds_h_init_at_every_document_start(single_process, attention_
         embedded = model.gpt.embedding(input_ids=ids, position_ids=positions)
         h_init_input = model.feedback(model.feedback.initial_states(), embedded)  # pass 1 = h_init everywhere
     torch.testing.assert_close(first, h_init_input, rtol=0, atol=0)
-    starts = reset.clone()
+    starts = doc_start.t().clone()  # [S, B], from the inputs, not from the model's helper
+    starts[0] = True
     assert starts.sum() == 5  # position 0 of both rows and the three packed document starts
     torch.testing.assert_close(second[starts], h_init_input[starts], rtol=1e-6, atol=1e-6)
     assert (second[~starts] - h_init_input[~starts]).norm(dim=-1).min() > 1e-4  # others got a fed-back state
