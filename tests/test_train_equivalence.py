@@ -19,7 +19,7 @@ PARAM_TOL = 1e-5  # after 6 AdamW steps at lr 3e-3 (measured: ~2e-7 across layou
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = run_distributed(train_fn, 1, tiny_recipe(tmp_path_factory.mktemp("ref")), None, None, "final_params")[0]
+    out = run_distributed(train_fn, 1, tiny_recipe(tmp_path_factory.mktemp("ref")), None, None, None, "final_params")[0]
     passes = [h[1] for h in out["history"]]
     assert len(passes) >= 5 and max(passes) > 1, f"the run must contain feedback steps: {passes}"
     assert all(g is not None and g > 0 for g in grad_norms(out)), grad_norms(out)
@@ -47,7 +47,7 @@ def assert_same_training(reference, summary, what):
     {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"tensor": 2, "zero_stage": 1},
 ], ids=["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2"])
 def test_two_processes_follow_single_process(reference, parallel, tmp_path):
-    out = run_distributed(train_fn, 2, tiny_recipe(tmp_path, parallel=parallel), None, None, "final_params")
+    out = run_distributed(train_fn, 2, tiny_recipe(tmp_path, parallel=parallel), None, None, None, "final_params")
     for rank, rank_summary in enumerate(out):
         assert_same_training(reference, rank_summary, f"{parallel} rank {rank}")
 
@@ -60,6 +60,6 @@ def test_no_accumulation_follows_accumulation(tmp_path):
     for mbs in (2, 8):
         recipe = tiny_recipe(tmp_path / f"mbs{mbs}", batch={"global_batch_size": 8, "micro_batch_size": mbs},
                              feedback={"jitter_std": 0.0})
-        runs[mbs] = run_distributed(train_fn, 1, recipe, None, None, "final_params")[0]
+        runs[mbs] = run_distributed(train_fn, 1, recipe, None, None, None, "final_params")[0]
     assert max(h[1] for h in runs[2]["history"]) > 1
     assert_same_training(runs[2], runs[8], "accumulation 4 vs 1")

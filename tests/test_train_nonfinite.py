@@ -29,7 +29,7 @@ def same_state(a: dict, b: dict, what: str) -> None:
 def test_nonfinite_gradient_and_loss_skip_the_step(tmp_path, zero_stage):
     recipe = tiny_recipe(tmp_path, parallel={"zero_stage": zero_stage}, train={"steps": 6},
                          optimizer={"lr": 3e-3, "weight_decay": WEIGHT_DECAY, "grad_clip": 1.0})
-    summary = run_distributed(train_fn, 2, recipe, FAULTS, None, "step_states")[0]
+    summary = run_distributed(train_fn, 2, recipe, FAULTS, None, None, "step_states")[0]
     states, history = summary["probe"], summary["history"]
     assert [h[3] for h in history] == [False, False, True, True, True, False]
     assert summary["skipped_steps"] == 3 and summary["stop_reason"] is None

@@ -4,7 +4,7 @@ DeepSpeed is told about Megatron's parallel groups through :class:`MegatronMPU`,
 over the data-parallel group only, and the gradient norm counts TP-sharded parameters once per TP
 rank and TP-replicated parameters once. On CPU DeepSpeed runs with ``DS_ACCELERATOR=cpu`` over the
 gloo process group that :mod:`fbt_megatron.runtime` already started; params and optimiser are fp32.
-On GPU (or with ``precision: bf16``) the model is bf16 with fp32 master weights, fp32 gradient
+On GPU (or with ``precision: bf16`` / ``FBT_DTYPE=bf16``) the model is bf16 with fp32 master weights, fp32 gradient
 accumulation and an fp32 (configurable) data-parallel reduction, as Megatron does with its fp32
 main grads; see :func:`precision_config`.
 
@@ -126,16 +126,16 @@ def precision_config(recipe) -> dict:
     micro-batches in fp32 (``data_types.grad_accum_dtype``: ZeRO-1 -> DeepSpeed's BF16_Optimizer,
     ZeRO-3 -> fp32 grad partitions) and reduced over data parallelism in
     ``parallel.grad_reduce_dtype`` (``communication_data_type``, fp32 by default). DeepSpeed 0.19
-    accumulates in bf16 at ZeRO-0 and ZeRO-2 whatever the config says; the recipe refuses those
-    (``check_layout``). ``check_grad_overflow`` makes a non-finite gradient skip the step.
+    accumulates in bf16 at ZeRO-0 and ZeRO-2 whatever the config says; a run there starts with a warning
+    (``recipe.bf16_accumulation_warning``). ``check_grad_overflow`` makes a non-finite gradient skip the step.
     """
     if recipe.resolved_precision() != "bf16":
         return {}
-    return {
-        "bf16": {"enabled": True, "check_grad_overflow": True},
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "communication_data_type": recipe.parallel.grad_reduce_dtype,
-    }
+    cfg = {"bf16": {"enabled": True, "check_grad_overflow": True},
+           "communication_data_type": recipe.parallel.grad_reduce_dtype}
+    if recipe.parallel.zero_stage != 0:  # ZeRO-0 raises NotImplementedError on an fp32 accumulation dtype
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
 
 
 def deepspeed_config(recipe, dp_size: int) -> dict:
@@ -253,7 +253,7 @@ class Engine:
 
         torch's AdamW initialises exactly these values on its first step, so training is unchanged;
         having them early lets a resume write loaded moments into them (and ZeRO 1/2 link each
-        parameter's fragment of the flat state, which ``safe_{get,set}_full_optimizer_state`` use).
+        parameter's fragment of the flat state, which the checkpoint's fragment access uses).
         """
         opt = self.torch_optimizer
         # ZeRO-3 puts its fp32 partitions into the param groups only during a step.

@@ -295,8 +295,14 @@ def check_layout(recipe: Recipe, world_size: int) -> int:
         raise RecipeError(
             f"recipe key 'parallel.sequence_parallel': data.seq_length={recipe.data.seq_length} is not divisible "
             f"by parallel.tensor={p.tensor} (sequence parallelism splits the sequence over the TP ranks)")
-    if recipe.resolved_precision() == "bf16" and p.zero_stage in (0, 2):
-        raise RecipeError(
-            f"recipe key 'parallel.zero_stage': {p.zero_stage} with bf16 precision accumulates gradients in bf16 "
-            "(DeepSpeed 0.19 has no fp32 accumulation there); use zero_stage 1 or 3, or precision=fp32")
     return dp
+
+
+def bf16_accumulation_warning(recipe: Recipe) -> str | None:
+    """DeepSpeed 0.19 accumulates gradients in bf16 at ZeRO-0 and ZeRO-2 whatever the config asks
+    (ZeRO-1 and 3 accumulate in fp32): said at the start of such a run."""
+    p = recipe.parallel
+    if recipe.resolved_precision() == "bf16" and p.zero_stage in (0, 2):
+        return (f"warning: parallel.zero_stage={p.zero_stage} with bf16 accumulates gradients in bf16 (DeepSpeed has "
+                "no fp32 accumulation there); zero_stage 1 or 3 accumulate in fp32")
+    return None

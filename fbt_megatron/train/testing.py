@@ -37,9 +37,10 @@ def tiny_recipe(run_dir: str, **sections) -> dict:
     return data
 
 
-def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, probe: str | None = None) -> dict:
+def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None,
+             probe: str | None = None) -> dict:
     """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary.
-
+    ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save.
     ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``train_step.FAULT_KINDS``).
     ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end), "step_states"
     (parameters, both AdamW moments and Adam's step count before training and after every step) or
@@ -50,7 +51,39 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
 
     recipe = load_recipe(data=recipe_data)
     return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=inject_nonfinite,
+                 checkpoint_fault_hook=kill_at(fault) if fault else None,
                  probe=PROBES[probe] if probe else None)
+
+
+def kill_at(fault: str):
+    """A checkpoint fault hook that ends the process at ``<point>@<step>`` as a crash would."""
+    want_point, want_step = fault.split("@")
+
+    def hook(point: str, step: int) -> None:
+        if point == want_point and step == int(want_step):
+            os._exit(17)
+
+    return hook
+
+
+def main(argv=None) -> int:
+    """``python -m fbt_megatron.train.testing RECIPE.yaml POINT@STEP``: ``fbt train`` with a save killed
+    at POINT of step STEP (the crash tests run this as a child process; not a user command)."""
+    import sys
+
+    import yaml
+
+    from fbt_megatron import runtime
+    from fbt_megatron.train.engine import ensure_ds_accelerator
+
+    recipe_path, fault = (argv if argv is not None else sys.argv[1:])[:2]
+    ensure_ds_accelerator()
+    runtime.init_distributed()
+    try:
+        train_fn(yaml.safe_load(open(recipe_path)), fault=fault)
+    finally:
+        runtime.shutdown()
+    return 0
 
 
 def losses(summary: dict) -> list[float]:
@@ -141,3 +174,7 @@ def _engine_info(engine):
 
 
 PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
