@@ -136,6 +136,24 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
     return cfg
 
 
+def model_parallel_grad_norm(params) -> float:
+    """L2 norm of the gradients of the whole model: each parameter counted once over tensor and
+    pipeline parallelism (TP-replicated ones on TP rank 0, tied pipeline replicas marked
+    ``ds_pipe_replicated`` not at all). A collective over the model-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device())
+    for p in params:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if tp_rank > 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        total += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return float(total.sqrt())
+
+
 class SkippableStep:
     """Wraps the inner optimiser's ``step`` so the train step can skip one step entirely."""
 
@@ -178,10 +196,18 @@ class Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.sequence_parallel:
             self._hook_sequence_parallel_grads(params)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            if self.zero_stage == 3:
+                raise ValueError("parallel.zero_stage=3 with parallel.pipeline > 1 is not supported "
+                                 "(ZeRO-3 gathers weights around the engine's forward, which a pipeline "
+                                 "stage does not use); allowed: 0, 1, 2")
+            self._mark_pipeline_replicas(model)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.config, mpu=MegatronMPU(),
             dist_init_required=False)
         self.model = self.ds.module
+        if self.zero_stage == 0 and runtime.default_dtype_name() == "fp32":
+            self.ds.clip_fp32_gradients = self._clip_fp32_gradients
         if self.zero_stage == 3:
             self._register_shared_weights(deepspeed, self.model)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
@@ -241,6 +267,30 @@ class Engine:
             return None
         norm = self.ds.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    @staticmethod
+    def _mark_pipeline_replicas(model) -> None:
+        """The last stage's copy of the embedding tied to the first stage's is a replica: DeepSpeed
+        leaves parameters marked ``ds_pipe_replicated`` out of the gradient norm (counted once)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.is_pipeline_first_stage(ignore_virtual=True):
+            return
+        for p in model.parameters():
+            if getattr(p, "shared_embedding", False):
+                p.ds_pipe_replicated = True
+
+    def _clip_fp32_gradients(self):
+        """ZeRO-0 fp32 clipping with every parameter counted once over TP and PP (DeepSpeed's
+        ``clip_grad_norm_`` counts TP-replicated parameters only on model-parallel rank 0, i.e. on
+        the first pipeline stage, and counts tied pipeline replicas twice). Records the norm so
+        ZeRO-0 reports a gradient norm too."""
+        params = [p for p in self.ds.module.parameters() if p.grad is not None]
+        norm = model_parallel_grad_norm(params)
+        coef = min(1.0, self.ds.gradient_clipping() / (norm + 1e-6))
+        for p in params:
+            p.grad.mul_(coef)
+        self.ds._global_grad_norm = norm
 
     @staticmethod
     def _register_shared_weights(deepspeed, model) -> None:
