@@ -549,4 +549,5 @@ def finish_backward(engine, device) -> None:
     """The accumulation boundary on this rank: a backward that touches no parameter, so DeepSpeed
     runs its boundary reductions (ZeRO-0 all-reduce, ZeRO-1 reduce, ZeRO-2 epilogue) over what the
     step's backward calls accumulated."""
-    engine.backward(torch.zeros((), requires_grad=True, device=device), is_boundary=True)
+    nothing = torch.zeros((), requires_grad=True, device=device) * 1.0  # DeepSpeed wants a grad_fn
+    engine.backward(nothing, is_boundary=True)

@@ -207,7 +207,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
         "stop_reason": trainer.stop_reason, "checkpoint": trainer.metrics.get("checkpoint"),
         "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
         "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
-        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum) for r in trainer.history],
+        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm) for r in trainer.history],
         "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
     }
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
