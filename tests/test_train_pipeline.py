@@ -49,7 +49,9 @@ def assert_follows(reference, summary, steps=None):
     (4, {"pipeline": 2, "zero_stage": 2}),  # PP=2 x DP=2
 ], ids=["pp2-zero1", "pp2-dp2-zero2"])
 def test_pipeline_follows_single_process(reference, tmp_path, world, parallel):
-    out = run_distributed(train_fn, world, recipe(tmp_path, **parallel))
+    r = recipe(tmp_path, **parallel)
+    r["checkpoint"]["at_end"] = False  # (saving at DP=2 under ZeRO-1/2 is the checkpoint issue's; not needed here)
+    out = run_distributed(train_fn, world, r)
     for summary in out:
         assert_follows(reference, summary)
         assert summary["val_loss_1pass"] == pytest.approx(reference["val_loss_1pass"], abs=TOL)

@@ -545,9 +545,10 @@ def engine_backward(engine):
     return backward
 
 
-def finish_backward(engine, device) -> None:
-    """The accumulation boundary on this rank: a backward that touches no parameter, so DeepSpeed
-    runs its boundary reductions (ZeRO-0 all-reduce, ZeRO-1 reduce, ZeRO-2 epilogue) over what the
-    step's backward calls accumulated."""
-    nothing = torch.zeros((), requires_grad=True, device=device) * 1.0  # DeepSpeed wants a grad_fn
-    engine.backward(nothing, is_boundary=True)
+def finish_backward(engine, model) -> None:
+    """The accumulation boundary on this rank: one more backward, adding exactly zero to one
+    parameter's gradient (ZeRO-2 sets up its reduction buckets only when some parameter's gradient
+    arrives), so DeepSpeed runs its boundary reductions (ZeRO-0 all-reduce, ZeRO-1 reduce, ZeRO-2
+    epilogue) over what the step's backward calls accumulated."""
+    param = next(p for p in model.parameters() if p.requires_grad)
+    engine.backward((param * 0.0).sum(), is_boundary=True)

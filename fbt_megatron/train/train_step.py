@@ -106,7 +106,7 @@ class FBTTrainStep:
 
         out = self.pipeline.run(micro_batches, k, training=True, scale=scale, jitter_seeds=jseeds,
                                 backward=engine_backward(self.engine))
-        finish_backward(self.engine, self.device)
+        finish_backward(self.engine, self.pipeline.model)
         residuals = torch.stack(out.residuals).float() if out.residuals else None
         return out.loss_sum.clone(), residuals
 
