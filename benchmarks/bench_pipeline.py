@@ -1,14 +1,16 @@
 """Pipeline bubble and activation memory at PP=2, k = 1, 2, 3 passes, measured on gloo processes.
 
 For each k, after a warm-up step, every stage times each of its ops over several steps and reports:
-- measured bubble = 1 - (time spent in ops) / (step time), the step timed from a barrier to the
-  end of the schedule (idle includes waiting on point-to-point messages);
-- theoretical bubble = the closed form of the schedule, (P-1)(f+b) / (m (k f + n_b b) + (P-1)(f+b)),
-  with f and b this run's mean forward and backward op times (max over stages), and the ratio
-  measured / theoretical (goal <= 1.1);
+- measured bubble = 1 - (time computing in ops) / (step time): the step is timed from a barrier to
+  the end of ``PipelineRunner.run`` (final tied-gradient and loss all-reduces included), time blocked
+  in a receive counts as idle;
+- theoretical bubble = the schedule's own order simulated with each stage's median forward and
+  backward op times and free communication (stages are unbalanced: the first has the embedding and
+  fusion, the last the LM head), and the ratio measured / theoretical (goal <= 1.1); the uniform
+  closed form (P-1)(f+b) / (m (k f + n_b b) + (P-1)(f+b)) is printed alongside;
 - peak activation memory per stage: the most bytes held at once by tensors autograd saved for
-  backward (counted once per storage, via saved-tensor hooks), next to the schedule's prediction
-  (peak stage-pass activations x bytes of one stage-pass).
+  backward (counted once per storage, via saved-tensor hooks), the schedule's peak number of held
+  stage-pass activations, and their ratio (MiB per held stage-pass).
 
 Usage: python benchmarks/bench_pipeline.py [--layers 4 --hidden 256 --seq 128 --micro-batch 2
        --micro-batches 8 --grad-mode all --steps 3]
@@ -90,26 +92,21 @@ def stage_measurements(args, k: int) -> dict:
         with SavedActivations() as saved:
             out = runner.run(batches, k, training=True, scale=scale, timings=True)
         step = time.perf_counter() - t0
-        busy = sum(end - begin for _, begin, end in out.op_seconds)
+        busy = sum(end - begin - waited for _, begin, end, waited in out.op_seconds)
         steps.append((step, busy))
-        forwards += [end - begin for op, begin, end in out.op_seconds if op.kind == FORWARD]
-        backwards += [end - begin for op, begin, end in out.op_seconds if op.kind != FORWARD]
+        forwards += [end - begin - w for op, begin, end, w in out.op_seconds if op.kind == FORWARD]
+        backwards += [end - begin - w for op, begin, end, w in out.op_seconds if op.kind != FORWARD]
         peaks.append(saved.peak)
     schedule = build_schedule(2, args.micro_batches, k, grad_passes_for(k, args.grad_mode, True))
     stage = ps.get_pipeline_model_parallel_rank()
-    # one stage-pass activation: what one forward on this stage saves (a no-schedule forward)
-    with SavedActivations() as one:
-        single = runner.run(batches[:1], 1, training=True, scale=scale)
-    del single
     return {"stage": stage, "step": statistics.median(s for s, _ in steps),
             "bubble": statistics.median(1 - b / s for s, b in steps),
             "forward": statistics.median(forwards), "backward": statistics.median(backwards),
-            "peak_bytes": max(peaks), "predicted_peak": schedule.peak_activations(stage),
-            "one_pass_bytes": one.peak}
+            "peak_bytes": max(peaks), "held_passes": schedule.peak_activations(stage)}
 
 
 def main():
-    from fbt_megatron.parallel.pipeline import theoretical_bubble
+    from fbt_megatron.parallel.pipeline import build_schedule, grad_passes_for, simulated_bubbles, theoretical_bubble
     from fbt_megatron.runtime import ParallelLayout
     from fbt_megatron.testing.distributed import run_distributed
 
@@ -130,18 +127,18 @@ def main():
     print(f"PP=2, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, "
           f"m={args.micro_batches} micro-batches, grad_mode={args.grad_mode}, {args.steps} timed steps "
           f"(medians)")
-    print(f"{'k':>2} {'stage':>5} {'step s':>8} {'F ms':>7} {'B ms':>7} {'bubble':>7} {'theory':>7} "
-          f"{'ratio':>6} {'peak act MiB':>12} {'predicted':>9}")
+    print(f"{'k':>2} {'stage':>5} {'step s':>7} {'F ms':>6} {'B ms':>6} {'bubble':>7} {'theory':>7} "
+          f"{'ratio':>6} {'uniform':>7} {'peak act MiB':>12} {'held passes':>11} {'MiB/pass':>8}")
     for k in (int(x) for x in args.passes.split(",")):
         per_stage = run_distributed(stage_measurements, 2, args, k, layout=ParallelLayout(pipeline=2))
-        f = max(r["forward"] for r in per_stage)
-        b = max(r["backward"] for r in per_stage)
-        theory = theoretical_bubble(2, args.micro_batches, k, args.grad_mode, forward=f, backward=b)
-        for r in per_stage:
-            predicted = r["predicted_peak"] * r["one_pass_bytes"] / 2**20
-            print(f"{k:>2} {r['stage']:>5} {r['step']:>8.3f} {1e3 * r['forward']:>7.1f} {1e3 * r['backward']:>7.1f} "
-                  f"{r['bubble']:>7.3f} {theory:>7.3f} {r['bubble'] / theory:>6.2f} "
-                  f"{r['peak_bytes'] / 2**20:>12.1f} {predicted:>9.1f}")
+        schedule = build_schedule(2, args.micro_batches, k, grad_passes_for(k, args.grad_mode, True))
+        theory = simulated_bubbles(schedule, [(r["forward"], r["backward"]) for r in per_stage])
+        uniform = theoretical_bubble(2, args.micro_batches, k, args.grad_mode)
+        for r, th in zip(per_stage, theory):
+            mib = r["peak_bytes"] / 2**20
+            print(f"{k:>2} {r['stage']:>5} {r['step']:>7.2f} {1e3 * r['forward']:>6.1f} {1e3 * r['backward']:>6.1f} "
+                  f"{r['bubble']:>7.3f} {th:>7.3f} {r['bubble'] / th:>6.2f} {uniform:>7.3f} "
+                  f"{mib:>12.1f} {r['held_passes']:>11} {mib / r['held_passes']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ boundary): exactly one gradient accumulation and one optimiser update per step f
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -129,9 +130,10 @@ def _all_ops(stages, micro_batches, passes, grad_passes):
     return ops
 
 
-def _timed(stages, micro_batches, passes, grad_passes, orders, costs) -> Schedule | None:
+def _timed(stages, micro_batches, passes, grad_passes, orders, costs, stage_costs=None) -> Schedule | None:
     """Simulated times of running each stage's ``orders`` in order (an op starts when the stage is
-    free and its dependencies have finished); None if the orders deadlock."""
+    free and its dependencies have finished); None if the orders deadlock. ``stage_costs[s]``
+    overrides ``costs`` (forward, backward) per stage."""
     start, finish = {}, {}
     position, clock = [0] * stages, [0.0] * stages
     progress = True
@@ -144,7 +146,8 @@ def _timed(stages, micro_batches, passes, grad_passes, orders, costs) -> Schedul
                 if any(d not in finish for d in deps):
                     break
                 start[(s, op)] = t = max([clock[s]] + [finish[d] for d in deps])
-                finish[(s, op)] = clock[s] = t + (costs[0] if op.kind == FORWARD else costs[1])
+                f, b = stage_costs[s] if stage_costs else costs
+                finish[(s, op)] = clock[s] = t + (f if op.kind == FORWARD else b)
                 position[s] += 1
                 progress = True
     if any(position[s] < len(orders[s]) for s in range(stages)):
@@ -254,6 +257,14 @@ def build_schedule(stages: int, micro_batches: int, passes: int, grad_passes: tu
     return best[1]
 
 
+def simulated_bubbles(schedule: Schedule, stage_costs: list[tuple[float, float]]) -> list[float]:
+    """Per-stage idle fraction of ``schedule``'s order with each stage's own (forward, backward) op
+    times and free communication: what the schedule achieves for unbalanced stages."""
+    timed = _timed(schedule.stages, schedule.micro_batches, schedule.passes, schedule.grad_passes,
+                   schedule.ops, schedule.costs, stage_costs)
+    return [timed.bubble(s) for s in range(schedule.stages)]
+
+
 def theoretical_bubble(stages: int, micro_batches: int, passes: int, grad_mode: str = "all",
                        forward: float = 1.0, backward: float = 2.0) -> float:
     """Idle fraction of a step when the ring is full except one ramp-up and one ramp-down of
@@ -299,6 +310,7 @@ class _Channel:
         self.posted: dict = {}  # msg -> (work, buffer)
         self.next_index: dict = {}  # src -> how many of its messages to me are posted
         self.sends: list = []
+        self.waited = 0.0  # seconds spent blocked in receives (benchmarks: idle, not work)
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
@@ -314,7 +326,9 @@ class _Channel:
             self.posted[order[i]] = (dist.irecv(buffer, self.ranks[src], tag=i), buffer)
             self.next_index[src] = i + 1
         work, buffer = self.posted.pop(msg)
+        t0 = time.perf_counter()
         work.wait()
+        self.waited += time.perf_counter() - t0
         return buffer
 
     def finish(self) -> None:
@@ -331,7 +345,7 @@ class StepOutput:
     loss_sum: torch.Tensor  # sum over micro-batches of (token loss * mask), float64, same on all stages
     residuals: list[torch.Tensor] = field(default_factory=list)  # per pass > 1, summed over micro-batches
     last_residual_max: torch.Tensor | None = None  # the last pass's largest residual over micro-batches
-    op_seconds: list = field(default_factory=list)  # (op, start, end) wall times on this rank (benchmarks)
+    op_seconds: list = field(default_factory=list)  # (op, start, end, waited) on this rank (benchmarks)
 
 
 @dataclass
@@ -379,11 +393,9 @@ class PipelineRunner:
         ``num_passes`` passes. Backward ops call ``backward(tensors, grads)``; the tied weight's
         summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
         when there is none). Returns the loss sum and pass residuals, identical on every stage."""
-        import time
-
         model, cfg = self.model, self.model.feedback_config
         k = num_passes
-        if model.feedback is None and self.first and k != 1:
+        if cfg.fusion == "off" and k != 1:
             raise ValueError(f"num_passes={k} needs feedback (feedback.fusion='off' runs one pass)")
         training = training and torch.is_grad_enabled()
         grad_passes = grad_passes_for(k, cfg.grad_mode, training)
@@ -405,14 +417,14 @@ class PipelineRunner:
         self._residuals = torch.zeros(max(k - 1, 0), dtype=torch.float64, device=device)
         self._residual_max = torch.full((), -1.0, dtype=torch.float64, device=device)
         seconds = []
-        for i, op in enumerate(schedule.ops[self.stage]):
-            t0 = time.perf_counter() if timings else 0.0
+        for op in schedule.ops[self.stage]:
+            t0, waited = time.perf_counter(), channel.waited
             if op.kind == FORWARD:
                 self._forward(op, jitter_seeds[op.micro_batch] if jitter_seeds else None)
             else:
                 self._backward(op)
-            if timings:
-                seconds.append((op, t0, time.perf_counter()))
+            if timings:  # (op, start, end, seconds of it spent waiting for a message)
+                seconds.append((op, t0, time.perf_counter(), channel.waited - waited))
         channel.finish()
         if self._saved:
             raise RuntimeError(f"pipeline step left {len(self._saved)} activations without a backward")
