@@ -245,10 +245,10 @@ class FBTGPTModel(MegatronModule):
 def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False) -> FBTGPTModel:
     """Build on the current device for the current Megatron parallel state (one pipeline stage
     under pipeline parallelism). Initial values depend on torch's RNG state on entry, not on the
-    layout, and torch's RNG state afterwards is as if nothing had been drawn."""
+    layout: one seed is drawn from it, and construction runs on generators seeded from that."""
     config = transformer_config(model, sequence_parallel=sequence_parallel)
+    init_seed = int(torch.randint(0, 2**40, ()))
     with torch.random.fork_rng(devices=[]):
-        init_seed = int(torch.randint(0, 2**40, ()))
         torch.default_generator.manual_seed(init_seed)
         fbt = FBTGPTModel(model, feedback, config, init_seed=init_seed + 1)
     return fbt.to(runtime.device())
