@@ -236,15 +236,24 @@ def _greedy(stages, micro_batches, passes, grad_passes, costs, max_in_flight, ba
 @functools.lru_cache(maxsize=64)
 def build_schedule(stages: int, micro_batches: int, passes: int, grad_passes: tuple[int, ...],
                    costs: tuple[float, float] = (1.0, 2.0)) -> Schedule:
-    """The per-stage op order for one step (identical on every rank): of Megatron's interleaved
-    1F1B order and list-scheduled orders (backward-first and forward-first, every in-flight cap),
-    the one with the shortest simulated step, then the fewest activations held on any stage."""
+    """The per-stage op order for one step (identical on every rank): Megatron's interleaved 1F1B
+    order when it reaches the lower bound; otherwise, of it and list-scheduled orders (backward-first
+    and forward-first, in-flight caps 1..2P), the one with the shortest simulated step, then the
+    fewest activations held on any stage."""
     if stages < 1 or micro_batches < 1 or passes < 1:
         raise ValueError(f"pipeline schedule needs stages, micro_batches, passes >= 1 "
                          f"(got {stages}, {micro_batches}, {passes})")
-    candidates = [_interleaved_1f1b(stages, micro_batches, passes, grad_passes)]
+    f, b = costs
+    # no order beats one ramp-up and one ramp-down around the stage's work
+    bound = micro_batches * (passes * f + len(grad_passes) * b) + (stages - 1) * (f + (b if grad_passes else 0))
+    interleaved = _timed(stages, micro_batches, passes, grad_passes,
+                         _interleaved_1f1b(stages, micro_batches, passes, grad_passes), costs)
+    if interleaved is not None and interleaved.makespan <= bound + 1e-9:
+        return interleaved
+    # list scheduling; caps above 2P micro-batches in flight only cost memory (and search time)
+    candidates = [interleaved.ops] if interleaved is not None else []
     for backward_first in (True, False):
-        for cap in range(1, micro_batches + 1):
+        for cap in range(1, min(micro_batches, 2 * stages) + 1):
             candidates.append(_greedy(stages, micro_batches, passes, grad_passes, costs, cap, backward_first))
     best = None
     for orders in candidates:
