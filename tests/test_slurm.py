@@ -20,10 +20,10 @@ from fbt_megatron.train.testing import effective_stream, load_latest_weights, re
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
-# The tiny recipe, shortened: synthetic data (the embedded mix takes minutes to build), 12 steps with
-# feedback from step 4, a checkpoint every 4 steps, no validation.
-TINY_SHORT = ["data.source=synthetic", "parallel.tensor=2", "train.steps=12", "schedule.feedback_start_step=4",
-              "checkpoint.every=4", "eval.at_end=false", "logging.tensorboard=false", "logging.log_every=1"]
+# The tiny recipe, shortened: synthetic data (the embedded mix takes minutes to build), 8 steps with
+# feedback from step 3, checkpoints only when preempted and at the end, no validation.
+TINY_SHORT = ["data.source=synthetic", "parallel.tensor=2", "train.steps=8", "schedule.feedback_start_step=3",
+              "checkpoint.every=1000", "eval.at_end=false", "logging.tensorboard=false", "logging.log_every=1"]
 
 
 def _submit(run_dir: Path, *extra: str, env=None) -> tuple[str, Path]:
@@ -62,8 +62,8 @@ def test_submit_preempt_requeue_resumes_exactly(slurm_cluster, tmp_path):
     assert "#SBATCH --signal=B:USR1@60" in text and "--rdzv-backend=c10d" in text and "--requeue" in text
     log = tmp_path / "preempted" / "slurm" / "logs" / f"tiny-{job}.out"
 
-    # USR1 to the batch shell (exactly what --signal=B:USR1@N delivers) once step 6 has run
-    _wait(lambda: any(r["step"] >= 6 for r in read_metrics(tmp_path / "preempted")), 300, "step 6", log)
+    # USR1 to the batch shell (exactly what --signal=B:USR1@N delivers) once step 3 has run
+    _wait(lambda: any(r["step"] >= 3 for r in read_metrics(tmp_path / "preempted")), 300, "step 3", log)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     _wait(lambda: _finished(ref_job) and _finished(job) and _job(job).get("Restarts") == "1", 300,
           "the requeued job to finish", log)
@@ -74,33 +74,33 @@ def test_submit_preempt_requeue_resumes_exactly(slurm_cluster, tmp_path):
     first = [r for r in rows if r.get("slurm_restart", "0") == "0"]
     second = [r for r in rows if r.get("slurm_restart") == "1"]
     stop = first[-1]["step"]
-    assert 6 <= stop < 12 and second, rows
-    assert (tmp_path / "preempted" / "checkpoints" / f"step_{stop:08d}").is_dir()  # saved at the signal
+    assert 3 <= stop < 8 and second, rows
+    assert f"checkpoint saved: {tmp_path / 'preempted' / 'checkpoints' / f'step_{stop:08d}'}" in log.read_text()
     # no lost or repeated samples: the requeued job starts right after the preemption step
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["data_checksum"] for r in rows] == [r["data_checksum"] for r in ref]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref)) < 1e-6
     assert "[fbt] requeueing job" in log.read_text()
 
     status = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "slurm", "status", str(tmp_path / "preempted")],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert f"job {job} tiny: COMPLETED" in status.stdout and "step 12/12" in status.stdout, status.stdout
-    assert "latest checkpoint: step_00000012" in status.stdout
+    assert f"job {job} tiny: COMPLETED" in status.stdout and "step 8/8" in status.stdout, status.stdout
+    assert "latest checkpoint: step_00000008" in status.stdout
 
 
 def test_cancel_mid_save_keeps_latest_loadable(slurm_cluster, tmp_path):
     import os
 
-    env = dict(os.environ, FBT_TEST_SLOW_SAVE_STEP="8")
-    job, _ = _submit(tmp_path, "--train-module", "fbt_megatron.testing.slow_save", env=env)
+    env = dict(os.environ, FBT_TEST_SLOW_SAVE_STEP="4")
+    job, _ = _submit(tmp_path, "--train-module", "fbt_megatron.testing.slow_save", "checkpoint.every=2", env=env)
     log = tmp_path / "slurm" / "logs" / f"tiny-{job}.out"
-    _wait(lambda: (tmp_path / "checkpoints" / "saving_8").exists(), 300, "the save of step 8", log)
-    assert (tmp_path / "checkpoints" / "step_00000008.tmp" / "weights").is_dir()  # halfway through it
+    _wait(lambda: (tmp_path / "checkpoints" / "saving_4").exists(), 300, "the save of step 4", log)
+    assert (tmp_path / "checkpoints" / "step_00000004.tmp" / "weights").is_dir()  # halfway through it
     subprocess.run(["scancel", job], check=True)  # SIGTERM, then SIGKILL after KillWait
     _wait(lambda: _finished(job), 120, "the cancelled job to end", log)
     assert _job(job)["JobState"] == "CANCELLED"
 
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     from fbt_megatron.train.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*TINY_SHORT, "parallel.tensor=1"])
@@ -108,5 +108,5 @@ def test_cancel_mid_save_keeps_latest_loadable(slurm_cluster, tmp_path):
 
     got = run_distributed(load_latest_weights, 1, str(tmp_path), recipe.model_dump(mode="json"),
                           layout=ParallelLayout())[0]
-    assert got["latest"] == "step_00000004" and got["step"] == 4
+    assert got["latest"] == "step_00000002" and got["step"] == 2
     assert got["params_changed"] == got["params"]  # every tensor came from the checkpoint
