@@ -49,12 +49,22 @@ def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path) ->
                             start_new_session=True)
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's workers (their own process groups) and then torchrun: only what we started."""
+    for pid in _children(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait()
+
+
 def _finish(proc: subprocess.Popen, log: Path, timeout: float = 400) -> None:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_tree(proc)
         rc = "timeout"
     assert rc == 0, f"torchrun exited {rc}:\n{log.read_text()[-4000:]}"
 
@@ -81,14 +91,18 @@ def test_worker_killed_group_restarts_then_one_worker_continues(straight, tmp_pa
     run_dir = tmp_path / "run"
 
     proc = _torchrun(recipe_file, 2, [], log)
-    deadline = time.time() + 300
-    while not any(r["step"] >= 4 for r in read_metrics(run_dir)):  # past the step-2 and step-4 checkpoints
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
-        time.sleep(0.2)
-    workers = _children(proc.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
-    _finish(proc, log)
+    try:
+        deadline = time.time() + 300
+        while not any(r["step"] >= 4 for r in read_metrics(run_dir)):  # past the step-2 and step-4 checkpoints
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        _finish(proc, log)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
 
     rows = read_metrics(run_dir)
     restarted = [r for r in rows if r.get("elastic_restart", "0") != "0"]

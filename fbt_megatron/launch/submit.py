@@ -100,8 +100,11 @@ def _validate(spec: JobSpec, overrides: list[str]):
 
     try:
         recipe = load_recipe(spec.recipe, overrides)
+        # The login node has no GPU: check the GPU-only switch (sequence parallelism) on the nodes.
+        checked = recipe if spec.cpu else recipe.model_copy(
+            update={"parallel": recipe.parallel.model_copy(update={"sequence_parallel": False})})
         for nodes in sorted({spec.min_nodes or spec.nodes, spec.nodes}):
-            check_layout(recipe, nodes * spec.gpus_per_node)
+            check_layout(checked, nodes * spec.gpus_per_node)
     except (RecipeError, FileNotFoundError) as e:
         raise SubmitError(f"{spec.recipe}: {e}") from None
     return recipe
