@@ -31,5 +31,5 @@ def test_submit_refuses_a_layout_that_does_not_divide(capsys):
     assert main(["submit", "recipes/tiny.yaml", "--nodes", "1", "--gpus-per-node", "3", "--cpu", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "batch.global_batch_size" in err or "parallel.tensor" in err
-    assert main(["submit", "recipes/tiny.yaml", "--gpus-per-node", "1", "--cpu", "--dry-run", "model.hidden_size=100"]) == 2
+    assert main(["submit", "recipes/tiny.yaml", "--gpus-per-node", "1", "--cpu", "--dry-run", "model.hidden_size=130"]) == 2
     assert "model.hidden_size" in capsys.readouterr().err
