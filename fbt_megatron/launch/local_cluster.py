@@ -87,6 +87,7 @@ class LocalCluster:
     root: Path
     pids: dict[str, int] = field(default_factory=dict)
     cmdlines: dict[str, str] = field(default_factory=dict)
+    _procs: dict = field(default_factory=dict, repr=False)  # Popen objects when started by this process
 
     @property
     def conf(self) -> Path:
@@ -133,7 +134,7 @@ class LocalCluster:
             "DependencyParameters=kill_invalid_depend",
             "JobRequeue=1",
             "KillWait=5",
-            "MinJobAge=300",
+            "MinJobAge=3600",  # finished jobs stay visible to scontrol (no accounting database here)
             "InactiveLimit=0",
             "SlurmctldTimeout=30",
             "SlurmdTimeout=60",
@@ -157,6 +158,7 @@ class LocalCluster:
                                 stdin=subprocess.DEVNULL, env=self.env)
         # setsid execs the daemon in place when we are not a group leader: the PID is the daemon's.
         self.pids[name] = proc.pid
+        self._procs[name] = proc
         time.sleep(0.3)
         cmd = _cmdline(proc.pid)
         if proc.poll() is not None or DAEMONS[name] not in cmd:
@@ -211,6 +213,12 @@ class LocalCluster:
                 os.kill(pid, signal.SIGTERM)
                 if not _wait(lambda: _cmdline(pid) != self.cmdlines[name], 15, name, raise_=False):
                     os.kill(pid, signal.SIGKILL)
+            proc = self._procs.pop(name, None)
+            if proc is not None:  # reap our child (no zombie left behind)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    pass
             self.pids.pop(name, None)
         self._save()
 
