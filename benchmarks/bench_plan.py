@@ -7,7 +7,9 @@ two configurations.
    trains single-pass steps, then 3-pass steps (mix [0, 0, 1]); the plan predicts each at the stated
    MFU of this machine's measured fp32 matmul rate (`fbt plan --gpu cpu`). Printed: predicted and
    measured seconds per step, the MFU that would have matched, and the 3-pass/1-pass time ratio
-   (the plan's pass model says 3.0 with grad_mode all), which does not depend on the MFU.
+   (the plan's pass model says 3.0 with grad_mode all), which does not depend on the MFU. One torch
+   thread by default (FBT_BENCH_THREADS): on a shared, oversubscribed machine 2 spinning OpenMP threads
+   measure the contention, not the model.
 2. Memory: two configurations, each trained for 3 steps in a fresh process; the peak resident memory
    (VmHWM) minus the resident memory just before the model is built is compared with the plan's
    weights + gradients + optimiser + activations + logits (fp32, no reserve).
@@ -49,6 +51,9 @@ def _rss(field: str) -> int:
     raise RuntimeError(field)
 
 
+THREADS = int(os.environ.get("FBT_BENCH_THREADS", "1"))
+
+
 def _train(overrides: list[str], run_dir: str):
     os.environ.setdefault("FBT_DEVICE", "cpu")
     import torch
@@ -59,7 +64,7 @@ def _train(overrides: list[str], run_dir: str):
     from fbt_megatron.train import run as _run  # noqa: F401  (imports before the baseline)
 
     ensure_ds_accelerator()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(THREADS)  # the same count for the matmul peak and the run
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["data.source=synthetic", *QUIET, *overrides,
                                                           f"run_dir={run_dir}"])
     runtime.init_distributed()
@@ -95,6 +100,9 @@ def step_time(steps: int, mfu: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         recipe, summary, _, _ = _train([f"train.steps={steps}", f"schedule.feedback_start_step={half}",
                                         "schedule.mix=[0,0,1]"], d)
+    import torch
+
+    torch.set_num_threads(THREADS)
     peak = measure_cpu_peak()
     pl = plan(recipe, 1, "cpu", mfu, peak=peak, fp32=True)
     secs, passes = summary["step_seconds"], [h[1] for h in summary["history"]]
@@ -109,12 +117,12 @@ def step_time(steps: int, mfu: float) -> dict:
             "predicted_s_3pass": round(predicted_3, 4), "measured_s_3pass": round(med(three), 4),
             "mfu_that_matches_1pass": round(mfu * predicted_1 / med(one), 3),
             "ratio_3pass_over_1pass_measured": round(med(three) / med(one), 3), "ratio_predicted": 3.0,
-            "load_average": os.getloadavg()[0]}
+            "threads": THREADS, "load_average": round(os.getloadavg()[0], 1)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--mfu", type=float, default=0.5)
     ap.add_argument("--one-memory", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

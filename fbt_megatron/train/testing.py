@@ -72,15 +72,24 @@ def load_latest_weights(run_dir: str, recipe_data: dict) -> dict:
     from pathlib import Path
 
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
     from fbt_megatron.train.recipe import load_recipe
 
     recipe = load_recipe(data=recipe_data)
     model = build_model(recipe.model, recipe.feedback)
-    manager = CheckpointManager(Path(run_dir) / "checkpoints")
-    latest = manager.latest()
     before = [p.detach().clone() for p in model.parameters()]
-    manager.load_weights(latest, ParamTemplates(model))
+    try:  # the checkpoint package's weights-only loader (issue 7)
+        from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
+
+        latest = resolve_checkpoint(run_dir)
+        load_model_weights(latest, model)
+        state = read_checkpoint_state(latest)
+    except ImportError:
+        from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+
+        manager = CheckpointManager(Path(run_dir) / "checkpoints")
+        latest = manager.latest()
+        manager.load_weights(latest, ParamTemplates(model))
+        state = manager.read_state(latest)
     changed = sum(int(not b.equal(p.detach())) for b, p in zip(before, model.parameters()))
-    return {"latest": latest.name, "step": manager.read_state(latest)["train_state"]["step"],
+    return {"latest": Path(latest).name, "step": state["train_state"]["step"],
             "params_changed": changed, "params": len(before)}
