@@ -2,7 +2,8 @@
 USR1 (what `--signal=B:USR1@N` sends), let it requeue itself and finish; its losses and sample stream
 equal an uninterrupted run's. A job cancelled in the middle of a save leaves `latest` loadable.
 
-Layout: 2 processes as TP=2 (DP=1). Resuming at DP=2 needs the multi-process checkpoint fix (issue 7).
+Layout: 2 processes as TP=2 (DP=1). The DP=2 case is written and marked xfail: resuming a DP=2 ZeRO
+checkpoint needs the multi-process checkpoint fix (issue 7).
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny recipe, shortened: synthetic data (the embedded mix takes minutes to build), 8 steps with
 # feedback from step 3, checkpoints only when preempted and at the end, no validation.
-TINY_SHORT = ["data.source=synthetic", "parallel.tensor=2", "train.steps=8", "schedule.feedback_start_step=3",
+TINY_SHORT = ["data.source=synthetic", "train.steps=8", "schedule.feedback_start_step=3",
               "checkpoint.every=1000", "eval.at_end=false", "logging.tensorboard=false", "logging.log_every=1"]
 
 
-def _submit(run_dir: Path, *extra: str, env=None) -> tuple[str, Path]:
+TP2 = "parallel.tensor=2"  # 2 processes as TP=2, DP=1
+DP2 = "parallel.tensor=1"  # 2 processes as DP=2 (ZeRO-1): resuming needs issue 7's checkpoint fix
+
+
+def _submit(run_dir: Path, *extra: str, layout: str = TP2, env=None) -> tuple[str, Path]:
     cmd = [sys.executable, "-m", "fbt_megatron.cli", "slurm", "submit", "recipes/tiny.yaml", "--gpus-per-node", "2",
-           "--cpu", "--time", "00:30:00", "--signal-seconds", "60", *TINY_SHORT, *extra, f"run_dir={run_dir}"]
+           "--cpu", "--time", "00:30:00", "--signal-seconds", "60", *TINY_SHORT, layout, *extra, f"run_dir={run_dir}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     job = re.search(r"job (\d+)", r.stdout).group(1)
@@ -55,9 +60,13 @@ def _finished(job: str) -> bool:
     return _job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
 
-def test_submit_preempt_requeue_resumes_exactly(slurm_cluster, tmp_path):
-    ref_job, _ = _submit(tmp_path / "straight")
-    job, script = _submit(tmp_path / "preempted")
+@pytest.mark.parametrize("layout", [
+    TP2, pytest.param(DP2, marks=pytest.mark.xfail(reason="needs issue 7 (resuming a DP=2 ZeRO checkpoint raises "
+                                                          "KeyError on main)", run=False)),
+], ids=["tp2", "dp2"])
+def test_submit_preempt_requeue_resumes_exactly(slurm_cluster, tmp_path, layout):
+    ref_job, _ = _submit(tmp_path / "straight", layout=layout)
+    job, script = _submit(tmp_path / "preempted", layout=layout)
     text = script.read_text()
     assert "#SBATCH --signal=B:USR1@60" in text and "--rdzv-backend=c10d" in text and "--requeue" in text
     log = tmp_path / "preempted" / "slurm" / "logs" / f"tiny-{job}.out"
@@ -103,7 +112,7 @@ def test_cancel_mid_save_keeps_latest_loadable(slurm_cluster, tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     from fbt_megatron.train.recipe import load_recipe
 
-    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*TINY_SHORT, "parallel.tensor=1"])
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*TINY_SHORT, DP2])  # loads into another layout
     from fbt_megatron.runtime import ParallelLayout
 
     got = run_distributed(load_latest_weights, 1, str(tmp_path), recipe.model_dump(mode="json"),
