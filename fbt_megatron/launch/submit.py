@@ -61,7 +61,7 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
     if not spec.template.is_file():
         raise SubmitError(f"sbatch template {spec.template} not found (--template PATH)")
     nnodes = f"{spec.min_nodes}:{spec.nodes}" if spec.min_nodes and spec.min_nodes != spec.nodes else str(spec.nodes)
-    cpus = spec.cpus_per_task or (os.cpu_count() or 1 if spec.cpu else 8 * spec.gpus_per_node)
+    cpus = spec.cpus_per_task or ((os.cpu_count() or 1) if spec.cpu else 8 * spec.gpus_per_node)
     torchrun = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                 f"--nproc-per-node={spec.gpus_per_node}", "--rdzv-backend=c10d",
                 f"--max-restarts={spec.max_restarts}", "-m", spec.train_module, "train", spec.recipe,
