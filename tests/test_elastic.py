@@ -3,8 +3,7 @@ SIGKILLed mid-run, the group restarts, resumes from `latest` and the sample stre
 repeat; a later launch with 1 worker continues the same stream. Compared with a straight 1-process run
 (data checksums equal, losses within float noise of another layout).
 
-The 2-worker layout is TP=2 (DP=1): resuming a DP=2 checkpoint needs issue 7's checkpoint fix; the
-DP=2 case is kept below, marked xfail until then.
+Two 2-worker layouts: TP=2 (DP=1) and DP=2 (ZeRO-1); the 1-worker relaunch is TP=1, DP=1.
 """
 
 from __future__ import annotations
@@ -78,9 +77,7 @@ def straight(tmp_path_factory):
 
 @pytest.mark.parametrize("parallel", [
     {"tensor": 2, "zero_stage": 1},
-    pytest.param({"tensor": 1, "zero_stage": 1},
-                 marks=pytest.mark.xfail(reason="needs issue 7 (resuming a DP=2 ZeRO checkpoint raises KeyError)",
-                                         run=False)),
+    {"tensor": 1, "zero_stage": 1},
 ], ids=["tp2", "dp2"])
 def test_worker_killed_group_restarts_then_one_worker_continues(straight, tmp_path, parallel):
     recipe = tiny_recipe(tmp_path / "run", **SECTIONS)

@@ -2,8 +2,7 @@
 USR1 (what `--signal=B:USR1@N` sends), let it requeue itself and finish; its losses and sample stream
 equal an uninterrupted run's. A job cancelled in the middle of a save leaves `latest` loadable.
 
-Layout: 2 processes as TP=2 (DP=1). The DP=2 case is written and marked xfail: resuming a DP=2 ZeRO
-checkpoint needs the multi-process checkpoint fix (issue 7).
+Layouts: 2 processes as TP=2 (DP=1) and as DP=2 (ZeRO-1).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ TINY_SHORT = ["data.source=synthetic", "train.steps=8", "schedule.feedback_start
 
 
 TP2 = "parallel.tensor=2"  # 2 processes as TP=2, DP=1
-DP2 = "parallel.tensor=1"  # 2 processes as DP=2 (ZeRO-1): resuming needs issue 7's checkpoint fix
+DP2 = "parallel.tensor=1"  # 2 processes as DP=2 (ZeRO-1)
 
 
 def _submit(run_dir: Path, *extra: str, layout: str = TP2, env=None) -> tuple[str, Path]:
@@ -60,10 +59,7 @@ def _finished(job: str) -> bool:
     return _job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
 
-@pytest.mark.parametrize("layout", [
-    TP2, pytest.param(DP2, marks=pytest.mark.xfail(reason="needs issue 7 (resuming a DP=2 ZeRO checkpoint raises "
-                                                          "KeyError on main)", run=False)),
-], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [TP2, DP2], ids=["tp2", "dp2"])
 def test_submit_preempt_requeue_resumes_exactly(slurm_cluster, tmp_path, layout):
     ref_job, _ = _submit(tmp_path / "straight", layout=layout)
     job, script = _submit(tmp_path / "preempted", layout=layout)
