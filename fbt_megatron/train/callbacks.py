@@ -138,6 +138,8 @@ class Validation(Callback):
         losses = {k: self.evaluate_fn(k) for k in self.passes}
         self._last_step = trainer.state.step
         trainer.metrics["val_loss"] = losses
+        trainer.metrics.setdefault("val_history", []).append(
+            {"step": trainer.state.step, "tokens": trainer.state.tokens_seen, "loss": losses})
         trainer.metrics.setdefault("_pending_scalars", {}).update(
             {f"val/loss_k{k}": v for k, v in losses.items()})
         if is_rank0():

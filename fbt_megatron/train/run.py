@@ -217,6 +217,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
         "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm)
                     for r in trainer.history],
         "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
+        "val_history": trainer.metrics.get("val_history", []),  # this invocation's validations
     }
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run_dir.mkdir(parents=True, exist_ok=True)
