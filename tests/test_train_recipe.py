@@ -41,6 +41,15 @@ def test_wrong_type_names_key():
     with pytest.raises(RecipeError) as e:
         load_recipe(data={"feedback": {"fusion": "multiply"}})
     assert "feedback.fusion" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"model": {"attention_mask": "packed"}})
+    assert "model.attention_mask" in str(e.value) and "document_causal" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"precision": "fp16"})
+    assert "'precision'" in str(e.value) and "bf16" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"feedback": {"grad_mode": "last", "loss_on": "mean"}})
+    assert "loss_on='mean' needs feedback.grad_mode='all'" in str(e.value)
 
 
 def test_overrides_apply_and_parse_yaml_scalars():

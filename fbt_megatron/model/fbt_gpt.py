@@ -27,7 +27,10 @@ from megatron.core.transformer.module import MegatronModule
 
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
+from fbt_megatron.model.attention import (adapt_layer_spec, document_causal_mask, document_positions,
+                                          rotary_for_positions)
 from fbt_megatron.model.feedback import LatentFeedback
+from fbt_megatron.model.kernels import fused_switches
 
 
 @dataclass
@@ -49,11 +52,14 @@ def reset_positions(doc_start, batch: int, seq_len: int, device) -> torch.Tensor
     return reset
 
 
-def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False) -> TransformerConfig:
-    """Megatron TransformerConfig for the current parallel state; CPU-safe fusion switches."""
+def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
+                       dtype: torch.dtype | None = None) -> TransformerConfig:
+    """Megatron TransformerConfig for the current parallel state; fused kernels only where installed.
+    ``dtype`` defaults to the device's (bf16 on GPU, fp32 on CPU)."""
     model.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
     on_gpu = runtime.use_cuda()
-    dtype = torch.bfloat16 if runtime.default_dtype_name() == "bf16" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if runtime.default_dtype_name() == "bf16" else torch.float32
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -70,13 +76,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False) -
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        # Fused kernels exist only on GPU.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
-        apply_rope_fusion=False,
+        **fused_switches(model.normalization, on_gpu),
     )
 
 
@@ -95,7 +95,7 @@ def layer_spec(model: ModelConfig):
 
 
 class FBTGPTModel(MegatronModule):
-    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig):
+    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig, spec=None):
         super().__init__(config)
         if config.pipeline_model_parallel_size != 1:
             raise ValueError(
@@ -103,9 +103,11 @@ class FBTGPTModel(MegatronModule):
                 "stack per pass; pipeline parallelism is not supported yet (allowed: 1)"
             )
         self.model_config, self.feedback_config = model, feedback
+        base_spec = spec if spec is not None else layer_spec(model)  # generation passes the local spec
+        spec = adapt_layer_spec(base_spec, model.attention_mask, config.sequence_parallel, config.num_layers)
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(model),
+            transformer_layer_spec=spec,
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_sequence_length,
             position_embedding_type=model.position_embedding_type,
@@ -122,6 +124,17 @@ class FBTGPTModel(MegatronModule):
                 torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1
             )[None, None]
         return self._mask_cache[key]
+
+    def attention_inputs(self, reset: torch.Tensor, position_ids=None):
+        """Mask [.., S, S] and positions [B, S] for a packed row with document starts ``reset`` [S, B]
+        (see ``attention.py``); explicit ``position_ids`` override the derived positions."""
+        seq_len, batch = reset.shape
+        if self.model_config.attention_mask == "document_causal":
+            mask, positions = document_causal_mask(reset), document_positions(reset)
+        else:
+            mask = self.causal_mask(seq_len, reset.device)
+            positions = torch.arange(seq_len, device=reset.device).expand(batch, -1)
+        return mask, (positions if position_ids is None else position_ids)
 
     def _full_sequence(self, t: torch.Tensor) -> torch.Tensor:
         if self.config.sequence_parallel:  # grads downstream are TP-replicated: split, not reduce
@@ -140,11 +153,12 @@ class FBTGPTModel(MegatronModule):
             return logits.transpose(0, 1).contiguous()
         return self.gpt.compute_language_model_loss(labels, logits)
 
-    def rotary(self, stack_input):
+    def rotary(self, positions: torch.Tensor):
+        """RoPE frequencies [S, B, 1, D] for positions [B, S] (None without RoPE)."""
         if self.model_config.position_embedding_type != "rope":
             return None
-        seq_len = self.gpt.rotary_pos_emb.get_rotary_seq_len(None, self.gpt.decoder, stack_input, self.config, None)
-        return self.gpt.rotary_pos_emb(seq_len)
+        table = self.gpt.rotary_pos_emb(self.model_config.max_sequence_length)  # [P, 1, 1, D]
+        return rotary_for_positions(table, positions)
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
@@ -154,33 +168,33 @@ class FBTGPTModel(MegatronModule):
         global generator, which is not reproducible across resumes)."""
         check_num_passes(num_passes)
         batch, seq_len = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
-        mask = self.causal_mask(seq_len, input_ids.device)
+        if self.config.sequence_parallel and seq_len % self.config.tensor_model_parallel_size:
+            raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "
+                             f"{self.config.tensor_model_parallel_size} (sequence parallelism splits it)")
+        reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
+        mask, positions = self.attention_inputs(reset, position_ids)
+        rotary = self.rotary(positions)
         # Token (+ position) embeddings, [S, B, D] ([S/TP, B, D] under sequence parallelism).
-        embedded = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+        embedded = self.gpt.embedding(input_ids=input_ids, position_ids=positions)
 
         if self.feedback is None:  # a standard GPT: one pass, the state is never used
-            top = self.run_stack(embedded, mask, self.rotary(embedded))
+            top = self.run_stack(embedded, mask, rotary)
             return self._output(self._full_sequence(top), labels, [self.head(top, labels)], [])
         embedded = self._full_sequence(embedded)
 
-        reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
         generator = None
         if self.training and self.feedback_config.jitter_std > 0 and jitter_seed is not None:
             generator = torch.Generator(device=embedded.device).manual_seed(int(jitter_seed))
 
         cfg = self.feedback_config
         state = self.feedback.initial_states()
-        rotary, top, heads, residuals = None, None, [], []
+        top, heads, residuals = None, [], []
         for k in range(num_passes):
             last = k == num_passes - 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and (last or cfg.grad_mode == "all")):
                 if k > 0:
                     state = self.feedback.shift_states(top, reset, generator)
                 stack_input = self.feedback(state, embedded)
-                if rotary is None:
-                    rotary = self.rotary(stack_input)
                 local_top = self.run_stack(stack_input, mask, rotary)
                 if last or cfg.loss_on == "mean":
                     heads.append(self.head(local_top, labels))
@@ -200,8 +214,9 @@ class FBTGPTModel(MegatronModule):
         return out
 
 
-def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False) -> FBTGPTModel:
+def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False,
+                dtype: torch.dtype | None = None) -> FBTGPTModel:
     """Build on the current device for the current Megatron parallel state."""
-    config = transformer_config(model, sequence_parallel=sequence_parallel)
+    config = transformer_config(model, sequence_parallel=sequence_parallel, dtype=dtype)
     fbt = FBTGPTModel(model, feedback, config)
     return fbt.to(runtime.device())

@@ -12,7 +12,7 @@ import math
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.train.recipe import Recipe, check_layout
+from fbt_megatron.train.recipe import Recipe, bf16_accumulation_warning, check_layout
 
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
@@ -100,9 +100,13 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None) -> dict:
-    """Train ``recipe`` in this process group. ``checkpoint_fault_hook(point, step)`` is a test hook
-    called at the points of a checkpoint save (see :class:`CheckpointManager`)."""
+def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None,
+          probe=None) -> dict:
+    """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
+    called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
+    ({step: fault}, see ``train_step.FAULT_KINDS``); ``probe``, a callable ``(engine) -> Callback``
+    whose callback may leave a result in ``trainer.metrics["probe"]`` (returned as ``summary["probe"]``)."""
+    import torch
     from megatron.core import parallel_state as ps
 
     from fbt_megatron.model.fbt_gpt import build_model
@@ -126,7 +130,11 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
 
     prepare_data(recipe, log)
     check_tokenizer(recipe)
-    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel)
+    if bf16_accumulation_warning(recipe):
+        log(bf16_accumulation_warning(recipe))
+    dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
+    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
+                        dtype=dtype)
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
                              async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
@@ -184,6 +192,8 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll))
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
+    if probe is not None:
+        callbacks.append(probe(engine))
 
     total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
@@ -218,10 +228,11 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
                     for r in trainer.history],
         "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
         "val_history": trainer.metrics.get("val_history", []),  # this invocation's validations
+        "probe": trainer.metrics.get("probe"),
     }
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds")},
+        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds", "probe")},
                                                          indent=1, default=str))
     return summary
 

@@ -10,8 +10,12 @@ Each micro-batch backpropagates ``sum(token_loss * mask) * DP / N_global`` (Deep
 over DP), so the gradient is the same for any split of the global batch into DP ranks and
 accumulation steps: that is what makes DP=1 and DP=2 runs follow the same trajectory.
 
-A non-finite global loss skips the step (weights and moments untouched) and is counted; the trainer
-stops after ``train.max_nonfinite_in_row`` such steps in a row.
+A non-finite global loss, or a non-finite gradient with a finite loss, skips the step (weights,
+moments and Adam's step count untouched, at every ZeRO stage: see ``Engine.step``) and is counted;
+the trainer stops after ``train.max_nonfinite_in_row`` such steps in a row.
+
+Positions and the attention mask come from ``doc_start`` inside the model (``ModelConfig.attention_mask``),
+not from the loader's ``position_ids``, so every data source trains the same layout as generation.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class StepResult:
     loss: float
     tokens: int  # loss tokens in the global batch
     skipped: bool
-    grad_norm: float | None
+    grad_norm: float | None  # global, before clipping (inf/nan on a non-finite gradient)
     lr: float
     residuals: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -43,9 +47,32 @@ def jitter_seed(seed: int, step: int, micro_batch: int) -> int:
 
 
 def micro_batch_forward(model, batch: dict, num_passes: int, jseed: int | None = None):
-    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                 doc_start=batch["doc_start"], labels=batch["labels"], num_passes=num_passes,
-                 jitter_seed=jseed)
+    return model(input_ids=batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"],
+                 num_passes=num_passes, jitter_seed=jseed)
+
+
+FAULT_KINDS = ("loss:nan", "loss:inf", "grad:nan", "grad:inf", "grad:zero")
+
+
+def normalise_faults(faults) -> dict[int, str]:
+    """Test hook: ``{step: kind}`` (kinds in FAULT_KINDS), or an iterable of steps (= "loss:nan")."""
+    if not faults:
+        return {}
+    if not isinstance(faults, dict):
+        faults = {int(s): "loss:nan" for s in faults}
+    for step, kind in faults.items():
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault {kind!r} at step {step}: allowed {FAULT_KINDS}")
+    return {int(k): v for k, v in faults.items()}
+
+
+def _poison_first_element(value: float):
+    def hook(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    return hook
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -60,7 +87,8 @@ class FBTTrainStep:
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
-        self.inject_nonfinite = inject_nonfinite or set()  # steps whose loss is made NaN (tests)
+        # Test hook: {step: "loss:nan" | "loss:inf" | "grad:nan" | "grad:inf" | "grad:zero"}.
+        self.faults = normalise_faults(inject_nonfinite)
 
     def __call__(self, step: int, micro_batches: list[dict], lr: float) -> StepResult:
         engine = self.engine
@@ -82,26 +110,31 @@ class FBTTrainStep:
         dist.all_reduce(checksum, group=self.dp_group)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         residuals = None
+        fault = self.faults.get(step, "")
+        hook = None
+        if fault in ("grad:nan", "grad:inf"):  # one gradient element non-finite, the loss finite
+            first = next(p for p in engine.model.parameters() if p.requires_grad)
+            hook = first.register_hook(_poison_first_element(float(fault.split(":")[1])))
         for j, batch in enumerate(micro_batches):
             global_mb = self.dp_rank * len(micro_batches) + j  # contiguous DP blocks (see the loaders)
             out = micro_batch_forward(engine.ds, batch, k, jitter_seed(self.seed, step, global_mb))
             tok_sum = (out.token_loss.float() * batch["loss_mask"]).sum()
-            if step in self.inject_nonfinite:
-                tok_sum = tok_sum * float("nan")
-            engine.backward(tok_sum * scale, is_boundary=j == len(micro_batches) - 1)
+            if fault.startswith("loss:"):
+                tok_sum = tok_sum * float(fault.split(":")[1])
+            backward_scale = 0.0 if fault == "grad:zero" else scale
+            engine.backward(tok_sum * backward_scale, is_boundary=j == len(micro_batches) - 1)
             loss_sum += tok_sum.detach().to(torch.float64)
             if out.pass_residuals:
                 r = torch.stack([x.detach().float() for x in out.pass_residuals])
                 residuals = r if residuals is None else residuals + r
+        if hook is not None:
+            hook.remove()
         dist.all_reduce(loss_sum, group=self.dp_group)
         loss = float(loss_sum.item()) / max(n_global, 1.0)
-        skip = not math.isfinite(loss)
-        grad_norm = engine.step(skip=skip)
-        if not skip and grad_norm is not None and not math.isfinite(grad_norm):
-            skip = True  # DeepSpeed refused the step itself (non-finite gradients)
+        outcome = engine.step(skip=not math.isfinite(loss))
         res = [] if residuals is None else (residuals / len(micro_batches)).tolist()
-        return StepResult(step=step, num_passes=k, loss=loss, tokens=int(n_global), skipped=skip,
-                          grad_norm=grad_norm, lr=lr, residuals=res, data_checksum=int(checksum))
+        return StepResult(step=step, num_passes=k, loss=loss, tokens=int(n_global), skipped=not outcome.applied,
+                          grad_norm=outcome.grad_norm, lr=lr, residuals=res, data_checksum=int(checksum))
 
 
 @dataclass
