@@ -17,7 +17,7 @@ pass's (``loss_on="last"``) or the mean over passes (``"mean"``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -71,6 +71,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
         normalization=model.normalization,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=dtype,  # what travels between stages
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -94,26 +95,63 @@ def layer_spec(model: ModelConfig):
     return specs.get_gpt_layer_local_spec(normalization=model.normalization)
 
 
+def _seeded_layer_spec(spec, base_seed: int):
+    """``spec`` whose layers draw their (CPU) initial weights from a generator seeded by the layer's
+    *global* number: a pipeline stage that builds only layers 5..8 gets the same values as the
+    whole model does, so PP=1 and PP=2 start from identical weights."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layer_cls = spec.module
+
+    class SeededLayer(layer_cls):
+        def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
+            offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"))
+            torch.default_generator.manual_seed(base_seed + layer_number + offset)
+            super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+
+    SeededLayer.__name__ = SeededLayer.__qualname__ = layer_cls.__name__
+    return replace(spec, module=SeededLayer)
+
+
+def _seeded_spec(spec, base_seed: int):
+    """:func:`_seeded_layer_spec` for a layer spec or for block submodules (sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if isinstance(spec, TransformerBlockSubmodules):
+        seeded = {id(s): _seeded_layer_spec(s, base_seed) for s in spec.layer_specs}
+        return replace(spec, layer_specs=[seeded[id(s)] for s in spec.layer_specs])
+    return _seeded_layer_spec(spec, base_seed)
+
+
 class FBTGPTModel(MegatronModule):
-    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig, spec=None):
+    """The whole model, or under pipeline parallelism one stage of it: a slice of the layers
+    (Megatron's layer offsets, so checkpoint keys carry global layer numbers), the embedding, the
+    fusion weights and h_init on the first stage, final norm and LM head on the last. A stage is
+    driven by :mod:`fbt_megatron.parallel.pipeline`; ``forward`` runs the whole model only.
+    ``spec`` overrides the layer spec (generation passes Megatron's local layers)."""
+
+    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig, spec=None,
+                 init_seed: int = 0):
         super().__init__(config)
-        if config.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"parallel.pipeline={config.pipeline_model_parallel_size}: FBTGPTModel runs the whole "
-                "stack per pass; pipeline parallelism is not supported yet (allowed: 1)"
-            )
         self.model_config, self.feedback_config = model, feedback
-        base_spec = spec if spec is not None else layer_spec(model)  # generation passes the local spec
-        spec = adapt_layer_spec(base_spec, model.attention_mask, config.sequence_parallel, config.num_layers)
-        self.gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=model.vocab_size,
-            max_sequence_length=model.max_sequence_length,
-            position_embedding_type=model.position_embedding_type,
-            share_embeddings_and_output_weights=model.tie_embeddings,
-        )
-        self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" else None
+        self.pipelined = config.pipeline_model_parallel_size > 1
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        spec = adapt_layer_spec(spec if spec is not None else layer_spec(model), model.attention_mask,
+                                config.sequence_parallel, config.num_layers)
+        with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
+            self.gpt = GPTModel(
+                config=config,
+                transformer_layer_spec=_seeded_spec(spec, init_seed),
+                vocab_size=model.vocab_size,
+                max_sequence_length=model.max_sequence_length,
+                position_embedding_type=model.position_embedding_type,
+                share_embeddings_and_output_weights=model.tie_embeddings,
+                pre_process=first,
+                post_process=last,
+            )
+        torch.default_generator.manual_seed(init_seed)  # the fusion's init, whatever layers came before
+        self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" and first else None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- helpers
@@ -142,12 +180,24 @@ class FBTGPTModel(MegatronModule):
         return t
 
     def run_stack(self, stack_input, mask, rotary) -> torch.Tensor:
-        """One pass through every transformer layer (final layernorm included)."""
+        """One pass through this stage's transformer layers (the final layernorm on the last stage)."""
+        if not self.gpt.pre_process:  # megatron's later stages read their input from set_input_tensor
+            self.gpt.decoder.set_input_tensor(stack_input)
         return self.gpt.decoder(hidden_states=stack_input, attention_mask=mask, rotary_pos_emb=rotary)
 
-    def head(self, top_state, labels=None):
-        """LM head on the top state: per-token loss [B, S] if labels, else logits [B, S, V/TP]."""
-        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+    def embed(self, input_ids, position_ids, word_weight=None) -> torch.Tensor:
+        """Token (+ position) embeddings [S, B, D]; ``word_weight`` stands in for the word-embedding
+        weight (the pipeline passes a detached copy of a weight tied across stages)."""
+        if word_weight is None:
+            return self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+        return torch.func.functional_call(self.gpt.embedding, {"word_embeddings.weight": word_weight},
+                                          (input_ids, position_ids))
+
+    def head(self, top_state, labels=None, weight=None):
+        """LM head on the top state: per-token loss [B, S] if labels, else logits [B, S, V/TP].
+        ``weight`` stands in for the tied output weight (see :meth:`embed`)."""
+        if weight is None and self.gpt.share_embeddings_and_output_weights:
+            weight = self.gpt.shared_embedding_or_output_weight()
         logits, _ = self.gpt.output_layer(top_state, weight=weight)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
@@ -167,6 +217,9 @@ class FBTGPTModel(MegatronModule):
         ``jitter_seed`` seeds the training-time jitter (without it the jitter draws from torch's
         global generator, which is not reproducible across resumes)."""
         check_num_passes(num_passes)
+        if self.pipelined:
+            raise RuntimeError("this FBTGPTModel is one pipeline stage; run it with "
+                               "fbt_megatron.parallel.pipeline (parallel.pipeline > 1)")
         batch, seq_len = input_ids.shape
         if self.config.sequence_parallel and seq_len % self.config.tensor_model_parallel_size:
             raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "
@@ -216,7 +269,12 @@ class FBTGPTModel(MegatronModule):
 
 def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False,
                 dtype: torch.dtype | None = None) -> FBTGPTModel:
-    """Build on the current device for the current Megatron parallel state."""
+    """Build on the current device for the current Megatron parallel state (one pipeline stage
+    under pipeline parallelism). Initial values depend on torch's RNG state on entry, not on the
+    layout: one seed is drawn from it, and construction runs on generators seeded from that."""
     config = transformer_config(model, sequence_parallel=sequence_parallel, dtype=dtype)
-    fbt = FBTGPTModel(model, feedback, config)
+    init_seed = int(torch.randint(0, 2**40, ()))
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(init_seed)
+        fbt = FBTGPTModel(model, feedback, config, init_seed=init_seed + 1)
     return fbt.to(runtime.device())

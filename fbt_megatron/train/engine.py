@@ -183,6 +183,24 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
     return [g for g in groups if g["params"]]  # ZeRO cannot partition an empty group
 
 
+def model_parallel_grad_norm(params) -> float:
+    """L2 norm of the gradients of the whole model: each parameter counted once over tensor and
+    pipeline parallelism (TP-replicated ones on TP rank 0, tied pipeline replicas marked
+    ``ds_pipe_replicated`` not at all). A collective over the model-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device())
+    for p in params:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if tp_rank > 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        total += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return float(total.sqrt())
+
+
 class SkippableStep:
     """Wraps the inner optimiser's ``step`` so the train step can skip one step entirely, and
     records whether DeepSpeed called it (it does not when it finds the gradient non-finite)."""
@@ -238,6 +256,12 @@ class Engine:
         self.mpu = MegatronMPU()
         # DeepSpeed reports no gradient norm (and checks none) at ZeRO-0 in fp32: compute it here.
         self._own_grad_norm = self.zero_stage == 0 and "bf16" not in self.config
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            if self.zero_stage == 3:
+                raise ValueError("parallel.zero_stage=3 with parallel.pipeline > 1 is not supported "
+                                 "(ZeRO-3 gathers weights around the engine's forward, which a pipeline "
+                                 "stage does not use); allowed: 0, 1, 2")
+            self._mark_pipeline_replicas(model)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=self.config, mpu=self.mpu,
             dist_init_required=False)
@@ -247,6 +271,9 @@ class Engine:
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self.skipper = SkippableStep(self.torch_optimizer)
         self._materialize_optimizer_state()
+        self._clip_norm = None
+        if hasattr(self.ds, "clip_fp32_gradients"):
+            self.ds.clip_fp32_gradients = self._clip_fp32_gradients
 
     def _materialize_optimizer_state(self) -> None:
         """Create AdamW's state (step 0, zero moments) now instead of lazily at the first step.
@@ -295,6 +322,7 @@ class Engine:
         or if the global gradient norm is not finite."""
         self.ds.set_gradient_accumulation_boundary(True)
         norm = self.grad_norm_before_step() if self._own_grad_norm else None
+        self._clip_norm = norm  # ZeRO-0's clipping (DeepSpeed calls it inside ds.step()) reuses it
         if norm is not None and not math.isfinite(norm):
             skip = True
         self.skipper.skip_next, self.skipper.stepped = skip, False
@@ -309,15 +337,33 @@ class Engine:
         return StepOutcome(applied=applied, grad_norm=norm)
 
     def grad_norm_before_step(self) -> float:
-        """ZeRO-0: the global L2 norm of the (already DP-averaged) gradients, counting a
-        TP-replicated parameter once and TP shards on every TP rank, like DeepSpeed's clipping."""
-        tp_rank = self.mpu.get_tensor_model_parallel_rank()
-        total = torch.zeros((), dtype=torch.float64, device=runtime.device())
-        for p in self.model.parameters():
-            if p.grad is not None and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
-                total += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(total, group=self.mpu.get_model_parallel_group())
-        return float(total.sqrt())
+        """ZeRO-0: the global L2 norm of the (already DP-averaged) gradients, every parameter counted
+        once over TP and PP (see :func:`model_parallel_grad_norm`)."""
+        return model_parallel_grad_norm(p for p in self.model.parameters() if p.grad is not None)
+
+    @staticmethod
+    def _mark_pipeline_replicas(model) -> None:
+        """The last stage's copy of the embedding tied to the first stage's is a replica: DeepSpeed
+        leaves parameters marked ``ds_pipe_replicated`` out of the gradient norm (counted once)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.is_pipeline_first_stage(ignore_virtual=True):
+            return
+        for p in model.parameters():
+            if getattr(p, "shared_embedding", False):
+                p.ds_pipe_replicated = True
+
+    def _clip_fp32_gradients(self) -> None:
+        """ZeRO-0 fp32 clipping (DeepSpeed calls it only there) with every parameter counted once over
+        TP and PP: DeepSpeed's ``clip_grad_norm_`` counts TP-replicated parameters only on
+        model-parallel rank 0, i.e. on the first pipeline stage, and tied pipeline replicas twice.
+        Keeps the norm (DeepSpeed's ``get_global_grad_norm()`` stays None at ZeRO-0)."""
+        params = [p for p in self.ds.module.parameters() if p.grad is not None]
+        norm = self._clip_norm if self._clip_norm is not None else model_parallel_grad_norm(params)
+        coef = min(1.0, self.ds.gradient_clipping() / (norm + 1e-6))
+        for p in params:
+            p.grad.mul_(coef)
+        self._clip_norm = norm
 
     @staticmethod
     def _register_shared_weights(deepspeed, model) -> None:

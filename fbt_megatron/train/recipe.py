@@ -162,9 +162,16 @@ class Recipe(Section):
         if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
             raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
                              f"model.vocab_size={self.model.vocab_size}")
-        if self.parallel.pipeline != 1:
-            raise ValueError(f"parallel.pipeline={self.parallel.pipeline}: pipeline parallelism is not "
-                             "supported yet; allowed: 1")
+        p = self.parallel
+        if p.pipeline > 1:
+            if self.model.num_layers % p.pipeline:
+                raise ValueError(f"parallel.pipeline={p.pipeline} does not divide model.num_layers="
+                                 f"{self.model.num_layers}; allowed: divisors of num_layers")
+            if p.zero_stage == 3:
+                raise ValueError("parallel.zero_stage=3 is not supported with parallel.pipeline > 1; "
+                                 "allowed: 0, 1, 2")
+            if p.sequence_parallel:
+                raise ValueError("parallel.sequence_parallel is not supported with parallel.pipeline > 1")
         self.model.check_tensor_parallel(self.parallel.tensor)
         return self
 

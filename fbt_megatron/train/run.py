@@ -151,16 +151,23 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
         state = TrainState.from_json(saved["train_state"])
         saved_cursor = saved.get("data_cursor", {}).get("loader")
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
-            f"tp={recipe.parallel.tensor} dp={dp_size} zero={recipe.parallel.zero_stage})")
+            f"tp={recipe.parallel.tensor} pp={recipe.parallel.pipeline} dp={dp_size} "
+            f"zero={recipe.parallel.zero_stage})")
 
     schedule = PassSchedule(recipe.schedule)
     loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences, saved_cursor)
     valid = build_valid_batches(recipe, dp_rank, dp_size)
-    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite)
+    pipeline = None
+    if recipe.parallel.pipeline > 1:
+        from fbt_megatron.parallel.pipeline import PipelineRunner
+
+        pipeline = PipelineRunner(engine.model)
+    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite,
+                           pipeline=pipeline)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
     feedback_depth = recipe.eval.feedback_passes or (schedule.max_passes if recipe.feedback.fusion != "off" else 1)
 
-    n_params = sum(p.numel() for p in model.parameters()) * recipe.parallel.tensor  # approx (TP shards)
+    n_params = _count_params(model) * recipe.parallel.tensor  # approx (TP shards)
     m = recipe.model
     flops_fn = lambda k: cb.model_flops_per_token(n_params, m.num_layers, m.hidden_size,  # noqa: E731
                                                   recipe.data.seq_length, k)
@@ -174,7 +181,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
                    "recipe": recipe.model_dump(mode="json")}
         return ckpt.save(st.step, zero, payload)
 
-    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device).loss,
+    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device, pipeline).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
     callbacks = [
         validation,
@@ -235,6 +242,19 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
         (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds", "probe")},
                                                          indent=1, default=str))
     return summary
+
+
+def _count_params(model) -> int:
+    """Parameters of the whole model on this TP rank (summed over pipeline stages, the tied
+    last-stage embedding copy not counted twice)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    n = sum(p.numel() for p in model.parameters()
+            if not (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)))
+    total = torch.tensor(n, dtype=torch.int64, device=runtime.device())
+    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return int(total)
 
 
 def format_summary(s: dict) -> str:
