@@ -40,7 +40,7 @@ def test_every_zero_stage_saves_and_resumes_at_dp2(chain):
     run_dir, logs = chain
     assert "checkpoint saved" in logs[0] and "resumed" not in logs[0]
     for (prev_zero, prev_steps), (zero, steps), log in zip(CHAIN, CHAIN[1:], logs[1:]):
-        m = re.search(r"resumed from (\S+) at step (\d+) \(saved with (.*?), now tp=1 dp=(\d) zero=(\d)\)", log)
+        m = re.search(r"resumed from (\S+) at step (\d+) \(saved with (.*?), now tp=1 (?:pp=1 )?dp=(\d) zero=(\d)\)", log)
         assert m, log[-2000:]
         assert m.group(1).endswith(f"step_{prev_steps:08d}") and int(m.group(2)) == prev_steps
         assert f"'zero_stage': {prev_zero}" in m.group(3) and f"'data': 2" in m.group(3)

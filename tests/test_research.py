@@ -70,7 +70,7 @@ def test_residuals_and_contraction_ratio_of_a_geometric_iteration():
 def test_fixed_point_iteration_is_exact_after_seq_len_passes_and_jacobian_norm_matches(single_process):
     from fbt_megatron.config import FeedbackConfig, ModelConfig
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms
+    from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms, stack_inputs
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
@@ -89,13 +89,13 @@ def test_fixed_point_iteration_is_exact_after_seq_len_passes_and_jacobian_norm_m
     est = one_step_jacobian_norms(model, ids, res["top"], [t], iters=200)[0]
     fb = model.feedback
     with torch.no_grad():
-        emb = model.gpt.embedding(input_ids=ids[:1], position_ids=torch.arange(12)[None])
-        states = fb.shift_states(res["top"][:, :1], torch.zeros(12, 1, dtype=torch.bool).index_fill_(0, torch.tensor([0]), True))
+        emb, mask, rotary, reset = stack_inputs(model, ids[:1])
+        states = fb.shift_states(res["top"][:, :1], reset)
 
     def step(h):
         st = torch.cat([states[:t], fb.fed_back(h).view(1, 1, -1)], 0)
         x = fb(st, emb[: t + 1])
-        return model.run_stack(x, model.causal_mask(t + 1, ids.device), model.rotary(x))[-1, 0]
+        return model.run_stack(x, mask[..., : t + 1, : t + 1], rotary[: t + 1])[-1, 0]
 
     jac = torch.autograd.functional.jacobian(step, res["top"][t - 1, 0].detach())
     assert est["spectral_norm"] == pytest.approx(torch.linalg.matrix_norm(jac, ord=2).item(), rel=1e-2)  # float32 central differences

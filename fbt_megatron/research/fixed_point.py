@@ -21,18 +21,23 @@ from fbt_megatron.model.fbt_gpt import reset_positions
 from fbt_megatron.research.stability import hutchinson_frobenius, power_spectral_norm
 
 
+def stack_inputs(model, input_ids: torch.Tensor, doc_start=None):
+    """What every pass shares: token embeddings [S, B, D], attention mask, RoPE table, resets [S, B]
+    (the model's own document-aware mask and positions)."""
+    batch, seq = input_ids.shape
+    reset = reset_positions(doc_start, batch, seq, input_ids.device)
+    mask, positions = model.attention_inputs(reset)
+    emb = model.gpt.embedding(input_ids=input_ids, position_ids=positions)
+    return emb, mask, model.rotary(positions), reset
+
+
 @torch.no_grad()
 def iterate_passes(model, input_ids: torch.Tensor, max_passes: int, doc_start=None) -> dict:
     """Residuals ||h^{k+1} - h^k|| / ||h^k|| for k = 1..max_passes-1, and the final top states."""
     model.eval()
     fb = model.feedback
-    batch, seq = input_ids.shape
-    pos = torch.arange(seq).expand(batch, -1)
-    emb = model.gpt.embedding(input_ids=input_ids, position_ids=pos)
-    mask = model.causal_mask(seq, input_ids.device)
-    reset = reset_positions(doc_start, batch, seq, input_ids.device)
+    emb, mask, rotary, reset = stack_inputs(model, input_ids, doc_start)
     x = fb(fb.initial_states(), emb)
-    rotary = model.rotary(x)
     top = model.run_stack(x, mask, rotary)
     residuals = []
     for _ in range(max_passes - 1):
@@ -50,13 +55,9 @@ def one_step_jacobian_norms(model, input_ids: torch.Tensor, top: torch.Tensor, p
     fb = model.feedback
     ids = input_ids[row : row + 1]
     seq = ids.shape[1]
-    pos = torch.arange(seq).expand(1, -1)
     with torch.no_grad():
-        emb = model.gpt.embedding(input_ids=ids, position_ids=pos)
-        reset = reset_positions(None, 1, seq, ids.device)
+        emb, mask, rotary, reset = stack_inputs(model, ids)
         base_state = fb.shift_states(top[:, row : row + 1], reset)  # the fixed point's fed-back states
-    mask = model.causal_mask(seq, ids.device)
-    rotary = model.rotary(emb)
     out = []
     for t in positions:
         if not 1 <= t < seq:

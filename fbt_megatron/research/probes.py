@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig
-from fbt_megatron.model.fbt_gpt import build_model, reset_positions
+from fbt_megatron.model.fbt_gpt import build_model
+from fbt_megatron.research.fixed_point import stack_inputs
 from fbt_megatron.passes import PassSchedule
 from fbt_megatron.research.tasks import TASKS, TaskBatch
 
@@ -95,12 +96,9 @@ def layer_inputs(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
             feats["top"] = bsd(out.hidden)
             return feats
         fb = model.feedback
-        pos = torch.arange(seq).expand(batch, -1)
-        emb = model.gpt.embedding(input_ids=input_ids, position_ids=pos)
-        mask = model.causal_mask(seq, input_ids.device)
-        reset = reset_positions(None, batch, seq, input_ids.device)
+        emb, mask, rotary, reset = stack_inputs(model, input_ids)
         x1 = fb(fb.initial_states(), emb)
-        top1 = model.run_stack(x1, mask, model.rotary(x1))
+        top1 = model.run_stack(x1, mask, rotary)
         state = fb.shift_states(top1, reset)
         feats["layer0_pass1"] = bsd(x1)
         feats["layer0_feedback1"] = bsd(fb(state, emb))
