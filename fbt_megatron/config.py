@@ -53,8 +53,8 @@ class ModelConfig(StrictModel):
     # Weight tying (a stabiliser, see FeedbackConfig): input embedding == output layer, so the fed-back
     # top state and the token embeddings live in one space.
     tie_embeddings: bool = True
-    # Activation recomputation (Megatron's recompute_granularity), applied in every pass:
-    # selective recomputes core attention in backward, full recomputes each transformer layer.
+    # Activation recomputation in every pass: selective (Megatron's) recomputes core attention in
+    # backward, full keeps only each layer's input and recomputes the layer (model/recompute.py).
     recompute: Literal["none", "selective", "full"] = "none"
 
     @model_validator(mode="after")

@@ -30,6 +30,7 @@ from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.model import vocab
 from fbt_megatron.model.feedback import LatentFeedback
+from fbt_megatron.model.recompute import recompute_layers
 
 
 @dataclass
@@ -54,7 +55,7 @@ def reset_positions(doc_start, batch: int, seq_len: int, device) -> torch.Tensor
 RECOMPUTE = {  # ModelConfig.recompute -> Megatron's TransformerConfig switches
     "none": {},
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full": {},  # FBT's own non-reentrant per-layer recompute (recompute.py), installed on the layers
 }
 
 
@@ -120,6 +121,11 @@ class FBTGPTModel(MegatronModule):
             )
         self.model_config, self.feedback_config = model, feedback
         self.padded_vocab_size = model.padded_vocab_size(config.tensor_model_parallel_size)
+        # TP-invariant initialisation (Megatron's CPU init): the padded vocabulary depends on TP, so the
+        # embedding draws its logical rows only, and the untied LM head (built last) is re-drawn below.
+        config.embedding_init_method = vocab.logical_rows_init(
+            model.vocab_size, self.padded_vocab_size, config.embedding_init_method_std or config.init_method_std)
+        rng_before = torch.get_rng_state()
         self.gpt = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(model),
@@ -129,6 +135,13 @@ class FBTGPTModel(MegatronModule):
             rotary_base=model.rotary_base,
             share_embeddings_and_output_weights=model.tie_embeddings,
         )
+        if config.use_cpu_initialization:
+            head_seed, next_seed = torch.randint(2**62, (2,), generator=torch.Generator().set_state(rng_before)).tolist()
+            if not model.tie_embeddings:
+                vocab.reinit_logical_rows(self.gpt.output_layer.weight, model.vocab_size, config.init_method_std, head_seed)
+            torch.manual_seed(next_seed)  # the LM head drew a TP-dependent amount from the global RNG
+        if model.recompute == "full":
+            recompute_layers(self.gpt.decoder.layers)
         self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" else None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         # This rank's LM-head columns that are vocabulary padding (None when it holds none).

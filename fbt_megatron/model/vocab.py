@@ -42,15 +42,48 @@ def chunked_vocab_factory(sh_ten: ShardedTensor, vocab_size: int, chunk: int) ->
     rest_shape = tuple(sh_ten.local_shape[1:])
 
     def build(key, data, replica_id, flattened_range):
+        if not mine:  # only padding here: a non-main replica of the last chunk (never written; an empty
+            # list would be taken for common, non-sharded state)
+            placeholder = torch.zeros((chunk, *rest_shape), dtype=data.dtype)
+            return [ShardedTensor.from_rank_offsets(key, placeholder, (0, n_chunks - 1, n_chunks),
+                                                    replica_id=(1, parallel_state.get_tensor_model_parallel_rank(),
+                                                                parallel_state.get_data_parallel_rank()))]
         return [ShardedTensor.from_rank_offsets(key, data[j * chunk:(j + 1) * chunk], (0, first_chunk + j, n_chunks),
                                                 replica_id=replica_id) for j in mine]
 
     def merge(loaded):
-        pieces = list(loaded)
-        dtype = pieces[0].dtype if pieces else torch.float32
+        pieces = list(loaded)[: len(mine)]
+        dtype = loaded[0].dtype
         padding_rows = local_rows - chunk * len(pieces)
         if padding_rows:
             pieces.append(torch.zeros((padding_rows, *rest_shape), dtype=dtype))
         return torch.cat(pieces)
 
     return ShardedTensorFactory(sh_ten.key, sh_ten.data, build, merge, sh_ten.replica_id)
+
+
+def logical_rows_init(vocab_size: int, padded_vocab_size: int, std: float):
+    """Embedding init that draws N(0, std) for the logical rows only (padding rows are zero), so the
+    global RNG advances by the same amount at every TP size (Megatron's CPU init builds the whole
+    [V_pad, D] master weight on every rank, and V_pad depends on TP)."""
+
+    def init(weight: torch.Tensor) -> torch.Tensor:
+        if weight.shape[0] != padded_vocab_size:  # a local partition (GPU init): plain normal
+            return torch.nn.init.normal_(weight, 0.0, std)
+        with torch.no_grad():
+            weight.zero_()
+            weight[:vocab_size].normal_(0.0, std)
+        return weight
+
+    return init
+
+
+@torch.no_grad()
+def reinit_logical_rows(weight: torch.nn.Parameter, vocab_size: int, std: float, seed: int) -> None:
+    """Re-draw a vocabulary-parallel weight [V_pad/TP, D] from a TP-independent full [vocab_size, D]
+    (its own generator), padding rows zero."""
+    from fbt_megatron.model import tp_layout
+
+    full = torch.empty((vocab_size, weight.shape[1]), dtype=torch.float32)
+    full.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+    weight.copy_(tp_layout.to_local("output_layer.weight", full, weight, None).to(weight.dtype))

@@ -114,14 +114,20 @@ class ParamTemplates:
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing import ShardedTensor
 
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
         by_id = {}
         for key, value in model.sharded_state_dict().items():
-            if isinstance(value, ShardedTensor) and isinstance(value.data, torch.nn.Parameter):
+            # Factories: layouts that are not one plain shard (the SwiGLU fc1's [gate; up] halves, the
+            # padded vocabulary's TP-independent chunks); dist_checkpointing builds/merges them.
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.nn.Parameter):
                 by_id[id(value.data)] = value
         self.entries: list[tuple[str, torch.nn.Parameter, object]] = []
+        self.local_shapes: dict[str, tuple] = {}  # recorded now: ZeRO-3 empties the parameters later
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
+            self.local_shapes[name] = tuple(p.shape)
             tpl = by_id.get(id(p))
             if tpl is None:
                 tpl = ShardedTensor.from_rank_offsets(
@@ -131,6 +137,8 @@ class ParamTemplates:
 
     @staticmethod
     def with_data(tpl, key: str, data: torch.Tensor):
+        if not hasattr(tpl, "dtype"):  # a ShardedTensorFactory: its build_fn takes the new data
+            return dataclasses.replace(tpl, key=key, data=data)
         return dataclasses.replace(tpl, key=key, data=data, dtype=data.dtype)
 
 
@@ -326,7 +334,7 @@ class CheckpointManager:
 
         request = {}
         for pname, p, tpl in templates.entries:
-            shape = tuple(tpl.local_shape)
+            shape = templates.local_shapes[pname]
             request[pname] = templates.with_data(tpl, tpl.key, torch.zeros(shape, dtype=torch.float32))
             if with_optimizer:
                 for key in ("exp_avg", "exp_avg_sq"):
