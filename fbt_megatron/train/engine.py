@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
+from fbt_megatron.train.optim_step import chunked_adamw_step
 
 
 def ensure_ds_accelerator() -> None:
@@ -143,6 +144,8 @@ class SkippableStep:
         self.optimizer = optimizer
         self.skip_next = False
         self._step = optimizer.step
+        if type(optimizer) is torch.optim.AdamW:  # the same update, chunk by chunk (optim_step.py)
+            self._step = lambda *a, **k: chunked_adamw_step(optimizer)
 
         def step(*args, **kwargs):
             if self.skip_next:
