@@ -8,6 +8,7 @@ COMMANDS = {
     "train": ("fbt_megatron.train.cli", "Train from a recipe: fbt train RECIPE.yaml [key=value ...]"),
     "data": ("data_pipeline.cli", "Tokenizer, shards, embedded data: fbt data {tokenizer,prepare,embedded,...}"),
     "demo": ("fbt_megatron.demo", "Forward/backward of a tiny FBT model on CPU with 1..3 passes"),
+    "ckpt": ("fbt_megatron.checkpoint.cli", "Checkpoints: fbt ckpt inspect|verify DIR (run dir or step dir)"),
 }
 
 

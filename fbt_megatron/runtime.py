@@ -58,7 +58,11 @@ def backend() -> str:
 
 
 def default_dtype_name() -> str:
-    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and not what tests compare)."""
+    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and not what tests compare).
+    FBT_DTYPE=bf16|fp32 overrides it (e.g. to exercise DeepSpeed's bf16 optimisers on CPU)."""
+    forced = os.environ.get("FBT_DTYPE", "").lower()
+    if forced in ("bf16", "fp32"):
+        return forced
     return "bf16" if use_cuda() else "fp32"
 
 

@@ -12,21 +12,22 @@ import pytest
 import yaml
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.checkpoint import _SafePickleModule
+from fbt_megatron.checkpoint.safe_load import SafePickleModule as _SafePickleModule
 from fbt_megatron.train.testing import tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(recipe: dict, tmp_path: Path, env: dict | None = None) -> tuple[int, str]:
-    """Run `fbt train` in its own session; a process killed mid-save can leave helper processes
-    (megatron's writer queue manager) behind, so the whole session is killed once the main one ends."""
+def _killed_run(recipe: dict, tmp_path: Path, fault: str) -> tuple[int, str]:
+    """`fbt train` whose checkpoint save is killed at ``fault`` (``<point>@<step>``, through the save's
+    fault hook: fbt_megatron.train.testing's runner), in its own session; a process killed mid-save can
+    leave helper processes (megatron's writer queue manager) behind, so the whole session is killed."""
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), FBT_DEVICE="cpu", **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), FBT_DEVICE="cpu")
     log = tmp_path / "train.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "fbt_megatron.cli", "train", str(path)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "fbt_megatron.train.testing", str(path), fault], cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=300)
@@ -41,7 +42,7 @@ def _cli(recipe: dict, tmp_path: Path, env: dict | None = None) -> tuple[int, st
 def test_save_killed_halfway_keeps_previous_checkpoint(tmp_path):
     recipe = tiny_recipe(tmp_path / "run", train={"steps": 4}, checkpoint={"every": 2, "at_end": True})
     # The process dies after the weights of the step-4 save are written, before publication.
-    rc, log = _cli(recipe, tmp_path, env={"FBT_CKPT_FAULT": "after_weights@4"})
+    rc, log = _killed_run(recipe, tmp_path, "after_weights@4")
     assert rc == 17, log[-3000:]
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
@@ -55,7 +56,7 @@ def test_save_killed_halfway_keeps_previous_checkpoint(tmp_path):
 
 def test_killed_before_latest_update_and_keep_last(tmp_path):
     recipe = tiny_recipe(tmp_path / "run", train={"steps": 6}, checkpoint={"every": 2, "keep_last": 2})
-    rc, log = _cli(recipe, tmp_path, env={"FBT_CKPT_FAULT": "before_latest@6"})
+    rc, log = _killed_run(recipe, tmp_path, "before_latest@6")
     assert rc == 17, log[-3000:]
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000004"

@@ -1,4 +1,4 @@
-"""Resume equivalence: straight runs equal interrupted + resumed runs, also under a new layout."""
+"""Resume equivalence: a straight run equals an interrupted + resumed run (same layout)."""
 
 import json
 
@@ -44,12 +44,4 @@ def test_resume_equals_straight_run(straight, tmp_path):
         assert state["data_cursor"]["consumed_sequences"] == 5 * 8
 
 
-@pytest.mark.parametrize("first_world,first,second", [
-    (2, {"zero_stage": 3}, {"zero_stage": 1}),               # DP=2 (ZeRO-3) -> DP=1 (ZeRO-1)
-    (2, {"tensor": 2, "zero_stage": 0}, {"zero_stage": 2}),  # TP=2 -> TP=1
-], ids=["dp2-to-dp1", "tp2-to-tp1"])
-def test_resume_under_new_layout(straight, tmp_path, first_world, first, second):
-    a, b = _interrupted(tmp_path, first_world, first, 1, second)
-    got, ref = losses(a) + losses(b), losses(straight)
-    assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-5, (got, ref)
-    assert [h[4] for h in a["history"] + b["history"]] == [h[4] for h in straight["history"]]  # same samples
+# Resumes under other layouts (DP, TP, ZeRO in both directions): tests/test_checkpoint_layouts.py.

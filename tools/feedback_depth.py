@@ -27,21 +27,11 @@ CONVERGED = 0.05
 def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     """Evaluate the latest checkpoint of ``run_dir`` at each pass count (call inside a process group)."""
     from fbt_megatron import runtime
-    from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.research.runs import load_trained_model
     from fbt_megatron.train.run import build_valid_batches
     from fbt_megatron.train.train_step import evaluate
 
-    ckpts = CheckpointManager(Path(run_dir) / "checkpoints")
-    latest = ckpts.latest()
-    if latest is None:
-        raise FileNotFoundError(f"{run_dir}/checkpoints has no published checkpoint (no 'latest' pointer)")
-    recipe = load_recipe(data=ckpts.read_state(latest)["recipe"])
-    recipe.parallel.tensor = 1
-    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
-    model = build_model(recipe.model, recipe.feedback)
-    ckpts.load_weights(latest, ParamTemplates(model))
+    model, recipe, latest = load_trained_model(run_dir)
     batches = build_valid_batches(recipe, 0, 1)
     rows = []
     for k in passes:

@@ -131,6 +131,8 @@ class Validation(Callback):
         losses = {k: self.evaluate_fn(k) for k in self.passes}
         self._last_step = trainer.state.step
         trainer.metrics["val_loss"] = losses
+        trainer.metrics.setdefault("val_history", []).append(
+            {"step": trainer.state.step, "tokens": trainer.state.tokens_seen, "loss": losses})
         trainer.metrics.setdefault("_pending_scalars", {}).update(
             {f"val/loss_k{k}": v for k, v in losses.items()})
         if is_rank0():
@@ -148,9 +150,13 @@ class Validation(Callback):
 
 
 class Checkpointer(Callback):
-    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print, async_save: bool = False):
+    """Saves every N steps and at the end; ``poll_fn`` runs at every step end so that an async save is
+    published as soon as its write has completed (not at the next save)."""
+
+    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print, async_save: bool = False,
+                 poll_fn=None):
         self.save_fn, self.every, self.at_end, self.print = save_fn, every, at_end, print_fn
-        self.async_save = async_save
+        self.async_save, self.poll_fn = async_save, poll_fn
         self._last_step = None
 
     def save(self, trainer) -> None:
@@ -161,6 +167,8 @@ class Checkpointer(Callback):
             self.print(f"checkpoint {'scheduled' if getattr(self, 'async_save', False) else 'saved'}: {path}", flush=True)
 
     def on_step_end(self, trainer, r) -> None:
+        if self.poll_fn is not None:
+            self.poll_fn()
         if trainer.state.step % self.every == 0 or (trainer.stop_reason and self._last_step != trainer.state.step):
             self.save(trainer)
 

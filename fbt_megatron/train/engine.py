@@ -4,7 +4,7 @@ DeepSpeed is told about Megatron's parallel groups through :class:`MegatronMPU`,
 over the data-parallel group only, and the gradient norm counts TP-sharded parameters once per TP
 rank and TP-replicated parameters once. On CPU DeepSpeed runs with ``DS_ACCELERATOR=cpu`` over the
 gloo process group that :mod:`fbt_megatron.runtime` already started; params and optimiser are fp32.
-On GPU the model is bf16 with fp32 master weights (DeepSpeed's bf16 mode).
+On GPU (or with FBT_DTYPE=bf16) the model is bf16 with fp32 master weights (DeepSpeed's bf16 mode).
 
 The optimiser is ``torch.optim.AdamW`` (``"torch_adam": true``); its ``step`` is wrapped so a step
 that the train step flags as non-finite is skipped without touching weights or moments, for every
@@ -194,23 +194,37 @@ class Engine:
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self.skipper = SkippableStep(self.torch_optimizer)
         self._materialize_optimizer_state()
+        self._clip_norm = None
+        if hasattr(self.ds, "clip_fp32_gradients"):
+            self.ds.clip_fp32_gradients = self._clip_fp32_gradients
+
+    def _clip_fp32_gradients(self) -> None:
+        """ZeRO-0 fp32: DeepSpeed clips with its model-parallel-aware ``clip_grad_norm_`` but drops the
+        norm (``get_global_grad_norm()`` stays None); keep it so every stage reports its grad norm."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        self._clip_norm = float(clip_grad_norm_(parameters=self.ds.module.parameters(),
+                                                max_norm=self.ds.gradient_clipping(), mpu=self.ds.mpu))
 
     def _materialize_optimizer_state(self) -> None:
         """Create AdamW's state (step 0, zero moments) now instead of lazily at the first step.
 
         torch's AdamW initialises exactly these values on its first step, so training is unchanged;
         having them early lets a resume write loaded moments into them (and ZeRO 1/2 link each
-        parameter's fragment of the flat state, which ``safe_{get,set}_full_optimizer_state`` use).
+        parameter's fragment of the flat state, which the checkpoint's fragment access uses).
         """
         opt = self.torch_optimizer
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state.get(p):
-                    opt.state[p] = {
-                        "step": torch.tensor(0.0, dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    }
+        params = [p for group in opt.param_groups for p in group["params"]]
+        # ZeRO-3 hands its flat fp32 partitions to the inner optimiser only during step(): find them here
+        # so a resume can load moments before the first step.
+        params += [p for p in getattr(self.ds.optimizer, "fp32_partitioned_groups_flat", None) or [] if p is not None]
+        for p in params:
+            if not opt.state.get(p):
+                opt.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
         link = getattr(self.ds.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None and self.zero_stage in (1, 2):
             link()
@@ -239,6 +253,7 @@ class Engine:
     def step(self, skip: bool = False) -> float | None:
         """Optimiser step at the accumulation boundary; returns the global grad norm (None if skipped)."""
         self.skipper.skip_next = skip
+        self._clip_norm = None
         try:
             self.ds.set_gradient_accumulation_boundary(True)
             self.ds.step()
@@ -247,6 +262,7 @@ class Engine:
         if skip:
             return None
         norm = self.ds.get_global_grad_norm()
+        norm = self._clip_norm if norm is None else norm
         return None if norm is None else float(norm)
 
     @staticmethod

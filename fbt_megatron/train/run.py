@@ -100,13 +100,16 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
+def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None) -> dict:
+    """Train ``recipe`` in this process group. ``checkpoint_fault_hook(point, step)`` is a test hook
+    called at the points of a checkpoint save (see :class:`CheckpointManager`)."""
     from megatron.core import parallel_state as ps
 
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train import callbacks as cb
-    from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+    from fbt_megatron.checkpoint import CheckpointError, CheckpointManager
+    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
     from fbt_megatron.train.engine import Engine
     from fbt_megatron.train.lr_schedule import LRSchedule
     from fbt_megatron.train.train_step import FBTTrainStep, evaluate
@@ -124,16 +127,19 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
     prepare_data(recipe, log)
     check_tokenizer(recipe)
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel)
-    templates = ParamTemplates(model)
+    specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
-                             async_save=recipe.checkpoint.async_save)
+                             async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
+    if not recipe.checkpoint.resume and ckpt.has_checkpoints():
+        # Never mix a new run's checkpoints with an older run's (pruning and `latest` would interleave).
+        raise CheckpointError(f"checkpoint.resume=false, but {ckpt.root} already holds checkpoints; "
+                              f"choose another run_dir or remove {ckpt.root}")
     latest = ckpt.latest() if recipe.checkpoint.resume else None
-    if latest is not None:
-        ckpt.load_weights(latest, templates)
     engine = Engine(model, recipe)
+    zero = ZeroState(engine, specs)
     state, saved_cursor = TrainState(), None
     if latest is not None:
-        saved = ckpt.load_training_state(latest, engine, templates)
+        saved = ckpt.load_training_state(latest, zero)
         state = TrainState.from_json(saved["train_state"])
         saved_cursor = saved.get("data_cursor", {}).get("loader")
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
@@ -151,14 +157,14 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
     flops_fn = lambda k: cb.model_flops_per_token(n_params, m.num_layers, m.hidden_size,  # noqa: E731
                                                   recipe.data.seq_length, k)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
-              "zero_stage": recipe.parallel.zero_stage}
+              "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
 
     def save(st: TrainState):
         payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,
                    "pass_schedule": {"position": st.step, **recipe.schedule.model_dump()},
                    "data_cursor": {"consumed_sequences": st.consumed_sequences, "loader": loader.state_dict()},
                    "recipe": recipe.model_dump(mode="json")}
-        return ckpt.save(st.step, engine, templates, payload)
+        return ckpt.save(st.step, zero, payload)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
@@ -171,7 +177,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
     if recipe.logging.wandb:
         callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
     callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
-                                   async_save=recipe.checkpoint.async_save))
+                                   async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll))
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
 
@@ -187,7 +193,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
         trainer.fit()
     else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
         log(f"{recipe.name} is already at step {state.step} of {total}: nothing to train "
-            f"(checkpoint.resume=false starts over)")
+            f"(raise train.steps to continue, or use a new run_dir)")
         trainer.metrics["checkpoint"] = str(latest) if latest is not None else None
         if recipe.eval.at_end:
             validation.run(trainer)
@@ -200,8 +206,10 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None) -> dict:
         "stop_reason": trainer.stop_reason, "checkpoint": trainer.metrics.get("checkpoint"),
         "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
         "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
-        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum) for r in trainer.history],
+        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm)
+                    for r in trainer.history],
         "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
+        "val_history": trainer.metrics.get("val_history", []),  # this invocation's validations
     }
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run_dir.mkdir(parents=True, exist_ok=True)

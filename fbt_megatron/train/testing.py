@@ -37,14 +37,51 @@ def tiny_recipe(run_dir: str, **sections) -> dict:
     return data
 
 
-def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None) -> dict:
-    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary."""
+def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None) -> dict:
+    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary.
+    ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save."""
     os.environ.update(env or {})
     from fbt_megatron.train.recipe import load_recipe
     from fbt_megatron.train.run import train
 
     recipe = load_recipe(data=recipe_data)
-    return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=set(inject_nonfinite or ()))
+    return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=set(inject_nonfinite or ()),
+                 checkpoint_fault_hook=kill_at(fault) if fault else None)
+
+
+def kill_at(fault: str):
+    """A checkpoint fault hook that ends the process at ``<point>@<step>`` as a crash would."""
+    want_point, want_step = fault.split("@")
+
+    def hook(point: str, step: int) -> None:
+        if point == want_point and step == int(want_step):
+            os._exit(17)
+
+    return hook
+
+
+def main(argv=None) -> int:
+    """``python -m fbt_megatron.train.testing RECIPE.yaml POINT@STEP``: ``fbt train`` with a save killed
+    at POINT of step STEP (the crash tests run this as a child process; not a user command)."""
+    import sys
+
+    import yaml
+
+    from fbt_megatron import runtime
+    from fbt_megatron.train.engine import ensure_ds_accelerator
+
+    recipe_path, fault = (argv if argv is not None else sys.argv[1:])[:2]
+    ensure_ds_accelerator()
+    runtime.init_distributed()
+    try:
+        train_fn(yaml.safe_load(open(recipe_path)), fault=fault)
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 
 
 def losses(summary: dict) -> list[float]:

@@ -1,0 +1,401 @@
+"""Sharded, atomically published checkpoints that load into any parallel layout.
+
+Layout of ``<run>/checkpoints``::
+
+    step_00000120/          one published checkpoint
+      weights/              megatron dist_checkpointing (torch_dist) directory: fp32 master weights
+                            (``<key>``) and AdamW moments (``optimizer.exp_avg.<key>``,
+                            ``optimizer.exp_avg_sq.<key>``); every rank writes its own ``__<rank>_*.distcp``
+      rng/rank_00000.json   each rank's RNG states (JSON)
+      manifest.json         every file's size and CRC-32 (each rank checksums the files it wrote)
+      state.json            step, optimiser step count, layout, data cursor, pass schedule, recipe
+    latest                  the name of the newest complete checkpoint (replaced atomically, last)
+
+What each rank writes and reads is described in :mod:`fbt_megatron.checkpoint.shards`: its ZeRO
+fragment of every parameter's fp32 master weights and moments (ZeRO-0: DP rank 0 writes the whole
+TP-local tensor), as views of DeepSpeed's buffers; loading reads, under the new layout, exactly the
+rectangles the rank's new fragments cover, straight into DeepSpeed's buffers, then refreshes the model's
+parameters from the masters (DeepSpeed's own post-step path).
+
+Publishing: ranks write into ``step_N.tmp``; once every rank's write has completed, rank 0 writes the
+manifest and ``state.json``, fsyncs, renames the directory to ``step_N`` and atomically replaces
+``latest``. A save killed halfway leaves only ``step_N.tmp`` (ignored, removed by the next save).
+Re-saving an existing step first moves the published directory aside to ``step_N.old`` (which
+:meth:`CheckpointManager.latest` falls back to if a crash happens in between) and deletes it only
+after the replacement is published. Pruning keeps ``latest``'s target and the ``keep_last - 1`` newest
+checkpoints before it; it never deletes what ``latest`` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
+from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
+from fbt_megatron.checkpoint.shards import STATE_KEYS, Fragment, ParamSpec, ZeroState, storage_key
+
+LATEST = "latest"
+FORMAT_VERSION = 2
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked (missing, truncated, wrong shapes, ...)."""
+
+
+# ---------------------------------------------------------------------- discovery (no process group needed)
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run dir or its ``checkpoints/`` dir -> the checkpoint ``latest`` names; a step dir -> itself."""
+    path = Path(path)
+    if (path / "state.json").exists():
+        return path
+    for root in (path / "checkpoints", path):
+        if (root / LATEST).exists():
+            return _follow_latest(root)
+    raise CheckpointError(f"{path} has no published checkpoint: it is neither a checkpoint (no state.json) "
+                          f"nor a run directory with a checkpoints/{LATEST} pointer")
+
+
+def _follow_latest(root: Path) -> Path:
+    pointer = root / LATEST
+    name = pointer.read_text().strip()
+    path = root / name
+    if (path / "state.json").exists():
+        return path
+    aside = root / f"{name}.old"  # a re-save of this step was interrupted between its two renames
+    if (aside / "state.json").exists():
+        return aside
+    raise CheckpointError(f"{pointer} names {name!r}, but {path} is not a complete checkpoint "
+                          f"(expected {path / 'state.json'})")
+
+
+def read_checkpoint_state(path: str | Path) -> dict:
+    """``state.json`` of a checkpoint (or of a run dir's latest): step, layout, data cursor, recipe."""
+    path = resolve_checkpoint(path)
+    return json.loads((path / "state.json").read_text())
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Published checkpoints under ``root``, oldest step first."""
+    found = [(int(m.group(1)), p) for p in root.glob("step_*") if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+# ---------------------------------------------------------------------- file checks
+def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def check_files_present(path: Path) -> dict:
+    """Every file the manifest lists exists with its recorded size (cheap; ``fbt ckpt verify`` also
+    checks the CRCs). Returns the manifest."""
+    manifest_file = path / "manifest.json"
+    if not manifest_file.exists():
+        raise CheckpointError(f"{manifest_file} is missing: {path} is incomplete or from an older format")
+    manifest = json.loads(manifest_file.read_text())
+    for rel, info in manifest["files"].items():
+        f = path / rel
+        if not f.exists():
+            raise CheckpointError(f"checkpoint file {f} is missing (expected {info['bytes']} bytes)")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} has {size} bytes, expected {info['bytes']} bytes "
+                                  f"(truncated or overwritten)")
+    return manifest
+
+
+def read_tensor_metadata(path: Path) -> dict:
+    """``{key: (global shape, dtype, [(offsets, sizes), ...])}`` from torch_dist's ``.metadata``
+    (read with the restricted unpickler)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    install_safe_metadata_reader()
+    md = FileSystemReader(str(path / "weights")).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype, [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks])
+            for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def read_full_tensors(path: str | Path, keys=None) -> dict:
+    """Whole tensors of a checkpoint in one process, no process group (tests, single-process tools;
+    holds every requested tensor in full, so not for large models)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve_checkpoint(path)
+    meta = read_tensor_metadata(path)
+    state = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype, _) in meta.items() if keys is None or k in keys}
+    dcp.load(state, checkpoint_id=str(path / "weights"), no_dist=True)
+    return state
+
+
+def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_KEYS) -> None:
+    stored = read_tensor_metadata(path)
+    meta_file = path / "weights" / ".metadata"
+    for spec in specs:
+        for w in which:
+            key = storage_key(spec.key, w)
+            if key not in stored:
+                raise CheckpointError(f"{meta_file} has no tensor {key!r} (parameter {spec.name}, expected "
+                                      f"global shape {list(spec.global_shape)}): not a checkpoint of this model")
+            if stored[key][0] != tuple(spec.global_shape):
+                raise CheckpointError(f"{meta_file}: tensor {key!r} has shape {list(stored[key][0])}, the "
+                                      f"recipe's model expects {list(spec.global_shape)} (parameter {spec.name})")
+
+
+# ---------------------------------------------------------------------- reading tensors
+def _load_fragments(path: Path, fragments: list[Fragment], which=STATE_KEYS) -> None:
+    """Read every fragment's rectangles from ``path/weights`` straight into its tensors."""
+    from megatron.core import dist_checkpointing
+
+    install_safe_metadata_reader()
+    request, views = {}, {}
+    for i, frag in enumerate(fragments):
+        frag = Fragment(frag.spec, frag.start, frag.numel, {w: frag.tensors[w] for w in which}, frag.dp_replicated)
+        for key, pieces in frag.pieces(dp_rank=0).items():
+            for j, piece in enumerate(pieces):
+                name = f"{i}/{key}/{j}"
+                request[name], views[name] = piece, piece.data
+    try:
+        loaded = dist_checkpointing.load(request, str(path / "weights"), validate_access_integrity=False)
+    except CheckpointError:
+        raise
+    except Exception as e:  # name the checkpoint; the cause stays attached
+        raise CheckpointError(f"reading {path / 'weights'} failed: {type(e).__name__}: {e}") from e
+    for name, view in views.items():
+        got = loaded[name]
+        if got.data_ptr() != view.data_ptr():  # loaded elsewhere (not in place): copy
+            view.copy_(got)
+
+
+# ---------------------------------------------------------------------- weights only
+@torch.no_grad()
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
+    """Fill a bare (not DeepSpeed-wrapped) model's parameters from a checkpoint's fp32 master weights,
+    in the current TP layout (call on every rank of the process group). Returns the checkpoint dir."""
+    from fbt_megatron.checkpoint.shards import param_specs, whole_tensor_fragment
+
+    path = resolve_checkpoint(path)
+    check_files_present(path)
+    specs = param_specs(model)
+    check_shapes(path, specs, which=("param",))
+    fragments, copies = [], []
+    for spec in specs:
+        p = spec.param
+        target = p.data if p.dtype == torch.float32 else torch.empty(spec.local_shape, dtype=torch.float32)
+        fragments.append(whole_tensor_fragment(spec, {"param": target}, dp_replicated=True))
+        if target is not p.data:
+            copies.append((p, target))
+    _load_fragments(path, fragments, which=("param",))
+    for p, target in copies:
+        p.data.copy_(target.view_as(p).to(p.dtype))
+    return path
+
+
+# ---------------------------------------------------------------------- writing tensors
+def _write_pieces(pieces: list, weights_dir: Path) -> None:
+    """Synchronous torch_dist save of this rank's main-replica pieces, through PyTorch DCP's own file
+    writer: it serialises one piece at a time (megatron's writer would first copy every piece that is a
+    view, i.e. this rank's whole shard, and fork writer processes). Same files as megatron writes, so
+    ``dist_checkpointing.load`` reads them. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    grouped: dict[str, list] = {}
+    for piece in pieces:
+        if not any(piece.replica_id):  # another rank writes the other replicas' identical bytes
+            grouped.setdefault(piece.key, []).append(piece)
+    state = mcore_to_pyt_state_dict(grouped, is_loading=False)
+    # DCP checks the global plan: the pieces of every tensor must tile it exactly (no gap, no overlap).
+    dcp.save(state, storage_writer=FileSystemWriter(str(weights_dir), thread_count=1))
+    if dist.get_rank() == 0:
+        torch.save({}, weights_dir / "common.pt")  # megatron's (empty) non-sharded part
+        save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(weights_dir))
+
+
+# ---------------------------------------------------------------------- the manager
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for f in files:
+            _fsync_file(Path(root) / f)
+        _fsync_file(Path(root))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+FaultHook = Callable[[str, int], None]  # (point, step): tests kill or raise at a point of a save
+
+
+class CheckpointManager:
+    def __init__(self, root: str | Path, keep_last: int = 2, async_save: bool = False,
+                 fault_hook: FaultHook | None = None):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.fault_hook = fault_hook
+        self._queue = None  # megatron AsyncCallsQueue while an async save is in flight
+        self.last_published: Path | None = None
+        install_safe_metadata_reader()
+
+    def _fault(self, point: str, step: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point, step)
+
+    # ------------------------------------------------------------------ discovery
+    def latest(self) -> Path | None:
+        return _follow_latest(self.root) if (self.root / LATEST).exists() else None
+
+    def has_checkpoints(self) -> bool:
+        return (self.root / LATEST).exists() or bool(step_dirs(self.root))
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, zero: ZeroState, state: dict) -> Path:
+        """Write this rank's fragments; publish when every rank's write is complete (at once, or for an
+        async save at the first :meth:`poll` that finds it done). Collective."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()  # one save in flight at a time
+        rank = dist.get_rank()
+        name = f"step_{step:08d}"
+        final, tmp = self.root / name, self.root / f"{name}.tmp"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._clean_leftovers()
+            (tmp / "weights").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        dist.barrier()
+
+        from megatron.core import parallel_state as ps
+
+        dp_rank = ps.get_data_parallel_rank()
+        sharded = {}
+        for i, frag in enumerate(zero.fragments()):
+            # Async: the buffers change with the next step while the write runs, so it writes a copy
+            # (this rank's own shard, bounded); a synchronous save writes the buffers themselves.
+            for key, pieces in frag.pieces(dp_rank, clone=self.async_save).items():
+                for j, piece in enumerate(pieces):
+                    sharded[f"{i}/{key}/{j}"] = piece
+        _write_json(tmp / "rng" / f"rank_{rank:05d}.json", rng_state())
+        state = dict(state, format_version=FORMAT_VERSION, saved_at=time.time(), world_size=dist.get_world_size())
+        self._fault("before_weights", step)
+        if self.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            request = dist_checkpointing.save(sharded, str(tmp / "weights"), async_sharded_save=True,
+                                              validate_access_integrity=False)
+            request.add_finalize_fn(lambda: self._publish(tmp, final, state, step))
+            self._queue = AsyncCallsQueue()
+            self._queue.schedule_async_request(request)
+        else:
+            _write_pieces(list(sharded.values()), tmp / "weights")
+            self._publish(tmp, final, state, step)
+        return final
+
+    def _clean_leftovers(self) -> None:
+        for stale in self.root.glob("*.tmp"):  # a save that was killed
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
+        for aside in self.root.glob("step_*.old"):  # a re-save interrupted between its renames
+            original = self.root / aside.name[: -len(".old")]
+            if original.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, original)
+
+    def _publish(self, tmp: Path, final: Path, state: dict, step: int) -> None:
+        """Every rank's write is complete: checksum, then rank 0 publishes. Collective."""
+        rank = dist.get_rank()
+        self._fault("after_weights", step)
+        mine = {}
+        for f in sorted((tmp / "weights").glob(f"__{rank}_*.distcp")) + [tmp / "rng" / f"rank_{rank:05d}.json"]:
+            mine[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "crc32": file_crc32(f)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            files = {k: v for part in gathered for k, v in part.items()}
+            for f in sorted(p for p in (tmp / "weights").iterdir() if p.is_file()):
+                rel = str(f.relative_to(tmp))
+                if rel not in files:  # .metadata, common.pt, metadata.json (rank 0's)
+                    files[rel] = {"bytes": f.stat().st_size, "crc32": file_crc32(f)}
+            _write_json(tmp / "manifest.json", {"format_version": FORMAT_VERSION, "files": files})
+            _write_json(tmp / "state.json", state)
+            _fsync_tree(tmp)
+            self._fault("before_rename", step)
+            aside = self.root / f"{final.name}.old"
+            if final.exists():  # re-save of a published step: keep it until the new one is in place
+                os.replace(final, aside)
+                self._fault("between_renames", step)
+            os.replace(tmp, final)
+            _fsync_file(self.root)
+            self._fault("before_latest", step)
+            pointer_tmp = self.root / f"{LATEST}.tmp"
+            pointer_tmp.write_text(final.name + "\n")
+            _fsync_file(pointer_tmp)
+            os.replace(pointer_tmp, self.root / LATEST)
+            _fsync_file(self.root)
+            shutil.rmtree(aside, ignore_errors=True)
+            self._prune(final)
+        self.last_published = final
+        dist.barrier()
+
+    def poll(self) -> None:
+        """Publish a finished async save now (collective: call on every rank, e.g. at each step end)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
+            if self._queue.get_num_unfinalized_calls() == 0:
+                self._queue.close()
+                self._queue = None
+
+    def wait(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            self._queue.close()
+            self._queue = None
+
+    def _prune(self, latest: Path) -> None:
+        m = STEP_DIR.match(latest.name)
+        older = [p for p in step_dirs(self.root) if p != latest and int(STEP_DIR.match(p.name).group(1)) < int(m.group(1))]
+        keep = {latest, *older[max(0, len(older) - (self.keep_last - 1)):]} if self.keep_last > 1 else {latest}
+        for p in step_dirs(self.root):
+            if p not in keep:  # older ones past keep_last, and newer ones no pointer leads to
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def load_training_state(self, path: Path, zero: ZeroState) -> dict:
+        """fp32 master weights and AdamW moments into this rank's ZeRO fragments (any saved layout),
+        the model's parameters refreshed from them, the optimiser step count, RNG; returns state.json."""
+        path = Path(path)
+        state = json.loads((path / "state.json").read_text())
+        check_files_present(path)
+        check_shapes(path, zero.specs)
+        _load_fragments(path, zero.fragments())
+        zero.masters_to_model()
+        zero.engine.set_optimizer_step(int(state["optimizer_steps"]))
+        rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.json"
+        if rng_file.exists() and state.get("world_size") == dist.get_world_size():
+            set_rng_state(json.loads(rng_file.read_text()))
+        return state

@@ -1,0 +1,138 @@
+"""Checkpoint robustness: re-saving a published step, pruning, resume=false, and bad input (missing or
+truncated shard file, wrong shapes for the recipe's model, `latest` naming a missing directory) giving
+errors that name the file and the expected value, with the previous checkpoint still loadable.
+
+All runs happen one after the other in one process (faults are raised through the save's fault hook),
+since starting processes costs more than these tiny runs."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fbt_megatron.testing.distributed import run_distributed
+from fbt_megatron.train.testing import tiny_recipe
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_at(fault: str):
+    want_point, want_step = fault.split("@")
+
+    def hook(point, step):
+        if point == want_point and step == int(want_step):
+            raise Crash(fault)
+
+    return hook
+
+
+def _train(recipe: dict, fault: str | None = None) -> dict | str:
+    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.train.run import train
+
+    try:
+        return train(load_recipe(data=recipe), print_fn=lambda *a, **k: None,
+                     checkpoint_fault_hook=_crash_at(fault) if fault else None)
+    except Crash as e:
+        return f"crash {e}"
+    except Exception as e:  # the error a user would see
+        return f"{type(e).__name__}: {e}"
+
+
+def _load_weights(ckpt: Path, recipe: dict) -> str:
+    from fbt_megatron.checkpoint import load_model_weights
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.train.recipe import load_recipe
+
+    r = load_recipe(data=recipe)
+    try:
+        load_model_weights(ckpt, build_model(r.model, r.feedback))
+        return "ok"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def scenario(base: str) -> dict:
+    base = Path(base)
+    out = {}
+    recipe = tiny_recipe(base / "run", train={"steps": 4}, checkpoint={"every": 2, "keep_last": 2})
+    ckpts = base / "run" / "checkpoints"
+    # A: step 4 is published but the process dies before `latest` moves to it.
+    out["A"] = _train(recipe, "before_latest@4")
+    out["A_latest"] = (ckpts / "latest").read_text().strip()
+    out["A_dirs"] = sorted(p.name for p in ckpts.iterdir())
+    # B: the resume from step 2 re-saves step 4 and dies before publishing it: the published step_4 stays.
+    out["B"] = _train(recipe, "before_rename@4")
+    out["B_dirs"] = sorted(p.name for p in ckpts.iterdir())
+    out["B_state"] = json.loads((ckpts / "step_00000004" / "state.json").read_text())["train_state"]["step"]
+    # C: a clean resume finishes; keep_last=2 keeps steps 2 and 4.
+    out["C"] = _train(recipe)["step"]
+    out["C_dirs"] = sorted(p.name for p in ckpts.iterdir())
+    # D: resume=false refuses a directory that already holds checkpoints.
+    out["D"] = _train(dict(recipe, checkpoint=dict(recipe["checkpoint"], resume=False)))
+    # E: bad input, each on a copy of the run.
+    def copy(name):
+        dst = base / name
+        shutil.copytree(base / "run", dst)
+        return dict(recipe, run_dir=str(dst)), dst / "checkpoints"
+
+    r, c = copy("truncated")
+    shard = sorted((c / "step_00000004" / "weights").glob("*.distcp"))[0]
+    out["E_truncated_file"], out["E_truncated_bytes"] = str(shard), shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100])
+    out["E_truncated"] = _train(dict(r, train=dict(r["train"], steps=6)))
+    out["E_previous_loads"] = _load_weights(c / "step_00000002", recipe)
+    r, c = copy("missing")
+    shard = sorted((c / "step_00000004" / "weights").glob("*.distcp"))[0]
+    out["E_missing_file"] = str(shard)
+    shard.unlink()
+    out["E_missing"] = _train(dict(r, train=dict(r["train"], steps=6)))
+    r, c = copy("shape")
+    out["E_shape"] = _train(dict(r, train=dict(r["train"], steps=6), model=dict(r["model"], hidden_size=96)))
+    r, c = copy("pointer")
+    (c / "latest").write_text("step_00000099\n")
+    out["E_pointer"] = _train(dict(r, train=dict(r["train"], steps=6)))
+    out["E_pointer_dir"] = str(c / "step_00000099")
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    return run_distributed(scenario, 1, str(tmp_path_factory.mktemp("ckpt")))[0]
+
+
+def test_resave_keeps_published_step_until_replaced(result):
+    assert result["A"] == "crash before_latest@4"
+    assert result["A_latest"] == "step_00000002" and "step_00000004" in result["A_dirs"]
+    assert result["B"] == "crash before_rename@4"
+    assert "step_00000004" in result["B_dirs"] and result["B_state"] == 4  # not deleted before replacement
+    assert result["C"] == 4
+    assert result["C_dirs"] == ["latest", "step_00000002", "step_00000004"]
+
+
+def test_resume_false_refuses_used_directory(result):
+    assert result["D"].startswith("CheckpointError") and "checkpoint.resume=false" in result["D"]
+    assert "/run/checkpoints" in result["D"]
+
+
+def test_truncated_shard_names_file_and_size_previous_loads(result):
+    msg = result["E_truncated"]
+    assert result["E_truncated_file"] in msg and f"expected {result['E_truncated_bytes']} bytes" in msg, msg
+    assert result["E_previous_loads"] == "ok"
+
+
+def test_missing_shard_names_file(result):
+    assert result["E_missing_file"] in result["E_missing"] and "missing" in result["E_missing"]
+
+
+def test_wrong_shape_names_tensor_and_expected_shape(result):
+    msg = result["E_shape"]
+    assert "CheckpointError" in msg and ".metadata" in msg and "[128, 96]" in msg, msg
+
+
+def test_latest_naming_missing_dir(result):
+    msg = result["E_pointer"]
+    assert "step_00000099" in msg and result["E_pointer_dir"] in msg, msg
