@@ -127,8 +127,10 @@ def _factory_spec(name: str, p: torch.nn.Parameter, factory) -> ParamSpec:
     if first is None:
         raise ValueError(f"{name}: its checkpoint factory built no pieces")
     rid = factory.replica_id if isinstance(factory.replica_id, tuple) else (0, 0, factory.replica_id)
+    ax = first.prepend_axis_num  # prepended axes (the layer number) keep the template's offsets
+    goff = tuple(first.global_offset[:ax]) + (0,) * (len(first.global_shape) - ax)
     return ParamSpec(name, p, factory.key, tuple(p.shape), tuple(first.global_shape),
-                     (0,) * len(first.global_shape), first.prepend_axis_num, tuple(rid), tuple(segments))
+                     goff, ax, tuple(rid), tuple(segments))
 
 
 def _row_split(spec: ParamSpec, off: tuple, size: tuple):
@@ -141,7 +143,8 @@ def _row_split(spec: ParamSpec, off: tuple, size: tuple):
         r0, r1 = max(off[0], local_row), min(off[0] + size[0], local_row + rows)
         if r0 < r1:
             o = (r0,) + tuple(off[1:])
-            out.append((o, (r1 - r0,) + tuple(size[1:]), (0,) * p + (global_row + r0 - local_row,) + tuple(off[1:])))
+            out.append((o, (r1 - r0,) + tuple(size[1:]),
+                        tuple(spec.global_offset[:p]) + (global_row + r0 - local_row,) + tuple(off[1:])))
     return out
 
 
