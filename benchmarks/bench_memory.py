@@ -4,9 +4,8 @@ grad_mode all/last, activation recompute none/selective/full.
     python benchmarks/bench_memory.py [--layers 4 --hidden 256 --heads 8 --seq 256 --batch 8]
 
 Each configuration runs in a fresh process. On GPU the figure is torch.cuda.max_memory_allocated()
-during the step minus the memory allocated before it (weights, gradients already allocated by a
-warm-up step). On CPU it is the growth of the process's peak resident set (ru_maxrss) over a warm-up
-step that allocated weights and gradients, with glibc told to mmap every allocation above 64 KiB
+during the step minus the memory allocated before it (weights and gradients). On CPU it is the growth of the process's peak resident set
+(ru_maxrss) over what it held with the model built and its gradients allocated, with glibc told to mmap every allocation above 64 KiB
 (MALLOC_MMAP_THRESHOLD_) so freed activations go back to the OS and the peak is the live peak, not
 allocator caching. Prints one table: MiB per configuration and the ratio to k=1 without recompute.
 """
@@ -46,8 +45,12 @@ def measure(args) -> float:
     def step():
         model(ids, labels=labels, num_passes=args.k).token_loss.mean().backward()
 
-    step()  # warm-up: gradients exist from here on (and lazy buffers)
+    # Gradients allocated up front (backward accumulates into them), so the growth measured below is
+    # the activations. No warm-up step: ru_maxrss is a lifetime peak, a warm-up would already hold it.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
     if runtime.use_cuda():
+        step()  # CUDA peak stats can be reset: warm up lazy buffers first
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
