@@ -39,13 +39,13 @@ def _cmd_tokenizer(a) -> int:
 
 
 def _cmd_prepare(a) -> int:
-    from .shards import prepare_dataset
+    from .prepare import prepare_dataset
 
     idx = prepare_dataset(a.input, a.out, a.tokenizer, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
                           num_workers=a.workers, text_field=a.text_field, id_field=a.id_field or None,
                           progress=not a.quiet)
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "skipped_empty_documents",
-                                           "tokenizer_hash", "seconds")} | {"shards": len(idx["shards"])}))
+                                           "tokenizer_hash", "seconds", "prepare")} | {"shards": idx["num_shards"]}))
     return 0
 
 
@@ -65,8 +65,8 @@ def _cmd_inspect(a) -> int:
     for p in a.dirs:
         ds = Dataset.load(p)
         i = ds.index
-        info = {"path": str(p), "name": i["name"], "samples": i["num_samples"], "tokens": i["num_tokens"],
-                "shards": len(i["shards"]), "tokenizer_hash": i["tokenizer_hash"],
+        info = {"path": str(p), "name": i["name"], "format_version": ds.version, "samples": i["num_samples"],
+                "tokens": i["num_tokens"], "shards": ds.num_shards, "tokenizer_hash": i["tokenizer_hash"],
                 "skipped_empty_documents": i["skipped_empty_documents"],
                 "mean_doc_tokens": round(i["num_tokens"] / max(1, i["num_samples"]), 1)}
         if a.verify:
@@ -108,13 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--text-field", default="text")
     t.set_defaults(fn=_cmd_tokenizer)
 
-    q = sub.add_parser("prepare", help="tokenize sources into WebDataset shards with an index")
+    q = sub.add_parser("prepare", help="tokenize sources into WebDataset shards with an index "
+                                       "(parallel; run the same command again to resume after a crash)")
     q.add_argument("--input", nargs="+", required=True, help="JSONL files, text files or directories")
     q.add_argument("--tokenizer", required=True)
     q.add_argument("--out", required=True, help="dataset directory to write")
     q.add_argument("--name", help="source name (default: the output directory's name)")
-    q.add_argument("--shard-mb", type=float, default=16.0)
-    q.add_argument("--workers", type=int, default=2)
+    q.add_argument("--shard-mb", type=float, default=16.0,
+                   help="about this many MB per shard (estimated from the text; shards are the unit of parallel work)")
+    q.add_argument("--workers", type=int, default=2, help="tokenizer/shard-writer processes")
     q.add_argument("--text-field", default="text")
     q.add_argument("--id-field", default="id")
     q.add_argument("--quiet", action="store_true")

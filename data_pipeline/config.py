@@ -6,14 +6,16 @@ error names the offending field (pydantic reports the location, e.g. ``sources.1
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SourceConfig(BaseModel):
     """One source of the token mix: a prepared dataset directory (holding ``index.json``) and its weight.
 
-    The weight is a sampling weight over *documents* (samples) of the global stream: over many samples
-    the fraction of documents drawn from this source equals ``weight / sum(weights)``.
+    ``weight / sum(weights)`` is this source's share of the stream's *tokens* (``weight_by: tokens``, the
+    default) or of its *documents* (``weight_by: documents``); see ``data_pipeline.stream``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -32,6 +34,8 @@ class DataConfig(BaseModel):
     tokenizer: str = Field(min_length=1)  # path of the sentencepiece .model
     seq_length: int = Field(ge=1)
     seed: int = 0
+    # What the sources' weights share out: "tokens" (default; what a mix usually states) or "documents".
+    weight_by: Literal["tokens", "documents"] = "tokens"
     num_workers: int = Field(0, ge=0)
     # When True, a shard that fails the structural check at build time is excluded (logged, counted in
     # the loader's stats) and a sample whose bytes are corrupt is replaced by a loss-masked EOS run of

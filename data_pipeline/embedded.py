@@ -28,14 +28,14 @@ from pathlib import Path
 
 import yaml
 
-from .shards import INDEX_FILE, prepare_dataset
+from .prepare import prepare_dataset
+from .shards import INDEX_FILE
 from .tokenizer import train_tokenizer, tokenizer_hash
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: index format version 2 (memory-mapped arrays), mix.yaml states token shares
 EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "pydoc_data", "__pycache__",
                 "turtledemo", "lib2to3"}
-# Target share of *tokens* per source. The loader's weights are per document, so the builder converts:
-# weight_s = token_share_s / mean_document_tokens_s (normalised), written into mix.yaml.
+# Share of *tokens* per source, written into mix.yaml as the weights (data.weight_by: tokens).
 TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
 
 
@@ -207,22 +207,20 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = 4096, code_mb: f
     del sample
     summary = {}
     for name, make in makers.items():
-        idx = prepare_dataset([], out / name, out / "tokenizer.model", name=name, shard_bytes=4 << 20,
+        idx = prepare_dataset([], out / name, out / "tokenizer.model", name=name, shard_bytes=1 << 20,
                               num_workers=workers, progress=progress, documents=make(),
                               extra_meta={"embedded": settings})
-        summary[name] = {"samples": idx["num_samples"], "tokens": idx["num_tokens"], "shards": len(idx["shards"])}
-        log(f"  {name}: {idx['num_samples']} documents, {idx['num_tokens']} tokens, {len(idx['shards'])} shards")
-    raw = {n: TOKEN_SHARES[n] * summary[n]["samples"] / summary[n]["tokens"] for n in TOKEN_SHARES}
-    total = sum(raw.values())
+        summary[name] = {"samples": idx["num_samples"], "tokens": idx["num_tokens"], "shards": idx["num_shards"]}
+        log(f"  {name}: {idx['num_samples']} documents, {idx['num_tokens']} tokens, {idx['num_shards']} shards")
     data = {
         "tokenizer": str(out / "tokenizer.model"),
         "seq_length": seq_length,
         "seed": seed,
         "num_workers": 0,
-        "sources": [{"name": n, "path": str(out / n), "weight": round(raw[n] / total, 6)} for n in TOKEN_SHARES],
+        "weight_by": "tokens",
+        "sources": [{"name": n, "path": str(out / n), "weight": TOKEN_SHARES[n]} for n in TOKEN_SHARES],
     }
-    header = ("# Embedded default token mix (fbt data embedded). Weights are per document, chosen so the\n"
-              f"# token shares are {TOKEN_SHARES}.\n")
+    header = "# Embedded default token mix (fbt data embedded). Weights are shares of the stream's tokens.\n"
     (out / "mix.yaml").write_text(header + yaml.safe_dump({"data": data}, sort_keys=False))
     stamp.write_text(json.dumps({"settings": settings, "tokenizer_hash": thash, "summary": summary,
                                  "seconds": round(time.time() - t0, 1)}, indent=1))

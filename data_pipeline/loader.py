@@ -42,15 +42,17 @@ from .tokenizer import load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: documents shuffled within each epoch, weight_by (version 1 streams differ)
 
 
 class _Spec:
     """Everything a worker needs to rebuild the stream (picklable)."""
 
     def __init__(self, datasets, weights, seed, seq_length, eos_id, allow_skip,
-                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor, held_out=None, split="train"):
+                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor, held_out=None, split="train",
+                 weight_by="documents"):
         self.datasets = datasets
+        self.weight_by = weight_by
         self.held_out = held_out
         self.split = split
         self.weights = weights
@@ -69,7 +71,8 @@ class _Spec:
         return self.G // self.D // self.m
 
     def new_planner(self) -> Planner:
-        p = Planner(self.datasets, self.weights, self.seed, held_out=self.held_out, split=self.split)
+        p = Planner(self.datasets, self.weights, self.seed, held_out=self.held_out, split=self.split,
+                    weight_by=self.weight_by)
         c = self.cursor
         p.reset_to(c["doc_index"], np.asarray(c["per_source"], np.int64), c["doc_offset"], c["token_position"])
         return p
@@ -93,12 +96,16 @@ class _Packer:
         self.readers = [DatasetReader(ds, allow_skip_corrupt=spec.allow_skip, stats=self.stats)
                         for ds in spec.datasets]
         self._cache: OrderedDict = OrderedDict()
+        self._bad_samples: set = set()
 
     def _doc(self, src: int, sid: int):
         key = (src, sid)
         if key in self._cache:
             return self._cache[key]
-        got = self.readers[src].get(sid)  # None: corrupt, skipping allowed (logged by the reader)
+        reader = self.readers[src]
+        got = reader.get(sid)  # None: corrupt, skipping allowed (logged by the reader)
+        if got is None and reader.last_skip == "sample":
+            self._bad_samples.add(key)
         self._cache[key] = got
         if len(self._cache) > 64:
             self._cache.popitem(last=False)
@@ -119,7 +126,8 @@ class _Packer:
             doc = self._doc(src, sid)
             if doc is None:  # corrupt and skipping allowed: EOS filler, loss-masked
                 bad[out:out + hi - lo] = True
-                skipped += lo == 0  # counted once in the whole global stream: where the document starts
+                # a corrupt document is counted once in the whole global stream: where it starts
+                skipped += lo == 0 and (src, sid) in self._bad_samples
                 continue
             if hi == length:  # slice includes the EOS (already in toks)
                 toks[out:out + hi - lo - 1] = doc[lo:]
@@ -127,8 +135,12 @@ class _Packer:
                 toks[out:out + hi - lo] = doc[lo:hi]
         # compact form crosses the worker -> main process queue (plain pickled arrays, no shared-memory
         # tensors); ``expand`` builds the [B, S] tensors in the consuming process.
+        bad_shards = []  # shards this process found bad since the last micro-batch (the main process counts)
+        for src, reader in enumerate(self.readers):
+            bad_shards += [(src, sh, int(reader.ds.shard_table[sh, 1])) for sh in reader.new_bad_shards]
+            reader.new_bad_shards.clear()
         return {"tokens": toks, "start": start, "bad": bad if bad.any() else None, "skipped": skipped,
-                "m": m, "S": S, "eos": sp.eos}
+                "bad_shards": bad_shards, "m": m, "S": S, "eos": sp.eos}
 
 
 def _identity(x):
@@ -185,6 +197,9 @@ class TokenLoader:
         self.source_names = source_names
         self.stats = stats  # skipped_shards, skipped_shard_samples, skipped_corrupt_samples
         self.stats.setdefault("skipped_corrupt_samples", 0)
+        # bad shards: found missing at build, or truncated/unreadable when a reader first opened them
+        self._bad_shards = {(i, sh): int(ds.shard_table[sh, 1]) for i, ds in enumerate(spec.datasets)
+                            for sh in ds.bad_shards}
         self._yielded = 0
         self._it = None
         self._locator = spec.new_planner()
@@ -207,6 +222,11 @@ class TokenLoader:
         for compact in source:
             if compact["skipped"]:
                 self.stats["skipped_corrupt_samples"] += int(compact["skipped"])
+            if compact["bad_shards"]:
+                for src, sh, n in compact["bad_shards"]:
+                    self._bad_shards[(src, sh)] = n
+                self.stats["skipped_shards"] = len(self._bad_shards)
+                self.stats["skipped_shard_samples"] = sum(self._bad_shards.values())
             self._yielded += 1
             yield expand(compact)
 
@@ -238,6 +258,7 @@ class TokenLoader:
             "sources": list(self.source_names),
             "per_source_consumed": {n: int(k) for n, k in zip(self.source_names, loc["per_source"])},
             "weights": {n: float(w) for n, w in zip(self.source_names, spec.weights)},
+            "weight_by": spec.weight_by,
             "split": spec.split,
             "valid_documents": {n: int(h) for n, h in zip(self.source_names, spec.held_out)},
             "tokenizer_hash": self.tokenizer_hash,
@@ -297,7 +318,10 @@ def build_loader(
 
     if state is not None:
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+            why = (" (version 1 streams documents unshuffled, by document weights: it names positions in "
+                   "another stream)" if state.get("version") == 1 else "")
+            raise DataError(f"loader state version {state.get('version')} is not {STATE_VERSION}{why}; "
+                            f"resume from consumed_sequences alone or start the data stream afresh")
         if state["tokenizer_hash"] != thash:
             raise TokenizerMismatchError(f"loader state was made with tokenizer {state['tokenizer_hash']}, "
                                          f"configured tokenizer {cfg.tokenizer} is {thash}")
@@ -311,6 +335,9 @@ def build_loader(
         if not np.allclose(sw, weights, rtol=0, atol=1e-9):
             raise DataError(f"loader state weights {state['weights']} != data.sources weights "
                             f"{dict(zip(names, weights))}")
+        if state.get("weight_by") != cfg.weight_by:
+            raise DataError(f"loader state has weight_by {state.get('weight_by')!r}, data.weight_by is "
+                            f"{cfg.weight_by!r}: the mix differs")
         st_split = state.get("split", "train")  # states from before the split: train, nothing held out
         if st_split != split:
             raise DataError(f"loader state is for the {st_split!r} split, this loader reads the {split!r} split")
@@ -334,7 +361,7 @@ def build_loader(
         }
     else:
         pos = consumed_sequences * S
-        planner = Planner(datasets, weights, seed, held_out=held_out, split=split)
+        planner = Planner(datasets, weights, seed, held_out=held_out, split=split, weight_by=cfg.weight_by)
         planner.reset()
         loc = planner.locate(pos)
         cursor = {
@@ -345,7 +372,7 @@ def build_loader(
             "per_source": [int(x) for x in loc["per_source"]],
         }
     spec = _Spec(datasets, weights, seed, S, sp.eos_id(), cfg.allow_skip_corrupt,
-                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor, held_out, split)
+                 micro_batch_size, global_batch_size, dp_rank, dp_size, cursor, held_out, split, cfg.weight_by)
     return TokenLoader(spec, cfg.num_workers, thash, names, stats)
 
 
@@ -372,4 +399,5 @@ def planner_for(cfg: DataConfig, split: str = "train", *, datasets: list[Dataset
     """The planner of ``split``'s stream as :func:`build_loader` defines it (inspection and tests)."""
     if datasets is None:
         datasets = [Dataset.load(s.path, allow_skip_corrupt=cfg.allow_skip_corrupt) for s in cfg.sources]
-    return Planner(datasets, cfg.weights, cfg.seed, held_out=held_out_documents(cfg, datasets), split=split)
+    return Planner(datasets, cfg.weights, cfg.seed, held_out=held_out_documents(cfg, datasets), split=split,
+                   weight_by=cfg.weight_by)

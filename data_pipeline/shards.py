@@ -1,241 +1,103 @@
-"""WebDataset shards of tokenized documents, their index, and random access into them.
+"""A prepared dataset on disk: WebDataset shards, their index, and random access into them.
 
-A prepared dataset is a directory::
+A prepared dataset (index format version 2) is a directory::
 
-    index.json          name, tokenizer hash, eos id, dtype, per-shard samples/tokens/bytes
-    samples.npz         per sample: lengths (tokens), offsets (byte offset of the sample's first tar
-                        member in its shard), crc32 (of the token bytes)
+    index.json          format, format_version, name, tokenizer hash, eos id, token dtype, counts
+    shards.npy          int64 [num_shards, 4]: first_sample, num_samples, num_tokens, bytes
+    lengths.npy         int32 [num_samples]  tokens of each document
+    offsets.npy         int64 [num_samples]  byte offset of the document's first tar member in its shard
+    crc32.npy           uint32 [num_samples] crc32 of the document's token bytes
     shard-000000.tar    WebDataset shards; sample key = global sample id (10 digits), members
-    shard-000001.tar    ``<key>.tokens.npy`` (the token array) and ``<key>.json`` (source, doc_id, num_tokens)
+    shard-000001.tar    ``<key>.json`` (source, doc_id, num_tokens) and ``<key>.tokens.npy`` (the tokens)
 
-The index maps a position to (shard, offset) without scanning: ``shard = searchsorted(first_sample, id)``
-and the byte offset lets a reader seek straight to the sample and stream from there with WebDataset's
-tar iterator (``webdataset.tariterators``), so a data-parallel rank reads only the byte ranges its
-sequences use.
+Why this layout: at 4x10^8 documents the per-document arrays are 6.4 GB. They are opened with
+``mmap`` (``np.load(mmap_mode="r")``), so every rank and loader worker of a node shares one copy through
+the page cache and touches only the pages of the documents it reads; start-up reads ``index.json`` and
+``shards.npy`` (O(shards) bytes) and lists the directory once, with no per-shard ``stat``. A shard's size
+is checked against the index when a reader first opens it (``fstat`` of the open file).
+
+A document's bytes are found without scanning: ``shard = searchsorted(first_sample, id)``, then one
+``pread`` of ``[offsets[id], offsets[id + 1])`` holds its tar members, parsed with :mod:`tarfile`'s header
+reader. Format version 1 (``samples.npz``, shard list inside ``index.json``) is still read, eagerly, with a
+warning; an unknown version is refused naming it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import multiprocessing as mp
+import mmap
 import os
-import shutil
 import tarfile
-import time
+import weakref
 import zlib
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
-from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from .errors import CorruptShardError, IndexError_, SourceError, TokenizerMismatchError
-from .sources import iter_documents
-from .tokenizer import load_tokenizer, tokenizer_hash
+from .errors import CorruptShardError, IndexError_, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = "fbt-data-v1"
+FORMAT = "fbt-data"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 INDEX_FILE = "index.json"
-SAMPLES_FILE = "samples.npz"
-
-
-# --------------------------------------------------------------------------------------------- write
-_SP = None
-
-
-def _init_worker(model_path: str) -> None:
-    global _SP
-    _SP = load_tokenizer(model_path)
-
-
-def _encode_chunk(chunk: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
-    ids = _SP.encode([t for _, t in chunk])
-    return [(d, i) for (d, _), i in zip(chunk, ids)]
-
-
-def _chunks(docs, n):
-    buf = []
-    for d in docs:
-        buf.append(d)
-        if len(buf) >= n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
-
-
-def _member_offsets(path: Path) -> dict[str, int]:
-    """Byte offset of the first member of each sample key (read back from the written tar)."""
-    out: dict[str, int] = {}
-    with tarfile.open(path, "r:") as tf:
-        for m in tf.getmembers():
-            key = m.name.split(".", 1)[0]
-            out.setdefault(key, m.offset)
-    return out
+SHARDS_FILE = "shards.npy"
+ARRAY_FILES = {"lengths": "lengths.npy", "offsets": "offsets.npy", "crc32": "crc32.npy"}
+LEGACY_SAMPLES_FILE = "samples.npz"  # format version 1
+SHARD_COLUMNS = ("first_sample", "num_samples", "num_tokens", "bytes")
 
 
 def sample_key(sid: int) -> str:
     return f"{sid:010d}"
 
 
-def _encode_tokens(ids, dtype) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(ids, dtype=dtype), allow_pickle=False)
-    return buf.getvalue()
+def shard_name(i: int) -> str:
+    return f"shard-{i:06d}.tar"
 
 
-def prepare_dataset(
-    paths: list[str],
-    out_dir: str | os.PathLike,
-    tokenizer: str | os.PathLike,
-    *,
-    name: str | None = None,
-    shard_bytes: int = 16 << 20,
-    num_workers: int = 1,
-    text_field: str = "text",
-    id_field: str | None = "id",
-    progress: bool = True,
-    documents=None,
-    extra_meta: dict | None = None,
-) -> dict:
-    """Tokenize the documents behind ``paths`` (or the iterable ``documents`` of ``(doc_id, text)``)
-    in ``num_workers`` processes and write shards of about ``shard_bytes`` bytes into ``out_dir``.
-
-    Writes into ``out_dir.tmp`` and renames at the end, so a half-written dataset never looks done.
-    Returns the index. Raises :class:`SourceError` for a missing path or a source with no documents.
-    """
-    out_dir = Path(out_dir)
-    name = name or out_dir.name
-    sp = load_tokenizer(tokenizer)
-    thash = tokenizer_hash(tokenizer)
-    vocab = sp.vocab_size()
-    dtype = np.uint16 if vocab <= 65535 else np.int32
-    counts: dict = {}
-    if documents is None:
-        if not paths:
-            raise SourceError(f"source {name!r}: no paths given")
-        documents = iter_documents(paths, text_field=text_field, id_field=id_field, counts=counts)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-
-    shards: list[dict] = []
-    lengths: list[int] = []
-    offsets: list[int] = []
-    crcs: list[int] = []
-    state = {"writer": None, "fh": None, "bytes": 0, "n": 0, "tok": 0, "first": 0}
-
-    def close_shard():
-        if state["writer"] is None:
-            return
-        state["writer"].close()
-        state["fh"].close()
-        path = tmp / shards[-1]["file"]
-        offs = _member_offsets(path)
-        first = state["first"]
-        for sid in range(first, first + state["n"]):
-            offsets.append(offs[sample_key(sid)])
-        shards[-1].update(num_samples=state["n"], num_tokens=state["tok"], bytes=path.stat().st_size)
-        state.update(writer=None, fh=None)
-
-    def open_shard():
-        fname = f"shard-{len(shards):06d}.tar"
-        fh = open(tmp / fname, "wb")
-        state.update(fh=fh, writer=wds.TarWriter(fh, mtime=0.0), bytes=0, n=0, tok=0, first=len(lengths))
-        shards.append({"file": fname, "first_sample": len(lengths)})
-
-    t0 = time.time()
-    pbar = None
-    if progress:
-        from tqdm import tqdm
-
-        pbar = tqdm(desc=f"prepare {name}", unit="doc", mininterval=0.5)
-    pool = None
-    if num_workers > 1:
-        pool = mp.get_context("fork").Pool(num_workers, initializer=_init_worker, initargs=(str(tokenizer),))
-        results = pool.imap(_encode_chunk, _chunks(documents, 64), chunksize=2)
-    else:
-        _init_worker(str(tokenizer))
-        results = map(_encode_chunk, _chunks(documents, 64))
-    try:
-        for chunk in results:
-            for doc_id, ids in chunk:
-                if not ids:  # text that encodes to nothing: count it, never silently
-                    counts["empty"] = counts.get("empty", 0) + 1
-                    continue
-                if state["writer"] is None:
-                    open_shard()
-                sid = len(lengths)
-                tok_bytes = _encode_tokens(ids, dtype)
-                meta = json.dumps({"source": name, "doc_id": doc_id, "num_tokens": len(ids)}).encode()
-                state["writer"].write({"__key__": sample_key(sid), "tokens.npy": tok_bytes, "json": meta})
-                lengths.append(len(ids))
-                crcs.append(zlib.crc32(np.asarray(ids, dtype=dtype).tobytes()))
-                state["bytes"] += len(tok_bytes) + len(meta) + 1536  # + tar headers and padding
-                state["n"] += 1
-                state["tok"] += len(ids)
-                if state["bytes"] >= shard_bytes:
-                    close_shard()
-            if pbar is not None:
-                pbar.update(len(chunk))
-    finally:
-        if pool is not None:
-            pool.terminate()
-        if pbar is not None:
-            pbar.close()
-    close_shard()
-    if not lengths:
-        shutil.rmtree(tmp)
-        where = ", ".join(map(str, paths)) if paths else name
-        raise SourceError(f"source {name!r} is empty: no non-empty documents in {where} "
-                          f"({counts.get('empty', 0)} empty skipped)")
-    np.savez(tmp / SAMPLES_FILE, lengths=np.asarray(lengths, np.int32),
-             offsets=np.asarray(offsets, np.int64), crc32=np.asarray(crcs, np.uint32))
-    index = {
-        "format": INDEX_FORMAT,
-        "name": name,
-        "tokenizer_hash": thash,
-        "tokenizer_file": os.path.basename(str(tokenizer)),
-        "vocab_size": vocab,
-        "eos_id": sp.eos_id(),
-        "token_dtype": np.dtype(dtype).name,
-        "num_samples": len(lengths),
-        "num_tokens": int(sum(lengths)),
-        "skipped_empty_documents": counts.get("empty", 0),
-        "num_files": counts.get("files"),
-        "sources": [str(p) for p in paths] if paths else None,
-        "shards": shards,
-        "seconds": round(time.time() - t0, 3),
-    }
-    if extra_meta:
-        index["meta"] = extra_meta
-    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    if index["skipped_empty_documents"]:
-        log.warning("source %s: skipped %d empty documents", name, index["skipped_empty_documents"])
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return index
+def index_version(index: dict, where) -> int:
+    """The index format version; refuses anything this code does not read, naming the file."""
+    fmt, ver = index.get("format"), index.get("format_version")
+    if fmt == "fbt-data-v1" and ver is None:
+        return 1
+    if fmt != FORMAT or not isinstance(ver, int):
+        raise IndexError_(f"{where}: not an fbt dataset index (format {fmt!r}, format_version {ver!r}); "
+                          f"expected format {FORMAT!r} version {FORMAT_VERSION}")
+    if ver not in READABLE_VERSIONS:
+        newer = " (written by a newer fbt: upgrade this one)" if ver > FORMAT_VERSION else ""
+        raise IndexError_(f"{where}: index format_version {ver} is not readable{newer}; this fbt reads "
+                          f"versions {list(READABLE_VERSIONS)}")
+    return ver
 
 
 # ---------------------------------------------------------------------------------------------- read
-@dataclass
-class Dataset:
-    """A prepared dataset's metadata (no shard is opened). ``shards`` lists only usable shards."""
+_OPEN: "weakref.WeakValueDictionary[tuple, Dataset]" = weakref.WeakValueDictionary()
 
-    path: Path
-    index: dict
-    lengths: np.ndarray
-    offsets: np.ndarray
-    crc32: np.ndarray
-    shards: list[dict]
-    skipped_shards: list[str] = field(default_factory=list)
+
+class Dataset:
+    """A prepared dataset's metadata; per-document arrays are read-only memory maps.
+
+    ``bad_shards``: shards found missing at load (only with ``allow_skip_corrupt``); their documents keep
+    their places in the stream and are replaced by loss-masked spans, like any corrupt document.
+    """
+
+    def __init__(self, path: Path, index: dict, version: int, shard_table: np.ndarray, lengths, offsets, crc32,
+                 bad_shards: dict[int, str], allow_skip_corrupt: bool):
+        self.path, self.index, self.version = path, index, version
+        self.shard_table = shard_table
+        self.shard_first = np.ascontiguousarray(shard_table[:, 0])
+        self.lengths, self.offsets, self.crc32 = lengths, offsets, crc32
+        self.bad_shards = bad_shards
+        self.allow_skip_corrupt = allow_skip_corrupt
+        self._token_cum = np.concatenate([[0], np.cumsum(shard_table[:, 2])])
+
+    # pickling (spawned loader workers) reopens the maps instead of copying the arrays
+    def __reduce__(self):
+        return (_reopen, (str(self.path), self.index["tokenizer_hash"], self.allow_skip_corrupt))
 
     @property
     def name(self) -> str:
@@ -243,14 +105,50 @@ class Dataset:
 
     @property
     def num_samples(self) -> int:
-        return int(sum(s["num_samples"] for s in self.shards))
+        return int(self.index["num_samples"])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_table)
+
+    @property
+    def skipped_shards(self) -> list[str]:
+        return [str(self.shard_file(i)) for i in sorted(self.bad_shards)]
+
+    @property
+    def shards(self) -> list[dict]:
+        """The shard table as dicts (inspection and tests; O(shards) Python objects)."""
+        return [dict(file=shard_name(i) if self.version >= 2 else self.index["shards"][i]["file"],
+                     **{c: int(v) for c, v in zip(SHARD_COLUMNS, row)}) for i, row in enumerate(self.shard_table)]
+
+    def shard_file(self, i: int) -> Path:
+        return self.path / (shard_name(i) if self.version >= 2 else self.index["shards"][i]["file"])
+
+    def shard_of(self, sid: int) -> int:
+        return int(np.searchsorted(self.shard_first, sid, side="right") - 1)
+
+    def shard_end(self, i: int) -> int:
+        return int(self.shard_table[i, 0] + self.shard_table[i, 1])
+
+    def tokens_between(self, lo: int, hi: int) -> int:
+        """Tokens of sample ids ``[lo, hi)``: whole shards from the shard table, the partial ones at the
+        ends from ``lengths`` (at most two shards' worth of the map is read)."""
+        if hi <= lo:
+            return 0
+        s0, s1 = self.shard_of(lo), self.shard_of(hi - 1)
+        if s0 == s1:
+            return int(self.lengths[lo:hi].sum(dtype=np.int64))
+        head = int(self.lengths[lo:self.shard_end(s0)].sum(dtype=np.int64))
+        tail = int(self.lengths[int(self.shard_table[s1, 0]):hi].sum(dtype=np.int64))
+        return head + int(self._token_cum[s1] - self._token_cum[s0 + 1]) + tail
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, tokenizer_hash: str | None = None,
              allow_skip_corrupt: bool = False, stats: dict | None = None) -> "Dataset":
-        """Load and check a dataset dir: index readable, tokenizer matches, each shard present with the
-        recorded size. A bad shard raises :class:`CorruptShardError` naming it, or with
-        ``allow_skip_corrupt`` is excluded (logged, counted in ``stats['skipped_shards']``)."""
+        """Open a dataset dir: index readable and of a known format version, tokenizer matches, every
+        shard present (one directory listing). A missing shard raises :class:`CorruptShardError` naming it,
+        or with ``allow_skip_corrupt`` is recorded as bad (logged, counted in ``stats['skipped_shards']``).
+        Opened datasets are shared within a process (train and valid loaders use the same maps)."""
         path = Path(path)
         ipath = path / INDEX_FILE
         if not path.is_dir():
@@ -258,120 +156,193 @@ class Dataset:
         if not ipath.is_file():
             raise IndexError_(f"dataset has no index (run `fbt data prepare`): {ipath}")
         try:
-            index = json.loads(ipath.read_text())
-            arr = np.load(path / SAMPLES_FILE)
-            lengths, offsets, crc = arr["lengths"], arr["offsets"], arr["crc32"]
+            raw = ipath.read_bytes()
+            index = json.loads(raw)
         except Exception as exn:
-            raise IndexError_(f"unreadable dataset index in {path}: {exn}") from exn
-        if index.get("format") != INDEX_FORMAT:
-            raise IndexError_(f"{ipath}: unknown format {index.get('format')!r} (expected {INDEX_FORMAT})")
+            raise IndexError_(f"unreadable dataset index {ipath}: {exn}") from exn
+        version = index_version(index, ipath)
         if tokenizer_hash is not None and index["tokenizer_hash"] != tokenizer_hash:
             raise TokenizerMismatchError(
                 f"{ipath} was built with tokenizer {index['tokenizer_hash']} "
                 f"({index.get('tokenizer_file')}), but the configured tokenizer is {tokenizer_hash}")
-        if len(lengths) != index["num_samples"]:
-            raise IndexError_(f"{path / SAMPLES_FILE}: {len(lengths)} samples, index says {index['num_samples']}")
-        good, skipped = [], []
-        for sh in index["shards"]:
-            f = path / sh["file"]
-            problem = None
-            if not f.is_file():
-                problem = "missing"
-            elif f.stat().st_size != sh["bytes"]:
-                problem = f"size {f.stat().st_size} bytes, index records {sh['bytes']} (truncated or rewritten)"
-            if problem is None:
-                good.append(sh)
-                continue
-            msg = f"corrupt shard {f}: {problem}"
-            if not allow_skip_corrupt:
-                raise CorruptShardError(msg)
-            log.warning("%s; skipping its %d samples (allow_skip_corrupt)", msg, sh["num_samples"])
-            skipped.append(str(f))
-            if stats is not None:
+        key = (str(path.resolve()), hashlib.sha1(raw).hexdigest(), allow_skip_corrupt)
+        ds = _OPEN.get(key)
+        if ds is None:
+            ds = cls._open(path, index, version, allow_skip_corrupt)
+            _OPEN[key] = ds
+        if stats is not None:
+            for i in ds.bad_shards:
                 stats["skipped_shards"] = stats.get("skipped_shards", 0) + 1
-                stats["skipped_shard_samples"] = stats.get("skipped_shard_samples", 0) + sh["num_samples"]
-        if not good:
-            raise CorruptShardError(f"dataset {path} has no usable shard")
-        return cls(path, index, lengths, offsets, crc, good, skipped)
+                stats["skipped_shard_samples"] = stats.get("skipped_shard_samples", 0) + int(ds.shard_table[i, 1])
+        return ds
 
-    def epoch_layout(self):
-        """(first_sample ids, sizes) of the usable shards, in stored order."""
-        firsts = np.array([s["first_sample"] for s in self.shards], np.int64)
-        sizes = np.array([s["num_samples"] for s in self.shards], np.int64)
-        return firsts, sizes
+    @classmethod
+    def _open(cls, path: Path, index: dict, version: int, allow_skip: bool) -> "Dataset":
+        ipath = path / INDEX_FILE
+        try:
+            if version == 1:
+                log.warning("%s: index format version 1 loads samples.npz into memory in every process; "
+                            "run `fbt data prepare` again to get the memory-mapped version %d", ipath, FORMAT_VERSION)
+                arr = np.load(path / LEGACY_SAMPLES_FILE)
+                lengths, offsets, crc = arr["lengths"], arr["offsets"], arr["crc32"]
+                table = np.array([[s[c] for c in SHARD_COLUMNS] for s in index["shards"]], np.int64).reshape(-1, 4)
+                names = [s["file"] for s in index["shards"]]
+            else:
+                lengths, offsets, crc = (np.load(path / ARRAY_FILES[k], mmap_mode="r") for k in ("lengths", "offsets", "crc32"))
+                for arr in (lengths, offsets, crc):  # shuffled reads: no readahead of neighbouring pages
+                    mm = getattr(arr, "_mmap", None)
+                    if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+                        mm.madvise(mmap.MADV_RANDOM)
+                table = np.load(path / SHARDS_FILE).astype(np.int64, copy=False)
+                names = [shard_name(i) for i in range(len(table))]
+        except Exception as exn:
+            raise IndexError_(f"unreadable dataset index in {path}: {exn}") from exn
+        n = int(index["num_samples"])
+        for what, a in (("lengths", lengths), ("offsets", offsets), ("crc32", crc)):
+            if len(a) != n:
+                raise IndexError_(f"{path}: {what} holds {len(a)} samples, {ipath} says {n}")
+        if table.ndim != 2 or table.shape[1] != 4 or len(table) != int(index.get("num_shards", len(table))) \
+                or int(table[:, 1].sum()) != n:
+            raise IndexError_(f"{path / SHARDS_FILE}: shard table {table.shape} does not match {ipath}")
+        present = set(os.listdir(path))  # one listing, no per-shard stat
+        bad: dict[int, str] = {}
+        for i, name in enumerate(names):
+            if name in present:
+                continue
+            msg = f"corrupt shard {path / name}: missing"
+            if not allow_skip:
+                raise CorruptShardError(msg)
+            log.warning("%s; its %d documents become loss-masked spans (allow_skip_corrupt)", msg, int(table[i, 1]))
+            bad[i] = "missing"
+        if len(bad) == len(names):
+            raise CorruptShardError(f"dataset {path} has no usable shard")
+        return cls(path, index, version, table, lengths, offsets, crc, bad, allow_skip)
+
+
+def _reopen(path: str, thash: str, allow_skip: bool) -> Dataset:
+    return Dataset.load(path, tokenizer_hash=thash, allow_skip_corrupt=allow_skip)
+
+
+def _npy_payload(raw: bytes) -> int:
+    """Offset of the array data in an ``.npy`` byte string (format 1.x/2.x/3.x header); -1 if not npy."""
+    if raw[:6] != b"\x93NUMPY" or len(raw) < 12:
+        return -1
+    if raw[6] == 1:
+        return 10 + int.from_bytes(raw[8:10], "little")
+    return 12 + int.from_bytes(raw[8:12], "little")
 
 
 class DatasetReader:
-    """Reads samples by id from one dataset, seeking to each run's first sample and streaming onwards
-    with WebDataset's tar iterator. Not shared between processes (open it after a worker forks)."""
+    """Reads documents by sample id: one ``pread`` of the document's byte range in its shard (files kept
+    open in a small LRU), tar headers parsed with :mod:`tarfile`, content checked against the index's
+    length and crc32. Not shared between processes (open one after a worker forks)."""
 
-    SKIP_AHEAD = 64  # stream past at most this many samples instead of seeking
+    MAX_OPEN = 16
 
     def __init__(self, ds: Dataset, *, allow_skip_corrupt: bool = False, stats: dict | None = None):
         self.ds = ds
         self.allow_skip = allow_skip_corrupt
         self.stats = stats if stats is not None else {}
         self.dtype = np.dtype(ds.index["token_dtype"])
-        all_first = np.array([s["first_sample"] for s in ds.index["shards"]], np.int64)
-        self._all_first = all_first
-        self._fh = None
-        self._it = None
-        self._shard = -1
-        self._next = -1
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self.bad_shards: dict[int, str] = dict(ds.bad_shards)
+        self.new_bad_shards: list[int] = []  # found bad by this reader since the caller last drained it
+        self.last_skip = None  # "shard" or "sample": why the last get() returned None
 
     def close(self):
-        if self._fh is not None:
-            self._fh.close()
-        self._fh = self._it = None
-        self._shard = self._next = -1
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
-    def _open(self, shard: int, sid: int):
-        self.close()
-        f = self.ds.path / self.ds.index["shards"][shard]["file"]
-        self._file = f
-        fh = open(f, "rb")
-        fh.seek(int(self.ds.offsets[sid]))
-        url = str(f)
+    def __del__(self):  # pragma: no cover - interpreter shutdown order
+        try:
+            self.close()
+        except Exception:
+            pass
 
-        def files():
-            for x in tar_file_iterator(fh):
-                x["__url__"] = url
-                yield x
+    def _fd(self, shard: int) -> int | None:
+        fd = self._fds.get(shard)
+        if fd is not None:
+            self._fds.move_to_end(shard)
+            return fd
+        if shard in self.bad_shards:
+            return None
+        f = self.ds.shard_file(shard)
+        problem = None
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except FileNotFoundError:
+            problem = "missing"
+        except OSError as exn:
+            problem = f"unreadable ({exn})"
+        else:
+            size, want = os.fstat(fd).st_size, int(self.ds.shard_table[shard, 3])
+            if size != want:
+                os.close(fd)
+                problem = f"size {size} bytes, index records {want} (truncated or rewritten)"
+        if problem is not None:
+            msg = f"corrupt shard {f}: {problem}"
+            if not self.allow_skip:
+                raise CorruptShardError(msg)
+            log.warning("%s; its documents become loss-masked spans (allow_skip_corrupt)", msg)
+            self.bad_shards[shard] = problem
+            self.new_bad_shards.append(shard)
+            return None
+        self._fds[shard] = fd
+        if len(self._fds) > self.MAX_OPEN:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
 
-        self._fh, self._it, self._shard, self._next = fh, group_by_keys(files()), shard, sid
-
-    def _corrupt(self, sid: int, why: str) -> None:
-        msg = f"corrupt shard {self._file}: sample {sid} ({sample_key(sid)}): {why}"
-        self.close()
+    def _corrupt(self, sid: int, shard: int, why: str) -> None:
+        msg = f"corrupt shard {self.ds.shard_file(shard)}: sample {sid} ({sample_key(sid)}): {why}"
         if not self.allow_skip:
             raise CorruptShardError(msg)
         log.warning("%s; replaced by a loss-masked span (allow_skip_corrupt)", msg)
         self.stats["skipped_corrupt_samples"] = self.stats.get("skipped_corrupt_samples", 0) + 1
+        self.last_skip = "sample"
+        return None
 
     def get(self, sid: int) -> np.ndarray | None:
-        """Tokens of sample ``sid``; ``None`` if it is corrupt and skipping is allowed."""
-        shard = int(np.searchsorted(self._all_first, sid, side="right") - 1)
-        if not (shard == self._shard and self._next <= sid <= self._next + self.SKIP_AHEAD):
-            self._open(shard, sid)
-        key = sample_key(sid)
+        """Tokens of sample ``sid``; ``None`` if it (or its shard) is corrupt and skipping is allowed."""
+        ds = self.ds
+        shard = ds.shard_of(sid)
+        fd = self._fd(shard)
+        if fd is None:
+            self.last_skip = "shard"
+            return None
+        start = int(ds.offsets[sid])
+        end = int(ds.offsets[sid + 1]) if sid + 1 < ds.shard_end(shard) else int(ds.shard_table[shard, 3])
         try:
-            while True:
-                sample = next(self._it)
-                self._next += 1
-                if sample["__key__"] == key:
-                    break
-                if sample["__key__"] > key:
-                    return self._corrupt(sid, f"expected key {key}, found {sample['__key__']}")
-            raw = sample.get("tokens.npy")
-            if raw is None:
-                return self._corrupt(sid, "no tokens.npy member")
-            tokens = np.load(io.BytesIO(raw), allow_pickle=False)
-        except StopIteration:
-            return self._corrupt(sid, "shard ends before this sample (truncated)")
-        except (tarfile.TarError, ValueError, OSError, EOFError) as exn:
-            return self._corrupt(sid, f"{type(exn).__name__}: {exn}")
-        if len(tokens) != self.ds.lengths[sid] or zlib.crc32(tokens.tobytes()) != int(self.ds.crc32[sid]):
-            return self._corrupt(sid, "token content does not match the index (length or crc32)")
+            buf = os.pread(fd, end - start, start)
+        except OSError as exn:
+            return self._corrupt(sid, shard, f"read failed: {exn}")
+        key = sample_key(sid)
+        raw, o = None, 0
+        try:
+            while o + 512 <= len(buf) and buf[o:o + 512].count(0) != 512:
+                ti = tarfile.TarInfo.frombuf(buf[o:o + 512], "utf-8", "surrogateescape")
+                if ti.type in (tarfile.XHDTYPE, tarfile.XGLTYPE):  # a pax header (format 1 shards): skip it
+                    o += 512 + -(-ti.size // 512) * 512
+                    continue
+                k, _, ext = ti.name.partition(".")
+                if k != key:
+                    return self._corrupt(sid, shard, f"expected key {key}, found {k}")
+                data_at = o + 512
+                if data_at + ti.size > len(buf):
+                    return self._corrupt(sid, shard, f"member {ti.name} ends past the sample (truncated)")
+                if ext == "tokens.npy":
+                    raw = buf[data_at:data_at + ti.size]
+                o = data_at + -(-ti.size // 512) * 512
+        except tarfile.TarError as exn:
+            return self._corrupt(sid, shard, f"{type(exn).__name__}: {exn}")
+        if raw is None:
+            return self._corrupt(sid, shard, "no tokens.npy member")
+        at = _npy_payload(raw)
+        if at < 0 or (len(raw) - at) % self.dtype.itemsize:
+            return self._corrupt(sid, shard, "tokens.npy is not a valid array")
+        tokens = np.frombuffer(raw, self.dtype, offset=at)
+        if len(tokens) != ds.lengths[sid] or zlib.crc32(tokens) != int(ds.crc32[sid]):
+            return self._corrupt(sid, shard, "token content does not match the index (length or crc32)")
         return tokens
 
 
@@ -379,10 +350,9 @@ def verify_dataset(path: str | os.PathLike) -> dict:
     """Read every sample of a dataset and check it against the index; raises on the first bad one."""
     ds = Dataset.load(path)
     reader = DatasetReader(ds)
-    n = tok = 0
-    for sh in ds.shards:
-        for sid in range(sh["first_sample"], sh["first_sample"] + sh["num_samples"]):
-            tok += len(reader.get(sid))
-            n += 1
+    tok = 0
+    for sid in range(ds.num_samples):
+        tok += len(reader.get(sid))
     reader.close()
-    return {"samples": n, "tokens": tok, "sha": hashlib.sha256(json.dumps(ds.index, sort_keys=True).encode()).hexdigest()[:16]}
+    return {"samples": ds.num_samples, "tokens": tok,
+            "sha": hashlib.sha256(json.dumps(ds.index, sort_keys=True).encode()).hexdigest()[:16]}

@@ -6,25 +6,33 @@ rank and worker computes the same global stream and reads only the documents its
 
 Definition (seed ``s``, normalised weights ``w``, block size ``B = 1024`` documents):
 
+* **Weights.** With ``weight_by: documents`` the ``w_i`` are document shares. With ``weight_by: tokens``
+  (the default of a recipe's ``data:`` section) they are shares of stream tokens; they are turned into
+  document shares ``w_i / m_i`` (normalised), ``m_i`` = the mean positions per document (tokens + EOS)
+  of source ``i``'s split, read from the index in O(shards). Over whole epochs of a source the token
+  share is then exact; per block, the document counts are exact as below.
 * **Source choice.** Documents of the stream are grouped in blocks of ``B``. Block ``b`` holds exactly
   ``floor(w_i * B)`` documents of source ``i`` plus the remaining ``B - sum floor(.)`` documents given
   by systematic sampling on the fractional parts (so every source's expected count is exactly
   ``w_i * B``), shuffled with ``numpy.random.default_rng([s, 0x5EED, b])``. The mix over any block is
   exact to one document per source.
-* **Order within a source.** The ``k``-th document taken from a source is sample position
-  ``k mod N`` of epoch ``k // N`` (``N`` = the source's usable samples); each epoch visits the shards in
-  an order permuted by ``default_rng([s, crc32(name), epoch])``, samples within a shard in stored order.
+* **Order within a source (document shuffling).** The ``k``-th document taken from a source is
+  ``perm_e(k mod N)`` of epoch ``e = k // N`` (``N`` = the documents of the source's split), where
+  ``perm_e`` is a Feistel permutation of ``[0, N)`` keyed by ``(s, crc32(name), e)``
+  (:class:`FeistelPermutation`): every epoch visits every document once, in a fresh whole-source
+  order, and any ``k`` maps to its document in O(1) time and memory.
 * **Packing.** Documents are concatenated, each followed by EOS. Document ``d`` occupies
   ``len(d) + 1`` positions of the token stream. Global sequence ``j`` covers stream positions
   ``[P0 + (j - c0) * S, P0 + (j - c0) * S + S + 1)`` (``S + 1`` tokens: inputs and next-token labels,
   consecutive sequences overlap by one token, as in Megatron's GPT dataset); ``P0 = c0 * S`` for a
   fresh stream.
 * **Splits.** Each source holds out its last ``h`` sample ids (by position in its ``index.json``;
-  ``h`` from ``data.valid_documents``, see :func:`auto_valid_documents`). The ``train`` split's epoch
-  layout is the usable shards cut at sample ``num_samples - h`` (shards left empty are dropped); the
-  ``valid`` split's layout is the rest, and its source choice runs over the sources that hold out at
-  least one usable document (weights renormalised). Everything else is the same definition; with
-  ``h = 0`` the train split is exactly the unsplit stream.
+  ``h`` from ``data.valid_documents``, see :func:`auto_valid_documents`). The ``train`` split of a
+  source is sample ids ``[0, N - h)``, the ``valid`` split ``[N - h, N)``; the valid split's source choice
+  runs over the sources that hold out at least one document (weights renormalised). Everything else is
+  the same definition; with ``h = 0`` the train split is exactly the unsplit stream.
+* **Bad shards** (only with ``allow_skip_corrupt``) do not change the stream: their documents keep
+  their positions and are replaced by loss-masked spans (see ``loader.py``).
 * **Cursor.** A position ``P`` of the stream is the document ``doc_index`` holding it, the offset in
   that document, and per source the number of documents taken before ``doc_index``. That triple plus
   the seed is the loader state; resuming needs no replay.
@@ -42,6 +50,7 @@ from .shards import Dataset
 
 BLOCK = 1024
 SPLITS = ("train", "valid")
+WEIGHT_BY = ("tokens", "documents")
 VALID_CAP = 200  # automatic held-out documents per source: min(VALID_CAP, ceil(n / VALID_DIVISOR))
 VALID_DIVISOR = 20  # (5%)
 
@@ -52,46 +61,85 @@ def auto_valid_documents(num_samples: int) -> int:
     return 0 if n < 2 else min(VALID_CAP, -(-n // VALID_DIVISOR))
 
 
-def split_layout(ds: Dataset, held_out: int, split: str):
-    """(first sample ids, sizes) of the usable shards restricted to ``split``; the held-out documents are
-    sample ids ``>= index num_samples - held_out``. Shards left without a sample are dropped."""
+def split_layout(ds: Dataset, held_out: int, split: str) -> tuple[int, int]:
+    """(first sample id, number of samples) of ``split`` in a source: ``train`` is sample ids
+    ``[0, N - held_out)``, ``valid`` is ``[N - held_out, N)`` (``N``: the index's ``num_samples``)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    firsts, sizes = ds.epoch_layout()
-    if held_out == 0 and split == "train":
-        return firsts, sizes
-    cut = int(ds.index["num_samples"]) - int(held_out)
-    ends = firsts + sizes
-    if split == "train":
-        lo, hi = firsts, np.minimum(ends, cut)
-    else:
-        lo, hi = np.maximum(firsts, cut), ends
-    keep = hi > lo
-    return lo[keep], (hi - lo)[keep]
+    cut = ds.num_samples - int(held_out)
+    return (0, cut) if split == "train" else (cut, int(held_out))
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a cheap, well-mixed 64-bit hash (uint64 arithmetic wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+class FeistelPermutation:
+    """A seeded bijection of ``[0, n)`` with O(1) memory and random access (a Feistel network).
+
+    A value of ``bits = bit_length(n - 1)`` bits is split into a high part ``L`` and a low part ``R``;
+    rounds alternately XOR one part with a keyed splitmix64 hash of the other (each such step is its own
+    inverse, so the whole is a bijection of ``[0, 2^bits)``, also when the parts differ in width).
+    Values ``>= n`` are cycle-walked (mapped again until they fall in range; ``2^bits < 2n``, so fewer
+    than 2 walks are expected)."""
+
+    ROUNDS = 8
+
+    def __init__(self, n: int, key: list[int]):
+        self.n = int(n)
+        bits = max(1, (self.n - 1).bit_length())
+        low = (bits + 1) // 2
+        self.low = np.uint64(low)
+        self.low_mask = np.uint64((1 << low) - 1)
+        self.high_mask = np.uint64((1 << (bits - low)) - 1)
+        self.keys = np.random.default_rng(key).integers(0, 2**63, size=self.ROUNDS, dtype=np.uint64)
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        high, low = x >> self.low, x & self.low_mask
+        for r, k in enumerate(self.keys):
+            if r % 2 == 0:
+                high = high ^ (_mix64(low ^ k) & self.high_mask)
+            else:
+                low = low ^ (_mix64(high ^ k) & self.low_mask)
+        return (high << self.low) | low
+
+    def __call__(self, pos: np.ndarray) -> np.ndarray:
+        y = self._rounds(np.asarray(pos, np.uint64))
+        out = y >= self.n
+        while out.any():
+            y[out] = self._rounds(y[out])
+            out = y >= self.n
+        return y.astype(np.int64)
 
 
 class SourceOrder:
-    """k-th document taken from a source -> sample id in its dataset."""
+    """k-th document taken from a source -> sample id in its dataset.
+
+    Epoch ``e = k // n`` visits the split's ``n`` documents in the order of a Feistel permutation keyed
+    by ``(seed, crc32(name), e)``: a whole-source shuffle that is a pure function of ``k``."""
 
     def __init__(self, ds: Dataset, seed: int, layout=None):
         self.ds = ds
         self.seed = seed
-        self.firsts, self.sizes = ds.epoch_layout() if layout is None else layout
-        self.n = int(self.sizes.sum())
+        self.lo, self.n = split_layout(ds, 0, "train") if layout is None else layout
         self.name_key = zlib.crc32(ds.name.encode())
-        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._perms: dict[int, FeistelPermutation] = {}
 
-    def _epoch(self, e: int):
-        got = self._epochs.get(e)
-        if got is None:
-            perm = np.random.default_rng([self.seed, self.name_key, e]).permutation(len(self.sizes))
-            sizes = self.sizes[perm]
-            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            got = (self.firsts[perm], starts)
-            if len(self._epochs) > 8:
-                self._epochs.clear()
-            self._epochs[e] = got
-        return got
+    def permutation(self, e: int) -> FeistelPermutation:
+        perm = self._perms.get(e)
+        if perm is None:
+            if len(self._perms) > 8:
+                self._perms.clear()
+            perm = self._perms[e] = FeistelPermutation(self.n, [self.seed, self.name_key, e])
+        return perm
 
     def sample_ids(self, ks: np.ndarray) -> np.ndarray:
         ks = np.asarray(ks, np.int64)
@@ -100,10 +148,12 @@ class SourceOrder:
         pos = ks - epochs * self.n
         for e in np.unique(epochs):
             sel = epochs == e
-            firsts, starts = self._epoch(int(e))
-            j = np.searchsorted(starts, pos[sel], side="right") - 1
-            out[sel] = firsts[j] + (pos[sel] - starts[j])
+            out[sel] = self.lo + self.permutation(int(e))(pos[sel])
         return out
+
+    def mean_length(self) -> float:
+        """Mean stream positions per document of this split (tokens + its EOS)."""
+        return self.ds.tokens_between(self.lo, self.lo + self.n) / self.n + 1.0
 
 
 def block_sources(seed: int, weights: np.ndarray, b: int, block: int = BLOCK) -> np.ndarray:
@@ -143,13 +193,18 @@ class Block:
 class Planner:
     """Walks the global stream forward and answers "which documents cover positions [a, b)"."""
 
-    def __init__(self, datasets: list[Dataset], weights, seed: int, *, held_out=None, split: str = "train"):
+    def __init__(self, datasets: list[Dataset], weights, seed: int, *, held_out=None, split: str = "train",
+                 weight_by: str = "documents"):
         """``held_out``: per source, the number of held-out documents (default none); ``split``: which
-        side of the split the stream reads (see the module docstring)."""
+        side of the split the stream reads; ``weight_by``: whether ``weights`` are shares of documents or
+        of tokens (see the module docstring)."""
+        if weight_by not in WEIGHT_BY:
+            raise ValueError(f"weight_by must be one of {WEIGHT_BY}, got {weight_by!r}")
         self.datasets = datasets
         self.weights = np.asarray(weights, np.float64) / float(np.sum(weights))
         self.seed = seed
         self.split = split
+        self.weight_by = weight_by
         self.held_out = [0] * len(datasets) if held_out is None else [int(h) for h in held_out]
         self.orders = [SourceOrder(ds, seed, split_layout(ds, h, split)) for ds, h in zip(datasets, self.held_out)]
         active = [i for i, o in enumerate(self.orders) if o.n > 0]
@@ -161,11 +216,10 @@ class Planner:
             raise DataError(f"the {split!r} split holds no usable document in any source (held out per source: "
                             f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; data.valid_documents)")
         self._active = np.asarray(active, np.int64)
-        if len(active) == len(datasets):
-            self._active_weights = self.weights
-        else:
-            w = self.weights[self._active]
-            self._active_weights = w / float(w.sum())
+        w = self.weights[self._active]
+        if weight_by == "tokens":  # a token share over the mean document length is a document share
+            w = w / np.array([self.orders[i].mean_length() for i in active])
+        self._active_weights = w / float(w.sum())
         self._blocks: list[Block] = []
 
     def block_sources(self, b: int) -> np.ndarray:
@@ -175,7 +229,6 @@ class Planner:
     # -- block generation
     def _make_block(self, b: int, base_k: np.ndarray, start_pos: int | None, *, anchor=None) -> Block:
         src = self.block_sources(b)
-        onehot_cum = np.zeros(len(src), np.int64)
         k = np.empty(len(src), np.int64)
         sid = np.empty(len(src), np.int64)
         length = np.empty(len(src), np.int64)
@@ -187,7 +240,6 @@ class Planner:
             sid[sel] = order.sample_ids(k[sel])
             length[sel] = self.datasets[i].lengths[sid[sel]].astype(np.int64) + 1
             counts[i] = n
-        del onehot_cum
         if start_pos is None:  # anchored: (local doc j, its absolute start)
             j, pos_j = anchor
             start_pos = pos_j - int(length[:j].sum())

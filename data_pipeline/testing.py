@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 from .config import DataConfig, SourceConfig
-from .shards import prepare_dataset
+from .prepare import prepare_dataset
 from .tokenizer import train_tokenizer
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but "

@@ -7,8 +7,11 @@ import sys
 COMMANDS = {
     "train": ("fbt_megatron.train.cli", "Train from a recipe: fbt train RECIPE.yaml [key=value ...]"),
     "data": ("data_pipeline.cli", "Tokenizer, shards, embedded data: fbt data {tokenizer,prepare,embedded,...}"),
+    "convert": ("fbt_megatron.hf.cli", "Hugging Face conversion: fbt convert {to-hf CHECKPOINT OUT,from-hf HF_DIR CKPT_DIR}"),
     "demo": ("fbt_megatron.demo", "Forward/backward of a tiny FBT model on CPU with 1..3 passes"),
     "ckpt": ("fbt_megatron.checkpoint.cli", "Checkpoints: fbt ckpt inspect|verify DIR (run dir or step dir)"),
+    "generate": ("fbt_megatron.generate.cli", "Generate with latent feedback: fbt generate RUN_DIR --prompt TEXT"),
+    "eval": ("fbt_megatron.eval.cli", "lm-eval tasks, standard vs feedback vs FUSED: fbt eval RUN_DIR --tasks T"),
 }
 
 

@@ -49,6 +49,9 @@ class ModelConfig(StrictModel):
     norm_epsilon: float = Field(1e-5, gt=0.0)
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Packed rows: "document_causal" = each document attends only to itself, positions restart per
+    # document (as in generation); "causal" = attention spans the row (model/attention.py, docs/feedback.md).
+    attention_mask: Literal["document_causal", "causal"] = "document_causal"
     init_method_std: float = Field(0.02, gt=0.0)
     # Weight tying (a stabiliser, see FeedbackConfig): input embedding == output layer, so the fed-back
     # top state and the token embeddings live in one space.
@@ -125,6 +128,15 @@ class FeedbackConfig(StrictModel):
         if v not in GRAD_MODES:
             raise ValueError(f"feedback.grad_mode={v!r} is not one of {GRAD_MODES}")
         return v
+
+    @model_validator(mode="after")
+    def _loss_reachable_by_gradient(self):
+        # grad_mode="last" runs passes 1..k-1 without gradient, so a mean over passes would report
+        # the mean but backpropagate only (1/k) * grad of the last pass's loss.
+        if self.grad_mode == "last" and self.loss_on == "mean":
+            raise ValueError("feedback.loss_on='mean' needs feedback.grad_mode='all' (with grad_mode='last' the "
+                             "earlier passes carry no gradient); use loss_on='last' or grad_mode='all'")
+        return self
 
 
 class PassScheduleConfig(StrictModel):

@@ -124,6 +124,22 @@ def install_cpu_shims() -> None:
     _cpu_shims_installed = True
 
 
+@contextlib.contextmanager
+def cuda_calls_stay_on_cpu():
+    """On CPU, ``tensor.cuda()`` returns the tensor itself inside this block (megatron's pipeline
+    setup moves the last stage's tied embedding copy with ``.cuda()`` before all-reducing it).
+    A no-op on CUDA."""
+    if use_cuda():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
 # --------------------------------------------------------------------------- init
 @dataclass(frozen=True)
 class ParallelLayout:

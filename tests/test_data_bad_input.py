@@ -15,8 +15,8 @@ from data_pipeline import cli
 from data_pipeline.config import DataConfig
 from data_pipeline.errors import CorruptShardError, IndexError_, SourceError, TokenizerMismatchError
 from data_pipeline.loader import build_loader, planner_for
-from data_pipeline.shards import Dataset, prepare_dataset, sample_key, verify_dataset
-from data_pipeline.stream import Planner
+from data_pipeline.prepare import prepare_dataset
+from data_pipeline.shards import Dataset, sample_key, verify_dataset
 from data_pipeline.testing import build_fixture, fixture_config
 from data_pipeline.tokenizer import train_tokenizer
 
@@ -47,7 +47,7 @@ def first_math_sample(fx, cfg):
     ds = Dataset.load(fx["root"] / "math")
     src, sid = planner_for(cfg).documents(50)  # the train split build_loader reads
     target = int(sid[np.flatnonzero(src == 2)[0]])
-    shard = [s for s in ds.index["shards"] if s["first_sample"] <= target][-1]
+    shard = ds.shards[ds.shard_of(target)]
     return target, fx["root"] / "math" / shard["file"]
 
 
@@ -57,36 +57,58 @@ def flip(path, offset):
     path.write_bytes(bytes(data))
 
 
-def test_truncated_shard_is_named_at_build(fx):
+def test_truncated_shard_is_named_when_reached(fx):
+    """No per-shard stat at start-up: a shard's size is checked against the index when it is opened."""
     cfg = fixture_config(fx)
     shard = fx["root"] / "code" / "shard-000002.tar"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(CorruptShardError, match=r"code/shard-000002\.tar.*truncated"):
-        build_loader(cfg, micro_batch_size=MB, global_batch_size=GB, dp_rank=0, dp_size=1)
+    ld = build_loader(cfg, micro_batch_size=MB, global_batch_size=GB, dp_rank=0, dp_size=1)
+    with pytest.raises(CorruptShardError, match=r"code/shard-000002\.tar: size \d+ bytes, index records \d+ \(truncated"):
+        for _ in range(500):
+            next(ld)
     with pytest.raises(CorruptShardError, match=r"shard-000002\.tar"):
         verify_dataset(fx["root"] / "code")
 
 
-def test_missing_shard_is_named(fx):
+def test_missing_shard_is_named_at_build(fx):
     (fx["root"] / "web" / "shard-000001.tar").unlink()
     with pytest.raises(CorruptShardError, match=r"web/shard-000001\.tar: missing"):
         build_loader(fixture_config(fx), micro_batch_size=MB, global_batch_size=GB, dp_rank=0, dp_size=1)
 
 
-def test_truncated_shard_skipped_when_allowed_is_counted_and_excluded(fx):
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_bad_shard_skipped_when_allowed_is_masked_counted_and_keeps_positions(fx, clean, damage):
+    """With allow_skip_corrupt a bad shard's documents keep their places in the stream as loss-masked
+    spans: the stream (and so every resume cursor) does not depend on which shards are readable."""
     shard_file = fx["root"] / "code" / "shard-000002.tar"
-    shard_file.write_bytes(shard_file.read_bytes()[:1000])
+    if damage == "truncate":
+        shard_file.write_bytes(shard_file.read_bytes()[:1000])
+    else:
+        shard_file.unlink()
     cfg = fixture_config(fx, allow_skip_corrupt=True)
-    got, ld = stream(cfg, 5)
-    assert ld.stats["skipped_shards"] == 1
     ds = Dataset.load(fx["root"] / "code", allow_skip_corrupt=True)
-    bad = next(s for s in ds.index["shards"] if s["file"] == "shard-000002.tar")
-    assert ld.stats["skipped_shard_samples"] == bad["num_samples"] > 0
-    assert ds.num_samples == ds.index["num_samples"] - bad["num_samples"]
-    src, sid = Planner([Dataset.load(s.path, allow_skip_corrupt=True) for s in cfg.sources], cfg.weights, 0).documents(3000)
-    code_ids = set(sid[src == 1].tolist())
-    assert not code_ids & set(range(bad["first_sample"], bad["first_sample"] + bad["num_samples"]))
-    assert len(code_ids) == ds.num_samples  # every remaining sample is still used
+    src, sid = planner_for(cfg).documents(3000)
+    dss = [Dataset.load(s_.path, allow_skip_corrupt=True) for s_ in cfg.sources]
+    lens = np.array([int(dss[i].lengths[k]) + 1 for i, k in zip(src, sid)])
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    lo, hi = int(ds.shard_table[2, 0]), ds.shard_end(2)
+    bad = (src == 1) & (sid >= lo) & (sid < hi)
+    steps = int(starts[np.flatnonzero(bad)[1]]) // (GB * S) + 2  # reach two documents of the bad shard
+    ref, _ = stream(fixture_config(clean), steps)
+    got, ld = stream(cfg, steps)
+    assert ld.stats["skipped_shards"] == 1
+    assert ld.stats["skipped_shard_samples"] == int(ds.shard_table[2, 1]) > 0
+    assert ld.stats["skipped_corrupt_samples"] == 0  # documents of a bad shard are not counted twice
+    assert torch.equal(ref["doc_start"], got["doc_start"])  # same positions
+    # exactly the bad shard's documents' token spans are newly masked (and hold EOS filler)
+    n = got["input_ids"].numel()
+    want = np.zeros(n, bool)
+    for j in np.flatnonzero(bad):
+        want[starts[j]:min(n, starts[j] + lens[j] - 1)] = True
+    newly = ((got["loss_mask"] == 0) & (ref["loss_mask"] == 1)).reshape(-1).numpy()
+    assert want.sum() > 0 and np.array_equal(newly, want)
+    assert np.array_equal((ref["input_ids"] != got["input_ids"]).reshape(-1).numpy(), want)
+    assert np.array_equal(ref["input_ids"].reshape(-1).numpy()[~want], got["input_ids"].reshape(-1).numpy()[~want])
 
 
 def test_corrupt_token_bytes_raise_when_reached(fx):

@@ -123,11 +123,13 @@ def test_valid_split_resumes_exactly(fx):
 def test_train_split_without_holdout_is_the_unsplit_stream(fx):
     cfg = fixture_config(fx, valid_documents=0)
     datasets = [Dataset.load(s.path) for s in cfg.sources]
-    a = Planner(datasets, cfg.weights, cfg.seed).documents(5000)
+    a = Planner(datasets, cfg.weights, cfg.seed, weight_by=cfg.weight_by).documents(5000)
     b = planner_for(cfg, "train", datasets=datasets).documents(5000)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
-    # with a hold-out, the train stream only loses documents: the source choice is unchanged
-    c = planner_for(fixture_config(fx), "train", datasets=datasets).documents(5000)
+    # with a hold-out and document weights, the train stream only loses documents: the source choice is
+    # unchanged (token weights are turned into document shares with each split's own mean length)
+    a = Planner(datasets, cfg.weights, cfg.seed, weight_by="documents").documents(5000)
+    c = planner_for(fixture_config(fx, weight_by="documents"), "train", datasets=datasets).documents(5000)
     assert np.array_equal(a[0], c[0])
 
 

@@ -98,7 +98,7 @@ def test_global_stream_independent_of_workers(fx):
 @pytest.mark.parametrize("dp_before,dp_after,workers_after", [(1, 1, 0), (2, 4, 0), (4, 1, 2)])
 def test_resume_continues_exactly(fx, dp_before, dp_after, workers_after):
     wts = (0.1, 0.1, 0.8)  # math (200 short documents) wraps into its second epoch after the cut
-    cfg = fixture_config(fx, seq_length=S, weights=wts)
+    cfg = fixture_config(fx, seq_length=S, weights=wts, weight_by="documents")
     total, n, gb = 60, 23, 32
     ref, _ = global_stream(cfg, total, 1, gb=gb)
     _, loaders = global_stream(cfg, n, dp_before, gb=gb)
@@ -108,7 +108,7 @@ def test_resume_continues_exactly(fx, dp_before, dp_after, workers_after):
     assert state["consumed_sequences"] == n * gb
     assert sum(state["per_source_consumed"].values()) == state["doc_index"]
     assert 100 < state["per_source_consumed"]["math"] < 200  # resumed inside math's first epoch ...
-    cfg2 = fixture_config(fx, seq_length=S, weights=wts, num_workers=workers_after)
+    cfg2 = fixture_config(fx, seq_length=S, weights=wts, weight_by="documents", num_workers=workers_after)
     resumed, _ = global_stream(cfg2, total - n, dp_after, state=state, gb=gb)
     tail = {k: v[n * gb:] for k, v in ref.items()}
     assert_same(tail, resumed)

@@ -22,12 +22,17 @@ JITTER_SEED = 77
 ARCHS = {"gpt": TINY, "llama": LLAMA}
 
 
+def cases_for(loss_on):
+    # loss_on="mean" with grad_mode="last" is refused by FeedbackConfig (test_model_gradients.py).
+    return [(k, mode) for k, mode in CASES if not (loss_on == "mean" and mode == "last")]
+
+
 def run_cases(full_state, loss_on="last", arch="gpt"):
     """On every rank: logits and full (unsharded) parameter gradients for each (k, grad_mode)."""
     ids, labels, doc_start = make_inputs()
     cfg = ModelConfig(**ARCHS[arch])
     results = {}
-    for k, mode in CASES:
+    for k, mode in cases_for(loss_on):
         torch.manual_seed(0)
         model = build_model(cfg, feedback(grad_mode=mode, loss_on=loss_on))
         load_full_weights(model, full_state)
@@ -56,7 +61,7 @@ def test_tp2_equals_tp1_logits_and_every_gradient(single_process, arch, loss_on)
 
     per_rank = run_distributed(run_cases, 2, full_state, loss_on, arch, layout=ParallelLayout(tensor=2))
     for rank, got in enumerate(per_rank):
-        for case in CASES:
+        for case in cases_for(loss_on):
             exp, res = expected[case], got[case]
             torch.testing.assert_close(res["logits"], exp["logits"], rtol=1e-5, atol=1e-5, msg=f"logits {case} rank {rank}")
             torch.testing.assert_close(res["loss"], exp["loss"], rtol=1e-5, atol=1e-5)
@@ -69,4 +74,6 @@ def test_tp2_equals_tp1_logits_and_every_gradient(single_process, arch, loss_on)
                 )
     # The cases are not trivially equal to each other: passes and modes change the gradients.
     assert not torch.allclose(expected[(1, "all")]["loss"], expected[(3, "all")]["loss"])
-    assert not torch.allclose(expected[(3, "all")]["grads"]["feedback.value.weight"], expected[(3, "last")]["grads"]["feedback.value.weight"])
+    if loss_on == "last":
+        assert not torch.allclose(expected[(3, "all")]["grads"]["feedback.value.weight"],
+                                  expected[(3, "last")]["grads"]["feedback.value.weight"])

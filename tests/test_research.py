@@ -100,3 +100,23 @@ def test_fixed_point_iteration_is_exact_after_seq_len_passes_and_jacobian_norm_m
     jac = torch.autograd.functional.jacobian(step, res["top"][t - 1, 0].detach())
     assert est["spectral_norm"] == pytest.approx(torch.linalg.matrix_norm(jac, ord=2).item(), rel=1e-2)  # float32 central differences
     assert est["frobenius_norm"] == pytest.approx(torch.linalg.matrix_norm(jac).item(), rel=0.5)  # 8 samples
+
+
+def test_fused_prefill_problems_are_held_out_and_answers_parse():
+    import importlib.util
+    from pathlib import Path
+
+    from data_pipeline.embedded import math_documents
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "fused_prefill.py"
+    spec = importlib.util.spec_from_file_location("fused_prefill", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    problems = mod.held_out_problems(50)
+    assert len(problems) == 50 and all(p.startswith("Question: ") and p.endswith("\nAnswer:") for p, _ in problems)
+    assert all(mod.final_answer(a) is not None for _, a in problems)
+    train_questions = {part.split("\nAnswer: ")[0] for _, doc in math_documents(20_000, 0) for part in doc.split("\n\n")}
+    assert not any(p[: -len("\nAnswer:")] in train_questions for p, _ in problems)  # held out
+    assert len({p for p, _ in problems}) == 50  # and distinct
+    assert mod.final_answer("so x = 4.\n#### -1,234.") == "-1234"
+    assert mod.final_answer("no answer line") is None

@@ -41,6 +41,15 @@ def test_wrong_type_names_key():
     with pytest.raises(RecipeError) as e:
         load_recipe(data={"feedback": {"fusion": "multiply"}})
     assert "feedback.fusion" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"model": {"attention_mask": "packed"}})
+    assert "model.attention_mask" in str(e.value) and "document_causal" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"precision": "fp16"})
+    assert "'precision'" in str(e.value) and "bf16" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"feedback": {"grad_mode": "last", "loss_on": "mean"}})
+    assert "loss_on='mean' needs feedback.grad_mode='all'" in str(e.value)
 
 
 def test_overrides_apply_and_parse_yaml_scalars():
@@ -64,9 +73,12 @@ def test_impossible_layouts_fail_with_key():
     with pytest.raises(RecipeError) as e:  # TP must divide the model's sharded sizes
         load_recipe(data={"parallel": {"tensor": 3}, "model": {"hidden_size": 64, "num_attention_heads": 4}})
     assert "divisible by tensor parallel size 3" in str(e.value)
+    with pytest.raises(RecipeError) as e:  # stages must split the layers evenly
+        load_recipe(data={"parallel": {"pipeline": 3}, "model": {"num_layers": 4}})
+    assert "parallel.pipeline=3 does not divide model.num_layers=4" in str(e.value)
     with pytest.raises(RecipeError) as e:
-        load_recipe(data={"parallel": {"pipeline": 2}})
-    assert "parallel.pipeline" in str(e.value)
+        load_recipe(data={"parallel": {"pipeline": 2, "zero_stage": 3}})
+    assert "parallel.zero_stage=3" in str(e.value)
     with pytest.raises(RecipeError) as e:
         check_layout(load_recipe(data={"batch": {"global_batch_size": 8, "micro_batch_size": 2,
                                                  "accumulation_steps": 3}}), 1)

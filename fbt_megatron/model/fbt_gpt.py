@@ -17,7 +17,7 @@ pass's (``loss_on="last"``) or the mean over passes (``"mean"``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,10 @@ from megatron.core.transformer.module import MegatronModule
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.model import vocab
+from fbt_megatron.model.attention import (adapt_layer_spec, document_causal_mask, document_positions,
+                                          rotary_for_positions)
 from fbt_megatron.model.feedback import LatentFeedback
+from fbt_megatron.model.kernels import fused_switches
 from fbt_megatron.model.recompute import recompute_layers
 
 
@@ -59,11 +62,14 @@ RECOMPUTE = {  # ModelConfig.recompute -> Megatron's TransformerConfig switches
 }
 
 
-def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False) -> TransformerConfig:
-    """Megatron TransformerConfig for the current parallel state; CPU-safe fusion switches."""
+def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
+                       dtype: torch.dtype | None = None) -> TransformerConfig:
+    """Megatron TransformerConfig for the current parallel state; fused kernels only where installed.
+    ``dtype`` defaults to the device's (bf16 on GPU, fp32 on CPU)."""
     model.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
     on_gpu = runtime.use_cuda()
-    dtype = torch.bfloat16 if runtime.default_dtype_name() == "bf16" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if runtime.default_dtype_name() == "bf16" else torch.float32
     swiglu = model.activation == "swiglu"
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -82,18 +88,13 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False) -
         **RECOMPUTE[model.recompute],
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=dtype,  # what travels between stages
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        # Fused kernels exist only on GPU.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
-        apply_rope_fusion=False,
+        **fused_switches(model.normalization, on_gpu),
     )
 
 
@@ -111,38 +112,75 @@ def layer_spec(model: ModelConfig):
     return specs.get_gpt_layer_local_spec(normalization=model.normalization)
 
 
+def _seeded_layer_spec(spec, base_seed: int):
+    """``spec`` whose layers draw their (CPU) initial weights from a generator seeded by the layer's
+    *global* number: a pipeline stage that builds only layers 5..8 gets the same values as the
+    whole model does, so PP=1 and PP=2 start from identical weights."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layer_cls = spec.module
+
+    class SeededLayer(layer_cls):
+        def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
+            offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"))
+            torch.default_generator.manual_seed(base_seed + layer_number + offset)
+            super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+
+    SeededLayer.__name__ = SeededLayer.__qualname__ = layer_cls.__name__
+    return replace(spec, module=SeededLayer)
+
+
+def _seeded_spec(spec, base_seed: int):
+    """:func:`_seeded_layer_spec` for a layer spec or for block submodules (sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if isinstance(spec, TransformerBlockSubmodules):
+        seeded = {id(s): _seeded_layer_spec(s, base_seed) for s in spec.layer_specs}
+        return replace(spec, layer_specs=[seeded[id(s)] for s in spec.layer_specs])
+    return _seeded_layer_spec(spec, base_seed)
+
+
 class FBTGPTModel(MegatronModule):
-    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig):
+    """The whole model, or under pipeline parallelism one stage of it: a slice of the layers
+    (Megatron's layer offsets, so checkpoint keys carry global layer numbers), the embedding, the
+    fusion weights and h_init on the first stage, final norm and LM head on the last. A stage is
+    driven by :mod:`fbt_megatron.parallel.pipeline`; ``forward`` runs the whole model only.
+    ``spec`` overrides the layer spec (generation passes Megatron's local layers)."""
+
+    def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig, spec=None,
+                 init_seed: int = 0):
         super().__init__(config)
-        if config.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"parallel.pipeline={config.pipeline_model_parallel_size}: FBTGPTModel runs the whole "
-                "stack per pass; pipeline parallelism is not supported yet (allowed: 1)"
-            )
         self.model_config, self.feedback_config = model, feedback
+        self.pipelined = config.pipeline_model_parallel_size > 1
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.padded_vocab_size = model.padded_vocab_size(config.tensor_model_parallel_size)
         # TP-invariant initialisation (Megatron's CPU init): the padded vocabulary depends on TP, so the
         # embedding draws its logical rows only, and the untied LM head (built last) is re-drawn below.
         config.embedding_init_method = vocab.logical_rows_init(
             model.vocab_size, self.padded_vocab_size, config.embedding_init_method_std or config.init_method_std)
         rng_before = torch.get_rng_state()
-        self.gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(model),
-            vocab_size=self.padded_vocab_size,
-            max_sequence_length=model.max_sequence_length,
-            position_embedding_type=model.position_embedding_type,
-            rotary_base=model.rotary_base,
-            share_embeddings_and_output_weights=model.tie_embeddings,
-        )
-        if config.use_cpu_initialization:
-            head_seed, next_seed = torch.randint(2**62, (2,), generator=torch.Generator().set_state(rng_before)).tolist()
-            if not model.tie_embeddings:
-                vocab.reinit_logical_rows(self.gpt.output_layer.weight, model.vocab_size, config.init_method_std, head_seed)
-            torch.manual_seed(next_seed)  # the LM head drew a TP-dependent amount from the global RNG
+        spec = adapt_layer_spec(spec if spec is not None else layer_spec(model), model.attention_mask,
+                                config.sequence_parallel, config.num_layers)
+        with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
+            self.gpt = GPTModel(
+                config=config,
+                transformer_layer_spec=_seeded_spec(spec, init_seed),
+                vocab_size=self.padded_vocab_size,
+                max_sequence_length=model.max_sequence_length,
+                position_embedding_type=model.position_embedding_type,
+                rotary_base=model.rotary_base,
+                share_embeddings_and_output_weights=model.tie_embeddings,
+                pre_process=first,
+                post_process=last,
+            )
+        if config.use_cpu_initialization and last and not model.tie_embeddings:
+            head_seed = int(torch.randint(2**62, (1,), generator=torch.Generator().set_state(rng_before)))
+            vocab.reinit_logical_rows(self.gpt.output_layer.weight, model.vocab_size, config.init_method_std, head_seed)
         if model.recompute == "full":
             recompute_layers(self.gpt.decoder.layers)
-        self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" else None
+        torch.default_generator.manual_seed(init_seed)  # the fusion's init, whatever layers came before
+        self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" and first else None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         # This rank's LM-head columns that are vocabulary padding (None when it holds none).
         self._padding_columns = vocab.local_padding_mask(model.vocab_size, self.padded_vocab_size)
@@ -156,19 +194,42 @@ class FBTGPTModel(MegatronModule):
             )[None, None]
         return self._mask_cache[key]
 
+    def attention_inputs(self, reset: torch.Tensor, position_ids=None):
+        """Mask [.., S, S] and positions [B, S] for a packed row with document starts ``reset`` [S, B]
+        (see ``attention.py``); explicit ``position_ids`` override the derived positions."""
+        seq_len, batch = reset.shape
+        if self.model_config.attention_mask == "document_causal":
+            mask, positions = document_causal_mask(reset), document_positions(reset)
+        else:
+            mask = self.causal_mask(seq_len, reset.device)
+            positions = torch.arange(seq_len, device=reset.device).expand(batch, -1)
+        return mask, (positions if position_ids is None else position_ids)
+
     def _full_sequence(self, t: torch.Tensor) -> torch.Tensor:
         if self.config.sequence_parallel:  # grads downstream are TP-replicated: split, not reduce
             return tensor_parallel.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False)
         return t
 
     def run_stack(self, stack_input, mask, rotary) -> torch.Tensor:
-        """One pass through every transformer layer (final layernorm included)."""
+        """One pass through this stage's transformer layers (the final layernorm on the last stage)."""
+        if not self.gpt.pre_process:  # megatron's later stages read their input from set_input_tensor
+            self.gpt.decoder.set_input_tensor(stack_input)
         return self.gpt.decoder(hidden_states=stack_input, attention_mask=mask, rotary_pos_emb=rotary)
 
-    def head(self, top_state, labels=None):
+    def embed(self, input_ids, position_ids, word_weight=None) -> torch.Tensor:
+        """Token (+ position) embeddings [S, B, D]; ``word_weight`` stands in for the word-embedding
+        weight (the pipeline passes a detached copy of a weight tied across stages)."""
+        if word_weight is None:
+            return self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+        return torch.func.functional_call(self.gpt.embedding, {"word_embeddings.weight": word_weight},
+                                          (input_ids, position_ids))
+
+    def head(self, top_state, labels=None, weight=None):
         """LM head on the top state: per-token loss [B, S] if labels, else logits [B, S, V_pad/TP]
-        (padded vocabulary columns are -inf: they take no probability, in the loss or in sampling)."""
-        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        (padded vocabulary columns are -inf: they take no probability, in the loss or in sampling).
+        ``weight`` stands in for the tied output weight (see :meth:`embed`)."""
+        if weight is None and self.gpt.share_embeddings_and_output_weights:
+            weight = self.gpt.shared_embedding_or_output_weight()
         logits, _ = self.gpt.output_layer(top_state, weight=weight)
         if self._padding_columns is not None:
             logits = logits.masked_fill(self._padding_columns.to(logits.device), float("-inf"))
@@ -176,11 +237,12 @@ class FBTGPTModel(MegatronModule):
             return logits.transpose(0, 1).contiguous()
         return self.gpt.compute_language_model_loss(labels, logits)
 
-    def rotary(self, stack_input):
+    def rotary(self, positions: torch.Tensor):
+        """RoPE frequencies [S, B, 1, D] for positions [B, S] (None without RoPE)."""
         if self.model_config.position_embedding_type != "rope":
             return None
-        seq_len = self.gpt.rotary_pos_emb.get_rotary_seq_len(None, self.gpt.decoder, stack_input, self.config, None)
-        return self.gpt.rotary_pos_emb(seq_len)
+        table = self.gpt.rotary_pos_emb(self.model_config.max_sequence_length)  # [P, 1, 1, D]
+        return rotary_for_positions(table, positions)
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
@@ -189,19 +251,24 @@ class FBTGPTModel(MegatronModule):
         ``jitter_seed`` seeds the training-time jitter (without it the jitter draws from torch's
         global generator, which is not reproducible across resumes)."""
         check_num_passes(num_passes)
+        if self.pipelined:
+            raise RuntimeError("this FBTGPTModel is one pipeline stage; run it with "
+                               "fbt_megatron.parallel.pipeline (parallel.pipeline > 1)")
         batch, seq_len = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
-        mask = self.causal_mask(seq_len, input_ids.device)
+        if self.config.sequence_parallel and seq_len % self.config.tensor_model_parallel_size:
+            raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "
+                             f"{self.config.tensor_model_parallel_size} (sequence parallelism splits it)")
+        reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
+        mask, positions = self.attention_inputs(reset, position_ids)
+        rotary = self.rotary(positions)
         # Token (+ position) embeddings, [S, B, D] ([S/TP, B, D] under sequence parallelism).
-        embedded = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+        embedded = self.gpt.embedding(input_ids=input_ids, position_ids=positions)
 
         if self.feedback is None:  # a standard GPT: one pass, the state is never used
-            top = self.run_stack(embedded, mask, self.rotary(embedded))
+            top = self.run_stack(embedded, mask, rotary)
             return self._output(self._full_sequence(top), labels, [self.head(top, labels)], [])
         embedded = self._full_sequence(embedded)
 
-        reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
         generator = None
         if self.training and self.feedback_config.jitter_std > 0 and jitter_seed is not None:
             generator = torch.Generator(device=embedded.device).manual_seed(int(jitter_seed))
@@ -210,15 +277,13 @@ class FBTGPTModel(MegatronModule):
         state = self.feedback.initial_states()
         # The token path of the fusion (sigmoid(W_G e) for glu) is the same in every pass: once per step.
         gate = self.feedback.token_gate(embedded)
-        rotary, top, heads, residuals = None, None, [], []
+        top, heads, residuals = None, [], []
         for k in range(num_passes):
             last = k == num_passes - 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and (last or cfg.grad_mode == "all")):
                 if k > 0:
                     state = self.feedback.shift_states(top, reset, generator)
                 stack_input = self.feedback.fuse(state, gate)
-                if rotary is None:
-                    rotary = self.rotary(stack_input)
                 local_top = self.run_stack(stack_input, mask, rotary)
                 if last or cfg.loss_on == "mean":
                     heads.append(self.head(local_top, labels))
@@ -249,8 +314,14 @@ class FBTGPTModel(MegatronModule):
         return out
 
 
-def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False) -> FBTGPTModel:
-    """Build on the current device for the current Megatron parallel state."""
-    config = transformer_config(model, sequence_parallel=sequence_parallel)
-    fbt = FBTGPTModel(model, feedback, config)
+def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False,
+                dtype: torch.dtype | None = None) -> FBTGPTModel:
+    """Build on the current device for the current Megatron parallel state (one pipeline stage
+    under pipeline parallelism). Initial values depend on torch's RNG state on entry, not on the
+    layout: one seed is drawn from it, and construction runs on generators seeded from that."""
+    config = transformer_config(model, sequence_parallel=sequence_parallel, dtype=dtype)
+    init_seed = int(torch.randint(0, 2**40, ()))
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(init_seed)
+        fbt = FBTGPTModel(model, feedback, config, init_seed=init_seed + 1)
     return fbt.to(runtime.device())

@@ -4,17 +4,25 @@ DeepSpeed is told about Megatron's parallel groups through :class:`MegatronMPU`,
 over the data-parallel group only, and the gradient norm counts TP-sharded parameters once per TP
 rank and TP-replicated parameters once. On CPU DeepSpeed runs with ``DS_ACCELERATOR=cpu`` over the
 gloo process group that :mod:`fbt_megatron.runtime` already started; params and optimiser are fp32.
-On GPU (or with FBT_DTYPE=bf16) the model is bf16 with fp32 master weights (DeepSpeed's bf16 mode).
+On GPU (or with ``precision: bf16`` / ``FBT_DTYPE=bf16``) the model is bf16 with fp32 master weights, fp32 gradient
+accumulation and an fp32 (configurable) data-parallel reduction, as Megatron does with its fp32
+main grads; see :func:`precision_config`.
 
-The optimiser is ``torch.optim.AdamW`` (``"torch_adam": true``); its ``step`` is wrapped so a step
-that the train step flags as non-finite is skipped without touching weights or moments, for every
-ZeRO stage. The learning rate is set on the optimiser before each step from a pure function of the
-step (:mod:`lr_schedule`), so the schedule needs no state of its own.
+The optimiser is ``torch.optim.AdamW`` (``"torch_adam": true``) with two parameter groups: weight
+decay on matrices, none on norms, biases and ``h_init`` (and on embeddings unless
+``optimizer.decay_embeddings``). A step is skipped without touching weights, moments or Adam's step
+count when the loss is non-finite (the train step says so) or the gradient is: DeepSpeed's ZeRO 1-3
+and bf16 optimisers detect a non-finite gradient norm themselves; at ZeRO-0 in fp32 DeepSpeed neither
+reports the norm nor checks it, so :meth:`Engine.step` computes it. The learning rate is set on the
+optimiser before each step from a pure function of the step (:mod:`lr_schedule`), so the schedule
+needs no state of its own.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -112,6 +120,25 @@ class MegatronMPU:
     get_slice_parallel_world_size = get_model_parallel_world_size
 
 
+def precision_config(recipe) -> dict:
+    """DeepSpeed's precision keys for the recipe's resolved precision.
+
+    bf16: fp32 master weights (DeepSpeed's bf16 optimisers), gradients accumulated over
+    micro-batches in fp32 (``data_types.grad_accum_dtype``: ZeRO-1 -> DeepSpeed's BF16_Optimizer,
+    ZeRO-3 -> fp32 grad partitions) and reduced over data parallelism in
+    ``parallel.grad_reduce_dtype`` (``communication_data_type``, fp32 by default). DeepSpeed 0.19
+    accumulates in bf16 at ZeRO-0 and ZeRO-2 whatever the config says; a run there starts with a warning
+    (``recipe.bf16_accumulation_warning``). ``check_grad_overflow`` makes a non-finite gradient skip the step.
+    """
+    if recipe.resolved_precision() != "bf16":
+        return {}
+    cfg = {"bf16": {"enabled": True, "check_grad_overflow": True},
+           "communication_data_type": recipe.parallel.grad_reduce_dtype}
+    if recipe.parallel.zero_stage != 0:  # ZeRO-0 raises NotImplementedError on an fp32 accumulation dtype
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
 def deepspeed_config(recipe, dp_size: int) -> dict:
     b, o = recipe.batch, recipe.optimizer
     cfg = {
@@ -129,8 +156,7 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    if runtime.default_dtype_name() == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    cfg.update(precision_config(recipe))
     if recipe.parallel.zero_stage in (1, 2) and not runtime.use_cuda():
         # On CPU a contiguous gradient buffer only adds a copy of every gradient per micro-batch
         # (profiled: ~15% of a ZeRO-2 step at 28M parameters); there is no fragmentation to avoid.
@@ -141,12 +167,53 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
     return cfg
 
 
+def is_embedding(name: str) -> bool:
+    return ".embedding." in f".{name}"  # word and (learned) position embeddings
+
+
+def no_weight_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool) -> bool:
+    """Norm weights/biases, linear biases and h_init are vectors: decaying them pulls norms' gains
+    and h_init (the glu input at every document start) toward zero. Embeddings by choice."""
+    return param.ndim < 2 or (is_embedding(name) and not decay_embeddings)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:
+    """AdamW parameter groups; the ``group`` key names each one (kept by DeepSpeed and torch)."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (plain if no_weight_decay(name, p, decay_embeddings) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "group": "decay"},
+              {"params": plain, "weight_decay": 0.0, "group": "no_decay"}]
+    return [g for g in groups if g["params"]]  # ZeRO cannot partition an empty group
+
+
+def model_parallel_grad_norm(params) -> float:
+    """L2 norm of the gradients of the whole model: each parameter counted once over tensor and
+    pipeline parallelism (TP-replicated ones on TP rank 0, tied pipeline replicas marked
+    ``ds_pipe_replicated`` not at all). A collective over the model-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device())
+    for p in params:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if tp_rank > 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        total += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return float(total.sqrt())
+
+
 class SkippableStep:
-    """Wraps the inner optimiser's ``step`` so the train step can skip one step entirely."""
+    """Wraps the inner optimiser's ``step`` so the train step can skip one step entirely, and
+    records whether DeepSpeed called it (it does not when it finds the gradient non-finite)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.skip_next = False
+        self.stepped = False
         self._step = optimizer.step
         if type(optimizer) is torch.optim.AdamW:  # the same update, chunk by chunk (optim_step.py)
             self._step = lambda *a, **k: chunked_adamw_step(optimizer)
@@ -154,9 +221,16 @@ class SkippableStep:
         def step(*args, **kwargs):
             if self.skip_next:
                 return None
+            self.stepped = True
             return self._step(*args, **kwargs)
 
         optimizer.step = step
+
+
+@dataclass
+class StepOutcome:
+    applied: bool  # False: weights, moments and Adam's step count are untouched
+    grad_norm: float | None  # global gradient norm before clipping (inf/nan when non-finite)
 
 
 def _inner_optimizer(ds_optimizer):
@@ -185,8 +259,18 @@ class Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.sequence_parallel:
             self._hook_sequence_parallel_grads(params)
+        groups = param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.decay_embeddings)
+        self.mpu = MegatronMPU()
+        # DeepSpeed reports no gradient norm (and checks none) at ZeRO-0 in fp32: compute it here.
+        self._own_grad_norm = self.zero_stage == 0 and "bf16" not in self.config
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            if self.zero_stage == 3:
+                raise ValueError("parallel.zero_stage=3 with parallel.pipeline > 1 is not supported "
+                                 "(ZeRO-3 gathers weights around the engine's forward, which a pipeline "
+                                 "stage does not use); allowed: 0, 1, 2")
+            self._mark_pipeline_replicas(model)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=params, config=self.config, mpu=MegatronMPU(),
+            model=model, model_parameters=groups, config=self.config, mpu=self.mpu,
             dist_init_required=False)
         self.model = self.ds.module
         if self.zero_stage == 3:
@@ -198,14 +282,6 @@ class Engine:
         if hasattr(self.ds, "clip_fp32_gradients"):
             self.ds.clip_fp32_gradients = self._clip_fp32_gradients
 
-    def _clip_fp32_gradients(self) -> None:
-        """ZeRO-0 fp32: DeepSpeed clips with its model-parallel-aware ``clip_grad_norm_`` but drops the
-        norm (``get_global_grad_norm()`` stays None); keep it so every stage reports its grad norm."""
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        self._clip_norm = float(clip_grad_norm_(parameters=self.ds.module.parameters(),
-                                                max_norm=self.ds.gradient_clipping(), mpu=self.ds.mpu))
-
     def _materialize_optimizer_state(self) -> None:
         """Create AdamW's state (step 0, zero moments) now instead of lazily at the first step.
 
@@ -214,11 +290,9 @@ class Engine:
         parameter's fragment of the flat state, which the checkpoint's fragment access uses).
         """
         opt = self.torch_optimizer
-        params = [p for group in opt.param_groups for p in group["params"]]
-        # ZeRO-3 hands its flat fp32 partitions to the inner optimiser only during step(): find them here
-        # so a resume can load moments before the first step.
-        params += [p for p in getattr(self.ds.optimizer, "fp32_partitioned_groups_flat", None) or [] if p is not None]
-        for p in params:
+        # ZeRO-3 puts its fp32 partitions into the param groups only during a step.
+        zero3_flat = list(getattr(self.ds.optimizer, "fp32_partitioned_groups_flat", None) or [])
+        for p in [p for group in opt.param_groups for p in group["params"]] + zero3_flat:
             if not opt.state.get(p):
                 opt.state[p] = {
                     "step": torch.tensor(0.0, dtype=torch.float32),
@@ -229,7 +303,7 @@ class Engine:
         if link is not None and self.zero_stage in (1, 2):
             link()
         elif link is not None and hasattr(self.ds.optimizer, "_hp_optimizer_states_linked"):
-            link()  # bf16 optimizer (ZeRO-0 on GPU)
+            link()  # DeepSpeed's BF16_Optimizer (ZeRO-1 in bf16)
 
     def optimizer_steps(self) -> int:
         for state in self.torch_optimizer.state.values():
@@ -250,20 +324,53 @@ class Engine:
         # The train step already normalised the loss over the whole global batch.
         self.ds.backward(loss, scale_wrt_gas=False)
 
-    def step(self, skip: bool = False) -> float | None:
-        """Optimiser step at the accumulation boundary; returns the global grad norm (None if skipped)."""
-        self.skipper.skip_next = skip
-        self._clip_norm = None
+    def step(self, skip: bool = False) -> StepOutcome:
+        """Optimiser step at the accumulation boundary, skipped (on every rank alike) if ``skip``
+        or if the global gradient norm is not finite."""
+        self.ds.set_gradient_accumulation_boundary(True)
+        norm = self.grad_norm_before_step() if self._own_grad_norm else None
+        self._clip_norm = norm  # ZeRO-0's clipping (DeepSpeed calls it inside ds.step()) reuses it
+        if norm is not None and not math.isfinite(norm):
+            skip = True
+        self.skipper.skip_next, self.skipper.stepped = skip, False
         try:
-            self.ds.set_gradient_accumulation_boundary(True)
             self.ds.step()
         finally:
             self.skipper.skip_next = False
-        if skip:
-            return None
-        norm = self.ds.get_global_grad_norm()
-        norm = self._clip_norm if norm is None else norm
-        return None if norm is None else float(norm)
+        if norm is None:
+            reported = self.ds.get_global_grad_norm()
+            norm = None if reported is None else float(reported)
+        applied = self.skipper.stepped and not skip  # not stepped: DeepSpeed found a non-finite norm
+        return StepOutcome(applied=applied, grad_norm=norm)
+
+    def grad_norm_before_step(self) -> float:
+        """ZeRO-0: the global L2 norm of the (already DP-averaged) gradients, every parameter counted
+        once over TP and PP (see :func:`model_parallel_grad_norm`)."""
+        return model_parallel_grad_norm(p for p in self.model.parameters() if p.grad is not None)
+
+    @staticmethod
+    def _mark_pipeline_replicas(model) -> None:
+        """The last stage's copy of the embedding tied to the first stage's is a replica: DeepSpeed
+        leaves parameters marked ``ds_pipe_replicated`` out of the gradient norm (counted once)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.is_pipeline_first_stage(ignore_virtual=True):
+            return
+        for p in model.parameters():
+            if getattr(p, "shared_embedding", False):
+                p.ds_pipe_replicated = True
+
+    def _clip_fp32_gradients(self) -> None:
+        """ZeRO-0 fp32 clipping (DeepSpeed calls it only there) with every parameter counted once over
+        TP and PP: DeepSpeed's ``clip_grad_norm_`` counts TP-replicated parameters only on
+        model-parallel rank 0, i.e. on the first pipeline stage, and tied pipeline replicas twice.
+        Keeps the norm (DeepSpeed's ``get_global_grad_norm()`` stays None at ZeRO-0)."""
+        params = [p for p in self.ds.module.parameters() if p.grad is not None]
+        norm = self._clip_norm if self._clip_norm is not None else model_parallel_grad_norm(params)
+        coef = min(1.0, self.ds.gradient_clipping() / (norm + 1e-6))
+        for p in params:
+            p.grad.mul_(coef)
+        self._clip_norm = norm
 
     @staticmethod
     def _register_shared_weights(deepspeed, model) -> None:

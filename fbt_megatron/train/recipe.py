@@ -31,7 +31,9 @@ class ParallelConfig(Section):
     tensor: int = Field(1, ge=1)
     pipeline: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 1
-    sequence_parallel: bool = False  # GPU only (megatron refuses it with the torch norm)
+    sequence_parallel: bool = False  # with tensor > 1; data.seq_length must divide by tensor
+    # bf16 only: dtype of the data-parallel gradient reduction (fp32 = Megatron's fp32 main grads).
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
 class BatchConfig(Section):
@@ -49,6 +51,8 @@ class OptimizerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    # Norms, biases and h_init are never decayed; embeddings (tied: also the LM head) only if true.
+    decay_embeddings: bool = False
 
 
 class LRScheduleConfig(Section):
@@ -108,6 +112,9 @@ class Recipe(Section):
     name: str = "run"
     run_dir: str | None = None  # default runs/<name>
     seed: int = 1234
+    # auto: bf16 on GPU, fp32 on CPU. bf16 = bf16 weights/activations, fp32 masters, fp32 gradient
+    # accumulation (DeepSpeed bf16; runs on CPU too, for tests).
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     model: ModelConfig = Field(default_factory=ModelConfig)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     schedule: PassScheduleConfig = Field(default_factory=PassScheduleConfig)
@@ -155,9 +162,16 @@ class Recipe(Section):
         if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
             raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
                              f"model.vocab_size={self.model.vocab_size}")
-        if self.parallel.pipeline != 1:
-            raise ValueError(f"parallel.pipeline={self.parallel.pipeline}: pipeline parallelism is not "
-                             "supported yet; allowed: 1")
+        p = self.parallel
+        if p.pipeline > 1:
+            if self.model.num_layers % p.pipeline:
+                raise ValueError(f"parallel.pipeline={p.pipeline} does not divide model.num_layers="
+                                 f"{self.model.num_layers}; allowed: divisors of num_layers")
+            if p.zero_stage == 3:
+                raise ValueError("parallel.zero_stage=3 is not supported with parallel.pipeline > 1; "
+                                 "allowed: 0, 1, 2")
+            if p.sequence_parallel:
+                raise ValueError("parallel.sequence_parallel is not supported with parallel.pipeline > 1")
         self.model.check_tensor_parallel(self.parallel.tensor)
         return self
 
@@ -169,6 +183,13 @@ class Recipe(Section):
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.data.seq_length
+
+    def resolved_precision(self) -> str:
+        if self.precision != "auto":
+            return self.precision
+        from fbt_megatron import runtime
+
+        return runtime.default_dtype_name()
 
     def accumulation_steps(self, dp_size: int) -> int:
         return self.global_batch_size // (self.batch.micro_batch_size * dp_size)
@@ -277,10 +298,18 @@ def check_layout(recipe: Recipe, world_size: int) -> int:
         raise RecipeError(
             f"recipe key 'batch.accumulation_steps': {recipe.batch.accumulation_steps} does not match "
             f"global_batch_size / (micro_batch_size x DP) = {acc} at {world_size} processes")
-    if p.sequence_parallel and p.tensor > 1:
-        from fbt_megatron import runtime
-
-        if not runtime.use_cuda():
-            raise RecipeError("recipe key 'parallel.sequence_parallel': needs a GPU (megatron's torch norm "
-                              "refuses sequence parallelism); set it to false on CPU")
+    if p.sequence_parallel and p.tensor > 1 and recipe.data.seq_length % p.tensor:
+        raise RecipeError(
+            f"recipe key 'parallel.sequence_parallel': data.seq_length={recipe.data.seq_length} is not divisible "
+            f"by parallel.tensor={p.tensor} (sequence parallelism splits the sequence over the TP ranks)")
     return dp
+
+
+def bf16_accumulation_warning(recipe: Recipe) -> str | None:
+    """DeepSpeed 0.19 accumulates gradients in bf16 at ZeRO-0 and ZeRO-2 whatever the config asks
+    (ZeRO-1 and 3 accumulate in fp32): said at the start of such a run."""
+    p = recipe.parallel
+    if recipe.resolved_precision() == "bf16" and p.zero_stage in (0, 2):
+        return (f"warning: parallel.zero_stage={p.zero_stage} with bf16 accumulates gradients in bf16 (DeepSpeed has "
+                "no fp32 accumulation there); zero_stage 1 or 3 accumulate in fp32")
+    return None

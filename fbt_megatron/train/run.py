@@ -12,7 +12,7 @@ import math
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.train.recipe import Recipe, check_layout
+from fbt_megatron.train.recipe import Recipe, bf16_accumulation_warning, check_layout
 
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
@@ -100,9 +100,13 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None) -> dict:
-    """Train ``recipe`` in this process group. ``checkpoint_fault_hook(point, step)`` is a test hook
-    called at the points of a checkpoint save (see :class:`CheckpointManager`)."""
+def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None,
+          probe=None) -> dict:
+    """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
+    called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
+    ({step: fault}, see ``train_step.FAULT_KINDS``); ``probe``, a callable ``(engine) -> Callback``
+    whose callback may leave a result in ``trainer.metrics["probe"]`` (returned as ``summary["probe"]``)."""
+    import torch
     from megatron.core import parallel_state as ps
 
     from fbt_megatron.model.fbt_gpt import build_model
@@ -126,7 +130,11 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
 
     prepare_data(recipe, log)
     check_tokenizer(recipe)
-    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel)
+    if bf16_accumulation_warning(recipe):
+        log(bf16_accumulation_warning(recipe))
+    dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
+    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
+                        dtype=dtype)
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
                              async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
@@ -143,16 +151,23 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
         state = TrainState.from_json(saved["train_state"])
         saved_cursor = saved.get("data_cursor", {}).get("loader")
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
-            f"tp={recipe.parallel.tensor} dp={dp_size} zero={recipe.parallel.zero_stage})")
+            f"tp={recipe.parallel.tensor} pp={recipe.parallel.pipeline} dp={dp_size} "
+            f"zero={recipe.parallel.zero_stage})")
 
     schedule = PassSchedule(recipe.schedule)
     loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences, saved_cursor)
     valid = build_valid_batches(recipe, dp_rank, dp_size)
-    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite)
+    pipeline = None
+    if recipe.parallel.pipeline > 1:
+        from fbt_megatron.parallel.pipeline import PipelineRunner
+
+        pipeline = PipelineRunner(engine.model)
+    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite,
+                           pipeline=pipeline)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
     feedback_depth = recipe.eval.feedback_passes or (schedule.max_passes if recipe.feedback.fusion != "off" else 1)
 
-    n_params = sum(p.numel() for p in model.parameters()) * recipe.parallel.tensor  # approx (TP shards)
+    n_params = _count_params(model) * recipe.parallel.tensor  # approx (TP shards)
     m = recipe.model
     flops_fn = lambda k: cb.model_flops_per_token(n_params, m.num_layers, m.hidden_size,  # noqa: E731
                                                   recipe.data.seq_length, k)
@@ -166,7 +181,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
                    "recipe": recipe.model_dump(mode="json")}
         return ckpt.save(st.step, zero, payload)
 
-    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device).loss,
+    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device, pipeline).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
     callbacks = [
         validation,
@@ -180,6 +195,8 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll))
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
+    if probe is not None:
+        callbacks.append(probe(engine))
 
     total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
@@ -210,12 +227,26 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
                     for r in trainer.history],
         "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
         "val_history": trainer.metrics.get("val_history", []),  # this invocation's validations
+        "probe": trainer.metrics.get("probe"),
     }
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds")},
+        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds", "probe")},
                                                          indent=1, default=str))
     return summary
+
+
+def _count_params(model) -> int:
+    """Parameters of the whole model on this TP rank (summed over pipeline stages, the tied
+    last-stage embedding copy not counted twice)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    n = sum(p.numel() for p in model.parameters()
+            if not (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)))
+    total = torch.tensor(n, dtype=torch.int64, device=runtime.device())
+    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return int(total)
 
 
 def format_summary(s: dict) -> str:

@@ -37,16 +37,22 @@ def tiny_recipe(run_dir: str, **sections) -> dict:
     return data
 
 
-def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None) -> dict:
+def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None,
+             probe: str | None = None) -> dict:
     """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary.
-    ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save."""
+    ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save.
+    ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``train_step.FAULT_KINDS``).
+    ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end), "step_states"
+    (parameters, both AdamW moments and Adam's step count before training and after every step) or
+    "engine_info" (DeepSpeed's optimiser and dtypes)."""
     os.environ.update(env or {})
     from fbt_megatron.train.recipe import load_recipe
     from fbt_megatron.train.run import train
 
     recipe = load_recipe(data=recipe_data)
-    return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=set(inject_nonfinite or ()),
-                 checkpoint_fault_hook=kill_at(fault) if fault else None)
+    return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=inject_nonfinite,
+                 checkpoint_fault_hook=kill_at(fault) if fault else None,
+                 probe=PROBES[probe] if probe else None)
 
 
 def kill_at(fault: str):
@@ -80,9 +86,95 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def losses(summary: dict) -> list[float]:
     return [h[2] for h in summary["history"]]
+
+
+def grad_norms(summary: dict) -> list[float | None]:
+    return [h[5] for h in summary["history"]]
+
+
+# ---------------------------------------------------------------------- state probes (collectives)
+def _unshard_tp(full_over_dp, param):
+    """Concatenate a TP-sharded tensor's slices over the TP group (TP-replicated: unchanged)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full_over_dp
+    parts = [torch.empty_like(full_over_dp) for _ in range(tp)]
+    dist.all_gather(parts, full_over_dp.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def full_state(engine, moments: bool) -> dict:
+    """fp32 master parameters (and AdamW moments), full over DP and TP, keyed by parameter name.
+    Every rank must call it (DeepSpeed's safe_get_full_* helpers are collectives)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    def managed(p):
+        return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+    out = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "adam_step": engine.optimizer_steps()}
+    for name, p in engine.model.named_parameters():
+        shape = getattr(p, "ds_shape", p.shape)
+        value = safe_get_full_fp32_param(p) if managed(p) else p.detach()
+        out["params"][name] = _unshard_tp(value.float().clone().reshape(shape), p)
+        if moments:
+            for key in ("exp_avg", "exp_avg_sq"):
+                v = safe_get_full_optimizer_state(p, key) if managed(p) else engine.torch_optimizer.state[p][key]
+                out[key][name] = _unshard_tp(v.float().clone().reshape(shape), p)
+    return out
+
+
+def _final_params(engine):
+    from fbt_megatron.train.trainer import Callback
+
+    class FinalParams(Callback):
+        def on_train_end(self, trainer):
+            trainer.metrics["probe"] = full_state(engine, moments=False)["params"]
+
+    return FinalParams()
+
+
+def _step_states(engine):
+    from fbt_megatron.train.trainer import Callback
+
+    class StepStates(Callback):
+        """{"initial": state, step: state after that step}."""
+
+        def on_train_start(self, trainer):
+            trainer.metrics["probe"] = {"initial": full_state(engine, moments=True)}
+
+        def on_step_end(self, trainer, result):
+            trainer.metrics["probe"][result.step] = full_state(engine, moments=True)
+
+    return StepStates()
+
+
+def _engine_info(engine):
+    from fbt_megatron.train.trainer import Callback
+
+    class EngineInfo(Callback):
+        """The precision DeepSpeed actually runs with (optimiser, dtypes of weights, masters, grads)."""
+
+        def on_train_end(self, trainer):
+            ds = engine.ds
+            _, accum = ds.get_data_types()
+            masters = [p for g in engine.torch_optimizer.param_groups for p in g["params"]]
+            masters += list(getattr(ds.optimizer, "fp32_partitioned_groups_flat", None) or [])
+            trainer.metrics["probe"] = {
+                "optimizer": type(ds.optimizer).__name__, "param_dtype": str(next(engine.model.parameters()).dtype),
+                "master_dtype": str(masters[0].dtype), "grad_accum_dtype": str(accum),
+                "communication_data_type": str(ds.communication_data_type)}
+
+    return EngineInfo()
+
+
+PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -77,7 +77,8 @@ class Trainer:
             if result.skipped:
                 s.skipped_steps += 1
                 s.nonfinite_in_row += 1
-                self.log(f"step {result.step}: non-finite loss ({result.loss}); step skipped "
+                self.log(f"step {result.step}: non-finite loss ({result.loss}) or gradient (norm "
+                         f"{result.grad_norm}); step skipped "
                          f"({s.nonfinite_in_row} in a row, {s.skipped_steps} in total)")
                 if s.nonfinite_in_row >= self.max_nonfinite_in_row:
                     self.stop_reason = (

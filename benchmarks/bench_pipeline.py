@@ -1,0 +1,145 @@
+"""Pipeline bubble and activation memory at PP=2, k = 1, 2, 3 passes, measured on gloo processes.
+
+For each k, after a warm-up step, every stage times each of its ops over several steps and reports:
+- measured bubble = 1 - (time computing in ops) / (step time): the step is timed from a barrier to
+  the end of ``PipelineRunner.run`` (final tied-gradient and loss all-reduces included), time blocked
+  in a receive counts as idle;
+- theoretical bubble = the schedule's own order simulated with each stage's median forward and
+  backward op times and free communication (stages are unbalanced: the first has the embedding and
+  fusion, the last the LM head), and the ratio measured / theoretical (goal <= 1.1); the uniform
+  closed form (P-1)(f+b) / (m (k f + n_b b) + (P-1)(f+b)) is printed alongside;
+- peak activation memory per stage: the most bytes held at once by tensors autograd saved for
+  backward (counted once per storage, via saved-tensor hooks), the schedule's peak number of held
+  stage-pass activations, and their ratio (MiB per held stage-pass).
+
+Usage: python benchmarks/bench_pipeline.py [--layers 4 --hidden 256 --seq 128 --micro-batch 2
+       --micro-batches 8 --grad-mode all --steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("FBT_DEVICE", "cpu")
+
+
+class SavedActivations:
+    """Bytes of tensors saved for backward that are alive now / at most (one count per storage)."""
+
+    def __init__(self):
+        self.alive: dict[int, list] = {}  # storage pointer -> [references, bytes]
+        self.now = self.peak = 0
+
+    def __enter__(self):
+        import torch
+
+        outer = self
+
+        class Handle:
+            def __init__(self, t):
+                self.t, self.key = t, t.untyped_storage().data_ptr()
+                entry = outer.alive.setdefault(self.key, [0, t.untyped_storage().nbytes()])
+                if entry[0] == 0:
+                    outer.now += entry[1]
+                    outer.peak = max(outer.peak, outer.now)
+                entry[0] += 1
+
+            def __del__(self):
+                entry = outer.alive[self.key]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    outer.now -= entry[1]
+                    del outer.alive[self.key]
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(Handle, lambda h: h.t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def stage_measurements(args, k: int) -> dict:
+    """On one rank of a PP=2 world: op timings, step times and saved-activation peak for k passes."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from fbt_megatron.config import FeedbackConfig, ModelConfig
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.parallel.pipeline import FORWARD, PipelineRunner, build_schedule, grad_passes_for
+
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                      vocab_size=args.vocab, max_sequence_length=args.seq)
+    model = build_model(cfg, FeedbackConfig(grad_mode=args.grad_mode))
+    model.train()
+    runner = PipelineRunner(model)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g),
+                "labels": torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g),
+                "loss_mask": torch.ones(args.micro_batch, args.seq)} for _ in range(args.micro_batches)]
+    scale = 1.0 / (args.micro_batches * args.micro_batch * args.seq)
+    runner.run(batches, k, training=True, scale=scale)  # warm-up
+    steps, forwards, backwards, peaks = [], [], [], []
+    for _ in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with SavedActivations() as saved:
+            out = runner.run(batches, k, training=True, scale=scale, timings=True)
+        step = time.perf_counter() - t0
+        busy = sum(end - begin - waited for _, begin, end, waited in out.op_seconds)
+        steps.append((step, busy))
+        forwards += [end - begin - w for op, begin, end, w in out.op_seconds if op.kind == FORWARD]
+        backwards += [end - begin - w for op, begin, end, w in out.op_seconds if op.kind != FORWARD]
+        peaks.append(saved.peak)
+    schedule = build_schedule(2, args.micro_batches, k, grad_passes_for(k, args.grad_mode, True))
+    stage = ps.get_pipeline_model_parallel_rank()
+    return {"stage": stage, "step": statistics.median(s for s, _ in steps),
+            "bubble": statistics.median(1 - b / s for s, b in steps),
+            "forward": statistics.median(forwards), "backward": statistics.median(backwards),
+            "peak_bytes": max(peaks), "held_passes": schedule.peak_activations(stage)}
+
+
+def main():
+    from fbt_megatron.parallel.pipeline import build_schedule, grad_passes_for, simulated_bubbles, theoretical_bubble
+    from fbt_megatron.runtime import ParallelLayout
+    from fbt_megatron.testing.distributed import run_distributed
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--grad-mode", choices=["all", "last"], default="all")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
+    ap.add_argument("--passes", default="1,2,3")
+    args = ap.parse_args()
+
+    print(f"PP=2, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, "
+          f"m={args.micro_batches} micro-batches, grad_mode={args.grad_mode}, {args.steps} timed steps "
+          f"(medians)")
+    print(f"{'k':>2} {'stage':>5} {'step s':>7} {'F ms':>6} {'B ms':>6} {'bubble':>7} {'theory':>7} "
+          f"{'ratio':>6} {'uniform':>7} {'peak act MiB':>12} {'held passes':>11} {'MiB/pass':>8}")
+    for k in (int(x) for x in args.passes.split(",")):
+        per_stage = run_distributed(stage_measurements, 2, args, k, layout=ParallelLayout(pipeline=2))
+        schedule = build_schedule(2, args.micro_batches, k, grad_passes_for(k, args.grad_mode, True))
+        theory = simulated_bubbles(schedule, [(r["forward"], r["backward"]) for r in per_stage])
+        uniform = theoretical_bubble(2, args.micro_batches, k, args.grad_mode)
+        for r, th in zip(per_stage, theory):
+            mib = r["peak_bytes"] / 2**20
+            print(f"{k:>2} {r['stage']:>5} {r['step']:>7.2f} {1e3 * r['forward']:>6.1f} {1e3 * r['backward']:>6.1f} "
+                  f"{r['bubble']:>7.3f} {th:>7.3f} {r['bubble'] / th:>6.2f} {uniform:>7.3f} "
+                  f"{mib:>12.1f} {r['held_passes']:>11} {mib / r['held_passes']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

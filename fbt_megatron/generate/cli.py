@@ -1,0 +1,119 @@
+"""``fbt generate RUN_DIR_OR_CHECKPOINT (--prompt TEXT ... | --prompts-file FILE) [options]``
+
+Generates with latent feedback from a trained run (its latest checkpoint) or one checkpoint
+directory, saved in any parallel layout. One prompt streams to the terminal as it is generated;
+several are decoded as one padded batch and printed in order. Under torchrun the model is split
+with tensor parallelism over the processes (rank 0 prints):
+
+    fbt generate runs/tiny --prompt "def "
+    fbt generate runs/tiny --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1
+    fbt generate runs/tiny --prompt "x = " --mode standard            # no feedback, for comparison
+    torchrun --nproc-per-node 2 -m fbt_megatron.cli generate runs/tiny --prompt "def "
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="fbt generate", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or a checkpoint step_N directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable); \\n and \\t escapes are read")
+    src.add_argument("--prompts-file", help="one prompt per line, or a .jsonl with a 'prompt' field per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--mode", choices=["feedback", "standard"], default="feedback")
+    p.add_argument("--prefill-passes", default="2", help="1, 2 (FUSED, default), any K, or 'exact'")
+    p.add_argument("--padding", choices=["left", "right"], default="left")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--no-stream", action="store_true")
+    return p.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt:
+        return [s.replace("\\n", "\n").replace("\\t", "\t") for s in args.prompt]
+    path = args.prompts_file
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--prompts-file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f]
+    if path.endswith(".jsonl"):
+        prompts = []
+        for i, line in enumerate(lines, 1):
+            if line.strip():
+                row = json.loads(line)
+                if "prompt" not in row:
+                    raise ValueError(f"{path}:{i}: no 'prompt' field")
+                prompts.append(row["prompt"])
+        return prompts
+    return [line for line in lines if line.strip()]
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from fbt_megatron import runtime
+    from fbt_megatron.generate.api import TextGenerator
+    from fbt_megatron.generate.decoder import parse_prefill_passes
+    from fbt_megatron.generate.loading import CheckpointNotFound
+    from fbt_megatron.generate.sampling import SamplingParams
+
+    try:
+        prompts = read_prompts(args)
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+        passes = parse_prefill_passes(args.prefill_passes)
+        if not prompts:
+            raise ValueError("no prompts given")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fbt generate: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not runtime.use_cuda() else "cuda")
+    runtime.quiet_known_warnings()
+    try:
+        gen = TextGenerator.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, mode=args.mode,
+                                            prefill_passes=passes)
+    except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
+        print(f"fbt generate: {e}", file=sys.stderr)
+        runtime.shutdown()
+        return 2
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    stream = len(prompts) == 1 and not args.no_stream and not args.json and rank0
+    try:
+        for start in range(0, len(prompts), args.batch_size):
+            chunk = prompts[start:start + args.batch_size]
+            if stream:
+                sys.stdout.write(chunk[0])
+                sys.stdout.flush()
+            done = gen.generate(chunk, params, padding=args.padding,
+                                stream=(lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
+            for c in done:
+                if args.json:
+                    say(json.dumps({"prompt": c.prompt, "completion": c.text, "tokens": len(c.tokens),
+                                    "finish_reason": c.finish_reason}))
+                elif stream:
+                    say(f"\n[{len(c.tokens)} tokens, {c.finish_reason}]")
+                else:
+                    say(f"{c.prompt}{c.text}\n[{len(c.tokens)} tokens, {c.finish_reason}]\n")
+        return 0
+    finally:
+        runtime.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""`fbt convert to-hf CHECKPOINT OUT_DIR`: a checkpoint (any TP / PP / ZeRO layout) -> a Hugging Face
+directory that ``AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)`` loads.
+
+Streaming: the tensors are read one transformer layer at a time (``checkpoint_io``), converted by the
+table in ``mapping.py`` and appended to the current safetensors shard, which is written and dropped as
+soon as it is full. Shards are planned from the checkpoint's metadata before any tensor is read, so
+names (``model-00001-of-00003.safetensors``) and the index are known up front; peak memory is about
+one layer's tensors plus one shard (``max_shard_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from fbt_megatron.hf import mapping
+from fbt_megatron.hf.checkpoint_io import CheckpointTensors, read_checkpoint_state, resolve_checkpoint
+from fbt_megatron.hf.mapping import ConversionError
+
+MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+IMPORT_DIR = "hf_import"  # in a run made by `from-hf`: the source's tokenizer and provenance
+
+
+def import_dir(path: Path) -> Path:
+    """``<run>/hf_import`` for a checkpoint ``<run>/checkpoints/step_N``."""
+    return path.parent.parent / IMPORT_DIR
+
+
+def _recipe(state: dict):
+    from fbt_megatron.train.recipe import load_recipe
+
+    if "recipe" not in state:
+        raise ConversionError("the checkpoint's state.json has no 'recipe': cannot tell the model's shape")
+    return load_recipe(data=state["recipe"])
+
+
+# ---------------------------------------------------------------------- provenance
+def provenance(path: Path, state: dict, recipe) -> dict:
+    """Recipe name, steps, tokens seen and pass mix; an imported model's own history is added to its
+    source's (so export -> import -> export reproduces the source's card and config)."""
+    ts = state.get("train_state", {})
+    own = {"steps": int(ts.get("step", 0)), "tokens_seen": int(ts.get("tokens_seen", 0)),
+           "pass_counts": {str(k): int(v) for k, v in ts.get("pass_counts", {}).items()}}
+    src_file = import_dir(path) / "provenance.json"
+    if src_file.is_file():
+        src = json.loads(src_file.read_text())
+        counts = dict(src.get("pass_counts", {}))
+        for k, v in own["pass_counts"].items():
+            counts[k] = counts.get(k, 0) + v
+        out = dict(src, steps=src.get("steps", 0) + own["steps"],
+                   tokens_seen=src.get("tokens_seen", 0) + own["tokens_seen"], pass_counts=counts)
+        if own["steps"]:
+            out["continued_as"] = recipe.name
+        return out
+    return {"recipe_name": recipe.name, **own, "schedule": recipe.schedule.model_dump(mode="json"),
+            "seq_length": recipe.data.seq_length}
+
+
+# ---------------------------------------------------------------------- tokenizer
+def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
+    """("hf", dir) for an imported checkpoint's HF tokenizer, ("sp", model) for the run's sentencepiece
+    model, or None (synthetic data: no tokenizer)."""
+    imported = import_dir(path)
+    if (imported / "tokenizer.json").is_file():
+        return "hf", imported
+    pipeline = recipe.data.pipeline or {}
+    sp = pipeline.get("tokenizer")
+    if recipe.data.source == "pipeline" and sp:
+        if not Path(sp).is_file():
+            raise ConversionError(f"the run's tokenizer {sp} (recipe data.pipeline.tokenizer) is missing; "
+                                  "pass --tokenizer PATH.model")
+        return "sp", Path(sp)
+    return None
+
+
+def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int | None = None) -> dict:
+    """Tokenizer files AutoTokenizer loads; returns the special token ids for the config."""
+    if source is None:
+        return {}
+    kind, where = source
+    if kind == "hf":
+        for name in HF_TOKENIZER_FILES + ("tokenizer.model",):
+            if (where / name).is_file():
+                shutil.copyfile(where / name, out / name)
+    else:
+        _convert_sentencepiece(where, out)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))  # (AutoTokenizer would read config.json)
+    if vocab_size is not None and len(tok) > vocab_size:
+        raise ConversionError(f"tokenizer {where} has {len(tok)} tokens, more than the model's vocab_size="
+                              f"{vocab_size}")
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+
+
+def _convert_sentencepiece(model: Path, out: Path) -> None:
+    """transformers builds a fast tokenizer from the .model that encodes like SentencePiece (byte
+    fallback, dummy prefix, user-defined pieces); no BOS is added, as the data pipeline adds none."""
+    import sentencepiece as spm
+    from transformers import PreTrainedTokenizerFast
+
+    sp = spm.SentencePieceProcessor()
+    sp.Load(str(model))
+    staging = out / ".tokenizer_src"
+    staging.mkdir(exist_ok=True)
+    shutil.copyfile(model, staging / "tokenizer.model")
+    piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
+    tok = PreTrainedTokenizerFast.from_pretrained(str(staging), bos_token=piece(sp.bos_id()),
+                                                  eos_token=piece(sp.eos_id()), unk_token=piece(sp.unk_id()),
+                                                  local_files_only=True)
+    tok.save_pretrained(str(out))
+    shutil.rmtree(staging)
+    shutil.copyfile(model, out / "tokenizer.model")
+    cfg_file = out / "tokenizer_config.json"  # drop machine-local loading flags from the shipped config
+    cfg = json.loads(cfg_file.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------- config
+def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
+    fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
+    deepest = len(recipe.schedule.mix) if recipe.feedback.fusion != "off" else 1
+    cfg = {
+        "architectures": ["FBTForCausalLM"],
+        "auto_map": {"AutoConfig": "modeling_fbt.FBTConfig", "AutoModelForCausalLM": "modeling_fbt.FBTForCausalLM"},
+        "model_type": "fbt_llama",
+        **fields,
+        "forward_passes": deepest,
+        "feedback_decoding": "feedback",
+        "prefill_passes": 2,  # the paper's FUSED prefill, as `fbt generate` (issue 11) defaults to
+        "use_cache": True,
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        "bos_token_id": tokens.get("bos_token_id"),
+        "eos_token_id": tokens.get("eos_token_id"),
+        "pad_token_id": tokens.get("pad_token_id"),
+        "fbt": prov,
+    }
+    return cfg
+
+
+# ---------------------------------------------------------------------- weights
+def plan_shards(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for name, nbytes in entries:
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _out_shapes(row: mapping.Row, stored: tuple) -> list[tuple]:
+    """The HF tensors' shapes for a row, from its stored global shape (no data read)."""
+    shape = stored[1:] if row.per_layer else stored
+    return [tuple(t.shape) for t in mapping.to_hf(row, torch.empty(shape, device="meta"))]
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str | Path | None = None,
+                      log=print) -> Path:
+    """Write the HF directory; returns it. Call inside a (world-of-one) process group."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}")
+    path = resolve_checkpoint(checkpoint)
+    state = read_checkpoint_state(path)
+    recipe = _recipe(state)
+    model_cfg, num_layers = recipe.model, recipe.model.num_layers
+    rows = mapping.weight_rows(model_cfg, recipe.feedback)
+    reader = CheckpointTensors(path)
+    reader.verify(rows, num_layers)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Units of reading: each non-layer row alone, then every layer's rows together.
+    units = [[(r, None)] for r in rows if not r.per_layer and r.key.startswith("gpt.embedding")]
+    units += [[(r, i) for r in rows if r.per_layer] for i in range(num_layers)]
+    units += [[(r, None)] for r in rows if not r.per_layer and not r.key.startswith("gpt.embedding")]
+    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    entries = []
+    for unit in units:
+        for row, layer in unit:
+            for name, shape in zip(mapping.hf_names(row, layer), _out_shapes(row, reader.shapes[row.key])):
+                entries.append((name, elem * int(torch.Size(shape).numel())))
+    shards = plan_shards(entries, max_shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
+    shard_of = {name: n for n, names in enumerate(shards) for name in names}
+
+    pending: dict[str, torch.Tensor] = {}
+    next_shard = 0
+    for unit in units:
+        for (row, layer), tensor in zip(unit, reader.read(unit, num_layers)):
+            for name, t in zip(mapping.hf_names(row, layer), mapping.to_hf(row, tensor)):
+                pending[name] = t.to(DTYPES[dtype]).contiguous().clone()  # own storage: no views into `tensor`
+        while next_shard < len(shards) and all(n in pending for n in shards[next_shard]):
+            save_file({n: pending.pop(n) for n in shards[next_shard]}, str(out / files[next_shard]),
+                      metadata={"format": "pt"})
+            next_shard += 1
+    if next_shard != len(shards) or pending:
+        raise RuntimeError(f"export wrote {next_shard} of {len(shards)} shards ({len(pending)} tensors left)")
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(b for _, b in entries)},
+                 "weight_map": {name: files[shard_of[name]] for name, _ in entries}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    tok_source = ("sp", Path(tokenizer)) if tokenizer else tokenizer_source(path, recipe)
+    tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size)
+    prov = provenance(path, state, recipe)
+    config = hf_config(recipe, prov, tokens, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {"bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
+                  "pad_token_id": tokens.get("pad_token_id"), "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+    from fbt_megatron.hf.model_card import model_card
+
+    (out / "README.md").write_text(model_card(config, has_tokenizer=tok_source is not None))
+    log(f"exported {path} -> {out} ({len(entries)} tensors in {len(shards)} shard(s), {dtype})")
+    return out

@@ -1,0 +1,315 @@
+"""Full-bandwidth transformer (latent feedback) for Hugging Face transformers.
+
+This file is shipped inside every `fbt convert to-hf` export and loaded with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It depends only on torch and
+transformers: the stack is transformers' own Llama (``LlamaModel``: attention, rotary embedding, KV
+cache, masks; ``GenerationMixin``: ``generate``), with three additions:
+
+- architecture variants of the Megatron GPT the checkpoint was trained as, chosen by config fields:
+  ``norm_type`` (RMSNorm or LayerNorm), ``mlp_gated`` (SwiGLU or a plain ``act(up)`` -> ``down`` MLP),
+  ``position_embedding_type`` (rope or learned absolute positions added to the token embedding);
+- the latent feedback fusion: ``x_t = (W_U s_t) * sigmoid(W_G e_t)`` (``feedback_fusion="glu"``) or
+  ``W_U s_t + W_G e_t`` (``"additive"``), where ``s_t`` is ``h_init`` at position 0 and the fed-back
+  top state ``(1 - a) h_{t-1} + a h_init`` (prefix mixin ``a``) elsewhere; ``h`` is the final-norm output;
+- a forward with a number of fused passes (multi-pass teacher forcing = Jacobi iteration of the
+  recurrence), and generation with feedback through the KV cache.
+
+Forward: ``model(input_ids, num_passes=k)`` runs k fused passes over the sequence (default
+``config.forward_passes``) and returns the last pass's logits.
+
+Generation (``model.generate(...)``) keyword options, defaults from the config:
+- ``feedback_decoding="feedback"``: each new token's stack input fuses the previous token's top state
+  (carried between steps as ``feedback_state``) with its embedding; ``"standard"`` decodes without
+  feedback (every state is ``h_init``: the model's 1-pass behaviour), for comparison;
+- ``prefill_passes``: an integer K runs K fused passes over the whole prompt (K=2 is the paper's
+  FUSED prefill, the exporter's default; the cache then holds the last pass's keys and values);
+  ``"exact"`` runs the prompt token by token through the cache (the exact recurrence).
+Greedy search and sampling are supported; beam search is not (the fed-back state is not reordered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+)
+
+FUSIONS = ("glu", "additive", "off")
+DECODINGS = ("feedback", "standard")
+
+
+class FBTConfig(LlamaConfig):
+    """A Llama config plus the fields that describe the FBT checkpoint's variants and feedback."""
+
+    model_type = "fbt_llama"
+
+    norm_type: str = "RMSNorm"  # or "LayerNorm" (with bias), eps = rms_norm_eps
+    mlp_gated: bool = True  # SwiGLU (Llama) or a plain up -> act -> down MLP (GPT)
+    position_embedding_type: str = "rope"  # or "learned_absolute"
+    feedback_fusion: str = "glu"
+    feedback_bias: bool = False
+    feedback_prefix_mixin: float = 0.0
+    forward_passes: int = 1  # fused passes of a plain forward (teacher forcing)
+    feedback_decoding: str = "feedback"  # generate(): "feedback" or "standard"
+    prefill_passes: int | str = "exact"  # generate(): "exact" or a number of fused passes
+    fbt: dict | None = None  # provenance: recipe, tokens seen, pass mix (written by the exporter)
+
+
+@dataclass
+class FBTCausalLMOutput(CausalLMOutputWithPast):
+    feedback_state: torch.Tensor | None = None  # [B, D] top state at the last position
+    pass_residuals: list | None = None  # ||h^k - h^{k-1}|| / ||h^{k-1}|| for k = 2..passes
+
+
+# ---------------------------------------------------------------------- layer variants
+def make_norm(config: FBTConfig) -> nn.Module:
+    if config.norm_type == "RMSNorm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    if config.norm_type == "LayerNorm":
+        return nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
+    raise ValueError(f"norm_type={config.norm_type!r} is not one of ('RMSNorm', 'LayerNorm')")
+
+
+class PlainMLP(nn.Module):
+    """GPT MLP: down(act(up x)) (Megatron's non-gated MLP)."""
+
+    def __init__(self, config: FBTConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class NoRotary(nn.Module):
+    """cos = 1, sin = 0: Llama attention's rotary step becomes the identity (learned positions)."""
+
+    def __init__(self, config: FBTConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+
+    def forward(self, x, position_ids):
+        shape = (*position_ids.shape, self.head_dim)
+        return (torch.ones(shape, dtype=x.dtype, device=x.device),
+                torch.zeros(shape, dtype=x.dtype, device=x.device))
+
+
+class FBTModel(LlamaModel):
+    """transformers' LlamaModel with the norm / MLP / position variants the config names."""
+
+    def __init__(self, config: FBTConfig):
+        super().__init__(config)
+        for layer in self.layers:
+            layer.input_layernorm = make_norm(config)
+            layer.post_attention_layernorm = make_norm(config)
+            if not config.mlp_gated:
+                layer.mlp = PlainMLP(config)
+        self.norm = make_norm(config)
+        if config.position_embedding_type == "learned_absolute":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            self.rotary_emb = NoRotary(config)
+        elif config.position_embedding_type != "rope":
+            raise ValueError(f"position_embedding_type={config.position_embedding_type!r} is not one of "
+                             "('rope', 'learned_absolute')")
+        self.post_init()
+
+    def embed(self, input_ids, position_ids):
+        emb = self.embed_tokens(input_ids)
+        if self.config.position_embedding_type == "learned_absolute":
+            emb = emb + self.embed_positions(position_ids)
+        return emb
+
+
+class LatentFeedback(nn.Module):
+    """W_U (value_proj, on the fed-back state), W_G (gate_proj, on the token embedding), h_init."""
+
+    def __init__(self, config: FBTConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.mode = config.feedback_fusion
+        self.prefix_mixin = config.feedback_prefix_mixin
+        self.value_proj = nn.Linear(d, d, bias=config.feedback_bias)
+        self.gate_proj = nn.Linear(d, d, bias=config.feedback_bias)
+        self.initial_state = nn.Parameter(torch.zeros(d))
+
+    def fed_back(self, top):
+        a = self.prefix_mixin
+        return (1.0 - a) * top + a * self.initial_state if a else top
+
+    def fuse(self, state, gate):
+        """state [B, S, D] or [1, 1, D]; gate = W_G e (precomputed once per sequence: it does not
+        change between passes)."""
+        value = self.value_proj(state)
+        out = value * torch.sigmoid(gate) if self.mode == "glu" else value + gate
+        return out.expand(gate.shape)
+
+
+# ---------------------------------------------------------------------- the causal LM
+class FBTForCausalLM(LlamaForCausalLM):
+    config_class = FBTConfig
+    _no_split_modules = ["LlamaDecoderLayer"]
+
+    def __init__(self, config: FBTConfig):
+        if config.feedback_fusion not in FUSIONS:
+            raise ValueError(f"feedback_fusion={config.feedback_fusion!r} is not one of {FUSIONS}")
+        LlamaPreTrainedModel.__init__(self, config)
+        self.model = FBTModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.feedback = LatentFeedback(config) if config.feedback_fusion != "off" else None
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, LatentFeedback):  # unit scale, like a final-norm output
+            with torch.no_grad():
+                module.initial_state.normal_(0.0, 1.0)
+        elif isinstance(module, nn.LayerNorm):
+            with torch.no_grad():
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+
+    # ------------------------------------------------------------------ the recurrence's pieces
+    @staticmethod
+    def _reset(attention_mask, past: int, batch: int, seq: int, device) -> torch.Tensor:
+        """[B, S] bool: positions whose state is h_init: position 0, or the first attended token of a
+        left-padded row."""
+        if attention_mask is None:
+            reset = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+            if past == 0:
+                reset[:, 0] = True
+            return reset
+        mask = attention_mask.bool()
+        now = mask[:, past:past + seq]
+        before = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)[:, past:past + seq]
+        return now & ~before
+
+    def _positions(self, attention_mask, past: int, batch: int, seq: int, device):
+        if attention_mask is not None:  # left padding: count only attended tokens
+            pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+            return pos[:, past:past + seq]
+        return torch.arange(past, past + seq, device=device).expand(batch, -1)
+
+    def _stack(self, x, attention_mask, position_ids, cache, **kwargs):
+        out = self.model(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=cache is not None, **kwargs)
+        return out.last_hidden_state
+
+    def _jacobi(self, gate, reset, attention_mask, position_ids, cache, passes: int, **kwargs):
+        """``passes`` fused passes over the whole sequence; the last one fills ``cache`` if given."""
+        fb = self.feedback
+        h0 = fb.initial_state.view(1, 1, -1)
+        state, top, residuals = h0, None, []
+        for k in range(passes):
+            if k > 0:
+                fed = fb.fed_back(top)
+                shifted = torch.cat([h0.expand_as(fed[:, :1]), fed[:, :-1]], dim=1)
+                state = torch.where(reset.unsqueeze(-1), h0.to(shifted.dtype), shifted)
+            last = k == passes - 1
+            new_top = self._stack(fb.fuse(state, gate), attention_mask, position_ids,
+                                  cache if last else None, **kwargs)
+            if top is not None:
+                residuals.append((new_top - top).norm() / top.norm().clamp_min(1e-12))
+            top = new_top
+        return top, residuals
+
+    def _recurrent(self, gate, reset, attention_mask, position_ids, cache, prev_state, past: int, **kwargs):
+        """The exact recurrence, one token at a time through the KV cache."""
+        fb = self.feedback
+        h0 = fb.initial_state.view(1, -1)
+        tops = []
+        for t in range(gate.shape[1]):
+            if prev_state is None:
+                state = h0.expand(gate.shape[0], -1)
+            else:
+                state = torch.where(reset[:, t:t + 1], h0.to(prev_state.dtype), fb.fed_back(prev_state))
+            mask = attention_mask[:, : past + t + 1] if attention_mask is not None else None
+            top = self._stack(fb.fuse(state[:, None], gate[:, t:t + 1]), mask, position_ids[:, t:t + 1],
+                              cache, **kwargs)
+            prev_state = top[:, 0]
+            tops.append(top)
+        return torch.cat(tops, dim=1)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, num_passes: int | None = None,
+                feedback_state: torch.Tensor | None = None, feedback_decoding: str | None = None,
+                prefill_passes: int | str | None = None, **kwargs) -> FBTCausalLMOutput:
+        """``num_passes``: fused passes over the sequence (teacher forcing). Inside ``generate``:
+        ``feedback_state`` is the previous token's top state, ``feedback_decoding`` and
+        ``prefill_passes`` choose the decoding (see the module docstring)."""
+        if input_ids is None:
+            raise ValueError("FBTForCausalLM needs input_ids (the fusion gates on token embeddings)")
+        legacy = kwargs.pop("past_key_values", None)  # the pre-5.x name of `cache`
+        cache = legacy if cache is None else cache
+        batch, seq = input_ids.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None and not self.training:
+            cache = DynamicCache(config=self.config)
+        if not use_cache:
+            cache = None
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = self._positions(attention_mask, past, batch, seq, input_ids.device)
+        emb = self.model.embed(input_ids, position_ids)
+        decoding = feedback_decoding or self.config.feedback_decoding
+        if decoding not in DECODINGS:
+            raise ValueError(f"feedback_decoding={decoding!r} is not one of {DECODINGS}")
+
+        residuals = []
+        if self.feedback is None:  # a standard GPT / Llama
+            top = self._stack(emb, attention_mask, position_ids, cache, **kwargs)
+        else:
+            gate = self.feedback.gate_proj(emb)  # W_G e: the same in every pass and step
+            reset = self._reset(attention_mask, past, batch, seq, input_ids.device)
+            if decoding == "standard":  # every state is h_init: the model's 1-pass behaviour
+                top = self._stack(self.feedback.fuse(self.feedback.initial_state.view(1, 1, -1), gate),
+                                  attention_mask, position_ids, cache, **kwargs)
+            elif past > 0 or feedback_state is not None:  # continuing: the recurrence, step by step
+                if feedback_state is None:
+                    raise ValueError("feedback decoding past a cached prefix needs feedback_state (the "
+                                     "previous token's top state, returned as outputs.feedback_state)")
+                top = self._recurrent(gate, reset, attention_mask, position_ids, cache, feedback_state, past,
+                                      **kwargs)
+            else:  # a fresh sequence: fused passes (teacher forcing / FUSED prefill) or exact prefill
+                spec = num_passes if num_passes is not None else (
+                    prefill_passes or self.config.prefill_passes if cache is not None else self.config.forward_passes)
+                if spec == "exact":
+                    top = self._recurrent(gate, reset, attention_mask, position_ids, cache, None, 0, **kwargs)
+                else:
+                    if not isinstance(spec, int) or spec < 1:
+                        raise ValueError(f"passes={spec!r} is invalid; allowed: an integer >= 1 or 'exact'")
+                    top, residuals = self._jacobi(gate, reset, attention_mask, position_ids, cache, spec,
+                                                  **kwargs)
+
+        hidden = top[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep else top
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return FBTCausalLMOutput(loss=loss, logits=logits, cache=cache, feedback_state=top[:, -1],
+                                 pass_residuals=residuals)
+
+    # ------------------------------------------------------------------ generation
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False,
+                                            num_new_tokens=1):
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
+                                                                  num_new_tokens)
+        model_kwargs["feedback_state"] = outputs.feedback_state  # h_{t-1} for the next token's fusion
+        return model_kwargs
+
+
+FBTConfig.register_for_auto_class()
+FBTForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -1,0 +1,39 @@
+"""Megatron's fused-kernel switches, turned on only where the kernels exist.
+
+``TransformerConfig`` asks for fusions by flag, and Megatron asserts or fails at run time when a flag
+names a kernel that is not installed (``persist_layer_norm`` with the torch norm is an assertion in
+``WrappedTorchNorm``). Which kernel each switch needs:
+
+- ``bias_activation_fusion``, ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU;
+- ``masked_softmax_fusion``: apex's ``scaled_masked_softmax_cuda`` kernels (local attention spec);
+- ``persist_layer_norm``: apex's ``FastLayerNormFN``, used by Megatron's ``FusedLayerNorm`` (local spec,
+  LayerNorm only; RMSNorm is a torch norm there);
+- ``gradient_accumulation_fusion``: writes into Megatron DDP's ``param.main_grad``, which DeepSpeed does
+  not provide: always off here (DeepSpeed accumulates in fp32 itself, see ``train/engine.py``);
+- ``apply_rope_fusion``: TE's fused RoPE takes one position table for the whole batch; per-document
+  positions need the unfused path: off.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
+
+
+def fused_switches(normalization: str, on_gpu: bool, available=module_available) -> dict:
+    apex_softmax = all(available(m) for m in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
+    apex_persist_norm = available("apex.contrib.layer_norm.layer_norm") and available("apex.normalization")
+    return dict(
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and apex_softmax,
+        persist_layer_norm=on_gpu and apex_persist_norm and normalization == "LayerNorm",
+        apply_rope_fusion=False,
+    )

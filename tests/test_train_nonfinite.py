@@ -1,0 +1,59 @@
+"""A non-finite gradient with a finite loss (nan and inf), and a non-finite loss, skip the step at
+every ZeRO stage: weights, both AdamW moments and Adam's step count are untouched. The same runs check
+the AdamW parameter groups at every stage: a step on an all-zero gradient from zero moments is pure
+weight decay, so it must scale exactly the decayed parameters and leave norms, biases, h_init and
+(by default) the embeddings as they were."""
+
+import math
+
+import pytest
+import torch
+
+from fbt_megatron.testing.distributed import run_distributed
+from fbt_megatron.train.engine import no_weight_decay
+from fbt_megatron.train.lr_schedule import lr_at
+from fbt_megatron.train.testing import grad_norms, losses, tiny_recipe, train_fn
+
+FAULTS = {0: "grad:zero", 2: "grad:nan", 3: "grad:inf", 4: "loss:inf"}
+WEIGHT_DECAY = 0.5
+
+
+def same_state(a: dict, b: dict, what: str) -> None:
+    assert a["adam_step"] == b["adam_step"], f"{what}: Adam step {a['adam_step']} -> {b['adam_step']}"
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        for name, value in a[key].items():
+            assert torch.equal(value, b[key][name]), f"{what}: {key} of {name} changed"
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_nonfinite_gradient_and_loss_skip_the_step(tmp_path, zero_stage):
+    recipe = tiny_recipe(tmp_path, parallel={"zero_stage": zero_stage}, train={"steps": 6},
+                         optimizer={"lr": 3e-3, "weight_decay": WEIGHT_DECAY, "grad_clip": 1.0})
+    summary = run_distributed(train_fn, 2, recipe, FAULTS, None, None, "step_states")[0]
+    states, history = summary["probe"], summary["history"]
+    assert [h[3] for h in history] == [False, False, True, True, True, False]
+    assert summary["skipped_steps"] == 3 and summary["stop_reason"] is None
+    assert math.isfinite(losses(summary)[2]) and math.isfinite(losses(summary)[3])  # only the gradient was bad
+    assert not math.isfinite(grad_norms(summary)[2]) and not math.isfinite(grad_norms(summary)[3])
+    for step, fault in ((2, "nan gradient"), (3, "inf gradient"), (4, "inf loss")):
+        same_state(states[step - 1], states[step], f"ZeRO-{zero_stage} step {step} ({fault})")
+    # The step after the skips is applied and finite.
+    after = states[5]
+    assert after["adam_step"] == states[4]["adam_step"] + 1 == 3
+    assert all(torch.isfinite(v).all() for v in after["params"].values())
+    assert not torch.equal(after["params"]["feedback.value.weight"], states[4]["params"]["feedback.value.weight"])
+
+    # Step 0 had an all-zero gradient: AdamW's update is then weight decay alone.
+    lr0 = lr_at(0, kind="cosine", lr=3e-3, total_steps=6, warmup_steps=2, min_lr_ratio=0.1)
+    before, decayed_step = states["initial"]["params"], states[0]["params"]
+    decayed, plain = [], []
+    for name, value in before.items():
+        if no_weight_decay(name, value, decay_embeddings=False):
+            plain.append(name)
+            assert torch.equal(decayed_step[name], value), f"ZeRO-{zero_stage}: {name} was decayed"
+        else:
+            decayed.append(name)
+            torch.testing.assert_close(decayed_step[name], value * (1 - lr0 * WEIGHT_DECAY), rtol=1e-6, atol=0)
+    assert "feedback.initial_state" in plain and "gpt.embedding.word_embeddings.weight" in plain
+    assert any("layernorm" in n for n in plain) and "feedback.value.weight" in decayed
+    assert any("linear_qkv.weight" in n for n in decayed)
