@@ -18,6 +18,8 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(PY) -m fbt_megatron.cli train recipes/tiny.yaml
 
+# The SLURM tests start a one-node cluster themselves (tests/conftest.py: apt-installs munge/slurmctld/
+# slurmd if missing, as root; stops only the daemons it started); with CI=true they fail instead of skip.
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 

@@ -165,12 +165,25 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
-        dist.init_process_group(backend(), timeout=timeout)
+        dist.init_process_group(backend(), timeout=timeout, **_elastic_store(timeout))
     else:  # a world of one. MASTER_*/RANK stay unset so child processes don't inherit a taken
         # port; LOCAL_RANK is set because DeepSpeed insists on it (harmless to inherit).
         os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1, timeout=timeout)
+
+
+def _elastic_store(timeout) -> dict:
+    """Under torchrun's c10d rendezvous the workers share the agent's TCPStore, which outlives a
+    restart: without a prefix, restarted workers read the dead attempt's rank addresses (gloo then
+    connects to a closed port and the restart fails). Prefix the keys with the attempt and world size."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    prefix = f"fbt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/world{world}/"
+    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
 
 
 def init_parallel_state(layout: ParallelLayout, seed: int = 1234) -> None:

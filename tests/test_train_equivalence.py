@@ -14,7 +14,11 @@ from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.train.testing import grad_norms, losses, tiny_recipe, train_fn
 
 TOL = 1e-5
-PARAM_TOL = 1e-5  # after 6 AdamW steps at lr 3e-3 (measured: ~2e-7 across layouts)
+# After 6 AdamW steps at lr 3e-3: most elements agree to ~2e-7, but Adam normalises each gradient, so an
+# element whose gradient is ~0 at some step moves by a rounding-noise-signed fraction of lr (seen: one of
+# 16384 elements off by 2.4e-5 under TP=2). A wrong DP or accumulation scale is caught at 1e-5 by the
+# loss and grad-norm checks above and moves every element by ~lr.
+PARAM_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,17 @@
-"""Pluggable pieces of a run: console and TensorBoard logging, W&B, validation, checkpoints, profiling."""
+"""Pluggable pieces of a run: console and TensorBoard logging, W&B, validation, checkpoints, profiling,
+a per-step metrics file and preemption signals."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from fbt_megatron.train.trainer import Callback
@@ -145,8 +152,94 @@ class Validation(Callback):
             self.run(trainer)
 
     def on_train_end(self, trainer) -> None:
-        if self.at_end and self._last_step != trainer.state.step:
+        # A preempted run saves and leaves at once (its job is about to be killed or requeued).
+        if self.at_end and self._last_step != trainer.state.step and not trainer.metrics.get("preempted"):
             self.run(trainer)
+
+
+class Preemption(Callback):
+    """SIGUSR1 (SLURM's warning before the time limit, ``--signal=B:USR1@N``) or SIGTERM (scancel, node
+    drain): finish the step in flight, then stop; the :class:`Checkpointer` after this callback saves
+    because ``stop_reason`` is set. All ranks agree on the stop step (max-reduce of the flag every
+    step), so a signal that reaches the ranks a few milliseconds apart stops them after the same step.
+
+    The signals are *blocked* in the training thread and polled with ``sigpending`` at each step end
+    (a Python handler also catches one that lands on another thread). Why blocked: SLURM delivers a
+    step signal to every process of the step, and helper processes forked by the trainer (megatron's
+    checkpoint writers) inherit the mask; with a handler alone they would reset to the default action
+    and die on USR1 in the middle of the save this signal asks for."""
+
+    SIGNALS = ("SIGUSR1", "SIGTERM")
+
+    def __init__(self, device=None, signals=SIGNALS, print_fn=print):
+        self.device, self.signals, self.print = device, [getattr(signal, s) for s in signals], print_fn
+        self.received = 0
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = self.received or signum
+
+    def on_train_start(self, trainer) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+
+    def _poll(self) -> int:
+        if not self.received and self._previous:
+            pending = signal.sigpending() & set(self.signals)
+            if pending:
+                self.received = min(pending)  # stays pending (blocked) until on_train_end
+        return self.received
+
+    def on_step_end(self, trainer, r) -> None:
+        flag = self._poll()
+        if dist.is_initialized():
+            t = torch.tensor([flag], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        if flag and trainer.stop_reason is None:
+            name = signal.Signals(flag).name
+            trainer.metrics["preempted"] = name
+            trainer.stop_reason = (f"preempted: {name} received; stopped after step {trainer.state.step} "
+                                   "with a checkpoint (a relaunch resumes from it)")
+            if is_rank0():
+                self.print(trainer.stop_reason, flush=True)
+
+    def release(self) -> None:
+        """Called by the run after the last save has finished (not at train end: a SIGTERM during the
+        final checkpoint must not kill the process halfway through it)."""
+        if self._previous:
+            # Unblock first: a pending signal then runs our handler (a no-op flag), not the old action.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+            self._previous.clear()
+
+
+class MetricsFile(Callback):
+    """One JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0): step, passes, loss, the global
+    batch's data checksum, counters, and which (re)start of the job wrote it. ``fbt slurm status``
+    reads it; the preemption and elastic tests compare its sample stream with an uninterrupted run's."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.launch = {k: os.environ[v] for k, v in (("slurm_job", "SLURM_JOB_ID"),
+                                                     ("slurm_restart", "SLURM_RESTART_COUNT"),
+                                                     ("elastic_restart", "TORCHELASTIC_RESTART_COUNT"))
+                       if v in os.environ}
+        self.launch["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
+
+    def on_step_end(self, trainer, r) -> None:
+        if not is_rank0():
+            return
+        s = trainer.state
+        row = {"step": s.step, "passes": r.num_passes, "loss": r.loss, "skipped": r.skipped,
+               "data_checksum": r.data_checksum, "consumed_sequences": s.consumed_sequences,
+               "tokens_seen": s.tokens_seen, "seconds": r.seconds, "time": time.time(), **self.launch}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 class Checkpointer(Callback):

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(recipe)
         if int(os.environ.get("RANK", "0")) == 0:
             print(format_summary(summary), flush=True)
-        return 3 if summary.get("stop_reason") else 0
+        # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher
+        # (slurm/ batch script) requeues. Other stops (non-finite losses) exit 3.
+        return 3 if summary.get("stop_reason") and not summary.get("preempted") else 0
     finally:
         runtime.shutdown()
 

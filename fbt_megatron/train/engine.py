@@ -167,14 +167,16 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
     return cfg
 
 
-def is_embedding(name: str) -> bool:
-    return ".embedding." in f".{name}"  # word and (learned) position embeddings
+def is_embedding(name: str, param: torch.nn.Parameter | None = None) -> bool:
+    """Word and (learned) position embeddings, and the last pipeline stage's copy of a tied word
+    embedding (megatron marks both copies ``shared_embedding``; the copy is named ``output_layer``)."""
+    return ".embedding." in f".{name}" or bool(getattr(param, "shared_embedding", False))
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool) -> bool:
     """Norm weights/biases, linear biases and h_init are vectors: decaying them pulls norms' gains
     and h_init (the glu input at every document start) toward zero. Embeddings by choice."""
-    return param.ndim < 2 or (is_embedding(name) and not decay_embeddings)
+    return param.ndim < 2 or (is_embedding(name, param) and not decay_embeddings)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:

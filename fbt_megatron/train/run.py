@@ -191,6 +191,10 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
         callbacks.append(cb.TensorBoardLogger(run_dir / "tensorboard"))
     if recipe.logging.wandb:
         callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
+    # Before the Checkpointer: a signal seen at this step's end makes the Checkpointer save it.
+    preemption = cb.Preemption(device, print_fn=log)
+    callbacks.append(preemption)
+    callbacks.append(cb.MetricsFile(run_dir / "metrics.jsonl"))
     callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll))
     if recipe.profile.enabled:
@@ -202,25 +206,29 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
                       lr_fn=lr_fn, total_steps=total, global_batch_size=recipe.global_batch_size, state=state,
                       callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
-    if state.step < total:
-        log(f"training {recipe.name}: steps {state.step}->{total} of {recipe.train.steps}, layout {layout}, "
-            f"global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
-            f"accumulation {recipe.accumulation_steps(dp_size)}, feedback from step "
-            f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
-        trainer.fit()
-    else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
-        log(f"{recipe.name} is already at step {state.step} of {total}: nothing to train "
-            f"(raise train.steps to continue, or use a new run_dir)")
-        trainer.metrics["checkpoint"] = str(latest) if latest is not None else None
-        if recipe.eval.at_end:
-            validation.run(trainer)
-    ckpt.wait()
+    try:
+        if state.step < total:
+            log(f"training {recipe.name}: steps {state.step}->{total} of {recipe.train.steps}, layout {layout}, "
+                f"global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
+                f"accumulation {recipe.accumulation_steps(dp_size)}, feedback from step "
+                f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
+            trainer.fit()
+        else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
+            log(f"{recipe.name} is already at step {state.step} of {total}: nothing to train "
+                f"(raise train.steps to continue, or use a new run_dir)")
+            trainer.metrics["checkpoint"] = str(latest) if latest is not None else None
+            if recipe.eval.at_end:
+                validation.run(trainer)
+        ckpt.wait()
+    finally:
+        preemption.release()  # after the last save: a SIGTERM must not cut it short
 
     val = trainer.metrics.get("val_loss", {})
     summary = {
         "name": recipe.name, "run_dir": str(run_dir), "step": state.step, "total_steps": recipe.train.steps,
         "skipped_steps": state.skipped_steps, "pass_counts": dict(state.pass_counts),
-        "stop_reason": trainer.stop_reason, "checkpoint": trainer.metrics.get("checkpoint"),
+        "stop_reason": trainer.stop_reason, "preempted": trainer.metrics.get("preempted"),
+        "checkpoint": trainer.metrics.get("checkpoint"),
         "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
         "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
         "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm)

@@ -90,6 +90,50 @@ def losses(summary: dict) -> list[float]:
     return [h[2] for h in summary["history"]]
 
 
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl`` (one per trained step, in the order they were written)."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def effective_stream(rows: list[dict]) -> dict[int, tuple[int, float]]:
+    """step -> (data checksum, loss) of the run's final trajectory: a step trained again after a
+    restart (it came after the last checkpoint) replaces its earlier row."""
+    return {r["step"]: (r["data_checksum"], r["loss"]) for r in rows}
+
+
+def load_latest_weights(run_dir: str, recipe_data: dict) -> dict:
+    """In a (distributed) process: load ``<run_dir>/checkpoints/latest`` into a fresh model; return its
+    step and parameter count (raises if the checkpoint is not loadable)."""
+    from pathlib import Path
+
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.train.recipe import load_recipe
+
+    recipe = load_recipe(data=recipe_data)
+    model = build_model(recipe.model, recipe.feedback)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:  # the checkpoint package's weights-only loader (issue 7)
+        from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
+
+        latest = resolve_checkpoint(run_dir)
+        load_model_weights(latest, model)
+        state = read_checkpoint_state(latest)
+    except ImportError:
+        from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
+
+        manager = CheckpointManager(Path(run_dir) / "checkpoints")
+        latest = manager.latest()
+        manager.load_weights(latest, ParamTemplates(model))
+        state = manager.read_state(latest)
+    changed = sum(int(not b.equal(p.detach())) for b, p in zip(before, model.parameters()))
+    return {"latest": Path(latest).name, "step": state["train_state"]["step"],
+            "params_changed": changed, "params": len(before)}
+
+
 def grad_norms(summary: dict) -> list[float | None]:
     return [h[5] for h in summary["history"]]
 

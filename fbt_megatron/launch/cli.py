@@ -1,0 +1,83 @@
+"""``fbt slurm submit|status``: launch recipes on a SLURM cluster and follow them.
+
+    fbt slurm submit RECIPE.yaml --nodes N --gpus-per-node G [--time HH:MM:SS] [--phases]
+                     [--min-nodes M] [--max-restarts R] [--signal-seconds S] [--partition P]
+                     [--account A] [--dependency D] [--sbatch-arg=--qos=high] [--cpu] [--dry-run]
+                     [dotted.key=value ...]
+    fbt slurm status RUN_DIR
+
+``submit`` validates the recipe for N x G processes, renders ``slurm/train.sbatch`` (one task per
+node -> srun -> torchrun with c10d rendezvous on the first node), keeps the rendered script and the
+job ids in RUN_DIR/slurm/ and submits it (``--dry-run`` prints the script instead). ``--phases``
+submits single-pass pre-training and the feedback phase as two jobs chained with afterok.
+``status`` shows the jobs' states, the step, tokens and restarts, and the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fbt_megatron.launch.submit import JobSpec, SubmitError, submit
+
+
+def _submit_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fbt slurm submit", description="Render and submit a training job.")
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--min-nodes", type=int, default=None, help="elastic: torchrun --nnodes MIN:NODES")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="processes per node (one per GPU)")
+    ap.add_argument("--cpus-per-task", type=int, default=None)
+    ap.add_argument("--time", default="24:00:00", help="time limit per job (a preempted job requeues)")
+    ap.add_argument("--signal-seconds", type=int, default=300, help="USR1 this long before the limit")
+    ap.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a worker failure")
+    ap.add_argument("--phases", action="store_true", help="single-pass phase and feedback phase as 2 chained jobs")
+    ap.add_argument("--partition")
+    ap.add_argument("--account")
+    ap.add_argument("--dependency")
+    ap.add_argument("--job-name")
+    ap.add_argument("--sbatch-arg", action="append", default=[], help="extra #SBATCH line, e.g. --sbatch-arg=--qos=high")
+    ap.add_argument("--cpu", action="store_true", help="CPU processes (no GPU request; gloo)")
+    ap.add_argument("--template", type=Path, default=None)
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--train-module", default="fbt_megatron.cli", help="module torchrun runs as `-m MODULE train`")
+    ap.add_argument("--dry-run", action="store_true", help="print the batch script, submit nothing")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("submit", "status"):
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "status":
+        from fbt_megatron.launch.status import format_status, status
+
+        if len(argv) != 2:
+            print("usage: fbt slurm status RUN_DIR", file=sys.stderr)
+            return 2
+        if not Path(argv[1]).is_dir():
+            print(f"fbt slurm status: {argv[1]} is not a directory", file=sys.stderr)
+            return 2
+        print(format_status(status(Path(argv[1]))))
+        return 0
+    a = _submit_parser().parse_intermixed_args(argv[1:])
+    spec = JobSpec(recipe=a.recipe, overrides=a.overrides, nodes=a.nodes, min_nodes=a.min_nodes,
+                   gpus_per_node=a.gpus_per_node, cpus_per_task=a.cpus_per_task, time=a.time,
+                   signal_seconds=a.signal_seconds, max_restarts=a.max_restarts, cpu=a.cpu,
+                   partition=a.partition, account=a.account, dependency=a.dependency, job_name=a.job_name,
+                   sbatch_args=a.sbatch_arg, python=a.python, train_module=a.train_module)
+    if a.template:
+        spec.template = a.template
+    try:
+        submit(spec, phases=a.phases, dry_run=a.dry_run)
+    except SubmitError as e:
+        print(f"fbt slurm submit: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

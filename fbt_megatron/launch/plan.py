@@ -1,0 +1,329 @@
+"""``fbt plan RECIPE --gpus N --gpu h100 [--mfu 0.40]``: what a recipe costs before it is launched.
+
+Counts (all per token unless stated; N_mm = parameters that take part in matmuls):
+- parameters: embedding V*h (+ S*h learned positions, + V*h untied output), per layer
+  4h^2 + 2hf weights + 5h + f biases + 4h norm weights, final norm 2h, feedback fusion W_U, W_G (2h^2)
+  and h_init (h);
+- forward FLOPs F = 2*N_mm + 4*L*S*h (QK^T and AV, full square as in Megatron's MFU convention), with
+  N_mm = L(4h^2 + 2hf) + 2h^2 (fusion) + V*h (output layer);
+- a step with k passes costs k*F forward; backward 2F per pass with ``grad_mode: all`` (3kF in all),
+  or only for the last pass with ``grad_mode: last`` ((k+2)F). The 75/22/3 mix has E[k] = 1.28: 1.28x
+  a single-pass step with ``all``, (1.28+2)/3 = 1.09x with ``last``;
+- memory per GPU (mixed precision: bf16 weights, fp32 gradient accumulation, fp32 master + Adam m, v;
+  ZeRO-1 shards the 12 optimiser bytes over DP, ZeRO-2 also the 4 gradient bytes, ZeRO-3 also the
+  weights; TP and PP divide all of them), activations per layer and micro-batch s*b*h*(34 + 5as/h)
+  bytes (Korthikanti et al. 2022; without the 5as/h term with flash attention; 10 of the 34 replicated
+  under TP without sequence parallelism), times the passes kept for backward (k with ``all``, 1 with
+  ``last``: the deepest step must fit), times PP micro-batches in flight on the first stage, plus logits
+  (6 bytes per s*b*V/TP) and a fixed reserve for the CUDA context, NCCL buffers and fragmentation;
+- time at a stated MFU: tokens/s = MFU * peak * GPUs / (FLOPs per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+# Dense bf16 peak FLOP/s and memory per device. "cpu" is measured (a matmul rate) when asked for.
+DEVICES = {
+    "h100": (989e12, 80 * GB), "h200": (989e12, 141 * GB), "a100": (312e12, 80 * GB),
+    "a100-40": (312e12, 40 * GB), "b200": (2250e12, 180 * GB), "mi300x": (1307e12, 192 * GB),
+    "l40s": (362e12, 48 * GB),
+}
+
+
+@dataclass
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    tied: bool = True
+    learned_positions: bool = False
+    fusion: bool = True  # feedback fusion weights exist (fusion != off)
+    norm_params: int = 2  # LayerNorm: weight + bias; RMSNorm: weight
+
+    @classmethod
+    def from_recipe(cls, r) -> "Shape":
+        m = r.model
+        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                   ffn=m.ffn_hidden_size or 4 * m.hidden_size, vocab=m.vocab_size, seq=r.data.seq_length,
+                   tied=m.tie_embeddings, learned_positions=m.position_embedding_type == "learned_absolute",
+                   fusion=r.feedback.fusion != "off", norm_params=2 if m.normalization == "LayerNorm" else 1)
+
+    def params(self, fusion_bias: bool = False) -> int:
+        h, f = self.hidden, self.ffn
+        per_layer = 4 * h * h + 2 * h * f + 5 * h + f + 2 * self.norm_params * h  # biases: qkv 3h, proj h, fc1 f, fc2 h
+        n = self.layers * per_layer + self.norm_params * h + self.vocab * h
+        n += 0 if self.tied else self.vocab * h
+        n += self.seq * h if self.learned_positions else 0
+        if self.fusion:
+            n += 2 * h * h + h + (2 * h if fusion_bias else 0)
+        return n
+
+    def matmul_params(self) -> int:
+        h = self.hidden
+        return self.layers * (4 * h * h + 2 * h * self.ffn) + (2 * h * h if self.fusion else 0) + self.vocab * h
+
+    def forward_flops_per_token(self) -> float:
+        return 2.0 * self.matmul_params() + 4.0 * self.layers * self.seq * self.hidden
+
+
+def pass_factor(mix: list[float], grad_mode: str) -> float:
+    """Training FLOPs of the mix relative to a single-pass step (3F)."""
+    ek = sum((i + 1) * p for i, p in enumerate(mix))
+    return ek if grad_mode == "all" else (ek + 2.0) / 3.0
+
+
+def max_passes(mix: list[float]) -> int:
+    return max(i + 1 for i, p in enumerate(mix) if p > 0)
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    zero: int = 1
+    micro_batch: int = 1
+    sequence_parallel: bool = False
+
+    def __str__(self) -> str:
+        sp = "+SP" if self.sequence_parallel and self.tp > 1 else ""
+        return f"TP={self.tp}{sp} PP={self.pp} ZeRO-{self.zero} micro-batch {self.micro_batch}"
+
+
+@dataclass
+class Memory:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    reserve: float
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reserve
+
+
+def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, weight_bytes: int = 2,
+                   grad_bytes: int = 4, optimizer_bytes: int = 12, act_bytes: int = 2, flash: bool = True,
+                   reserve: float = 5 * GB) -> Memory:
+    """Bytes per GPU. ``passes_kept``: passes whose activations are alive at the backward (k for
+    grad_mode all, 1 for last). CPU fp32: weight_bytes=4, act_bytes=4, flash=False, reserve=0."""
+    n = shape.params() / (layout.tp * layout.pp)
+    weights = n * weight_bytes / (dp if layout.zero >= 3 else 1)
+    grads = n * grad_bytes / (dp if layout.zero >= 2 else 1)
+    optimizer = n * optimizer_bytes / (dp if layout.zero >= 1 else 1)
+    s, b, h, a, t = shape.seq, layout.micro_batch, shape.hidden, shape.heads, layout.tp
+    # Korthikanti et al.: 34 sbh bytes at 2-byte activations (24 of them in TP-sharded matmul inputs,
+    # 10 in norms/dropout/residuals, sharded only with sequence parallelism), + 5as^2 b for the scores.
+    sharded, replicated = 24.0 / t, 10.0 / (t if layout.sequence_parallel else 1)
+    per_layer = s * b * h * (sharded + replicated) + (0 if flash else 5.0 * a * s * s * b / t)
+    per_layer *= act_bytes / 2.0
+    layers_here = shape.layers / layout.pp
+    in_flight = layout.pp  # 1F1B: the first stage holds PP micro-batches
+    activations = per_layer * layers_here * in_flight * passes_kept
+    logits = s * b * shape.vocab / t * (act_bytes + 4)  # logits + fp32 softmax for the loss
+    return Memory(weights, grads, optimizer, activations, logits, reserve,
+                  {"params_per_gpu": n, "per_layer_activation": per_layer})
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    params: int
+    flops_per_token_single: float  # training, one pass (3F)
+    factor_feedback: float
+    phases: list[dict]
+    memory: Memory
+    layout: Layout
+    dp: int
+    fits: bool
+    capacity: float
+    suggestion: tuple[Layout, Memory] | None
+    tokens_per_s: float
+    warnings: list[str]
+
+
+def _divides(shape: Shape, tp: int) -> bool:
+    return all(x % tp == 0 for x in (shape.hidden, shape.heads, shape.ffn, shape.vocab))
+
+
+def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpus_per_node=8, allow_pp=False):
+    """The cheapest layout that fits: ZeRO-3 only if nothing else fits (it all-gathers the weights for
+    every micro-batch and every pass: 3x for a 3-pass step), then the smallest TP*PP (least
+    communication; TP stays within a node), then the lowest ZeRO stage, then the largest micro-batch."""
+    best = None
+    pps = [p for p in (1, 2, 4, 8, 16) if shape.layers % p == 0] if allow_pp else [1]
+    for tp, pp, zero in itertools.product((1, 2, 4, 8), pps, (1, 2, 3)):
+        if tp > gpus_per_node or gpus % (tp * pp) or not _divides(shape, tp):
+            continue
+        dp = gpus // (tp * pp)
+        for mb in (16, 8, 4, 2, 1):
+            if global_batch % (mb * dp):
+                continue
+            lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1)
+            mem = memory_per_gpu(shape, lay, dp, passes_kept, **mem_kw)
+            if mem.total <= capacity:
+                key = (zero == 3, tp * pp, pp, zero, -mb)
+                if best is None or key < best[0]:
+                    best = (key, lay, mem)
+                break
+    return None if best is None else (best[1], best[2])
+
+
+def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, capacity: float | None = None,
+         gpus_per_node: int = 8, layout: Layout | None = None, flash: bool | None = None,
+         reserve: float | None = None, fp32: bool = False) -> Plan:
+    shape = Shape.from_recipe(recipe)
+    if gpu != "cpu":
+        peak = peak or DEVICES[gpu][0]
+        capacity = capacity or DEVICES[gpu][1]
+    p = recipe.parallel
+    layout = layout or Layout(p.tensor, p.pipeline, p.zero_stage, recipe.batch.micro_batch_size, p.sequence_parallel)
+    warnings = []
+    if gpus % (layout.tp * layout.pp):
+        raise ValueError(f"--gpus {gpus} is not divisible by TP={layout.tp} x PP={layout.pp}")
+    dp = gpus // (layout.tp * layout.pp)
+    g = recipe.global_batch_size
+    if g % (layout.micro_batch * dp):
+        warnings.append(f"global batch {g} is not divisible by micro-batch {layout.micro_batch} x DP {dp}")
+    mix, grad_mode = recipe.schedule.mix, recipe.feedback.grad_mode
+    kmax = max_passes(mix) if recipe.feedback.fusion != "off" else 1
+    passes_kept = kmax if grad_mode == "all" else 1
+    if recipe.schedule.feedback_start_step >= recipe.train.steps:
+        passes_kept = 1
+    mem_kw = dict(weight_bytes=4 if fp32 else 2, act_bytes=4 if fp32 else 2,
+                  flash=(not fp32) if flash is None else flash,
+                  reserve=(0.0 if fp32 else 5 * GB) if reserve is None else reserve)
+    if fp32:  # fp32 training (CPU): the weights are the masters; no separate fp32 copy
+        mem_kw.update(grad_bytes=4, optimizer_bytes=8 if layout.zero == 0 else 12)
+    memory = memory_per_gpu(shape, layout, dp, passes_kept, **mem_kw)
+    fits = capacity is None or memory.total <= capacity
+    suggestion = None
+    if not fits:
+        suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node) \
+            or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True)
+        if suggestion and suggestion[0].pp > 1:
+            warnings.append("the suggested layout needs pipeline parallelism (recipes accept parallel.pipeline=1 today)")
+    single = 3.0 * shape.forward_flops_per_token()
+    factor = pass_factor(mix, grad_mode) if recipe.feedback.fusion != "off" else 1.0
+    tokens_per_step = recipe.tokens_per_step
+    start = min(recipe.schedule.feedback_start_step, recipe.train.steps)
+    phases = []
+    for name, steps, f in (("1: single-pass", start, 1.0), (f"2: feedback mix {mix}", recipe.train.steps - start, factor)):
+        if steps <= 0:
+            continue
+        tokens = steps * tokens_per_step
+        flops = tokens * single * f
+        seconds = flops / (mfu * peak * gpus)
+        phases.append({"name": name, "steps": steps, "tokens": tokens, "flops": flops, "seconds": seconds,
+                       "gpu_hours": seconds * gpus / 3600, "tokens_per_s": tokens / seconds,
+                       "step_seconds": seconds / steps, "flops_per_token": single * f})
+    return Plan(shape, shape.params(recipe.feedback.bias), single, factor, phases, memory, layout, dp, fits,
+                capacity or float("inf"), suggestion, phases[0]["tokens_per_s"] if phases else 0.0, warnings)
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 86400:
+        return f"{s / 86400:.1f} days"
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s:.3g} s" if s < 60 else f"{s / 60:.1f} min"
+
+
+def _fmt_mem(m: Memory) -> str:
+    parts = [("weights", m.weights), ("grads", m.grads), ("optimiser", m.optimizer),
+             ("activations", m.activations), ("logits", m.logits), ("reserve", m.reserve)]
+    return ", ".join(f"{k} {v / GB:.2f}" for k, v in parts) + f" = {m.total / GB:.2f} GB"
+
+
+def format_plan(pl: Plan, recipe, gpus: int, gpu: str, mfu: float, peak: float) -> str:
+    s = pl.shape
+    tokens = sum(p["tokens"] for p in pl.phases)
+    lines = [
+        f"plan: {recipe.name} on {gpus} x {gpu} at {100 * mfu:.0f}% MFU (peak {peak / 1e12:.4g} TFLOP/s per device)",
+        f"model        {pl.params / 1e9:.3f} B parameters ({pl.params:,}); L={s.layers} h={s.hidden} heads={s.heads} "
+        f"ffn={s.ffn} V={s.vocab} seq={s.seq}",
+        f"FLOPs/token  {pl.flops_per_token_single:.4g} single-pass training (3 x forward {s.forward_flops_per_token():.4g}); "
+        f"feedback mix x{pl.factor_feedback:.3f} ({recipe.feedback.grad_mode} passes backpropagated)",
+        f"batch        {recipe.global_batch_size} seq x {s.seq} = {recipe.tokens_per_step:,} tokens/step, "
+        f"{recipe.train.steps:,} steps = {tokens / 1e9:.4g} B tokens",
+        f"layout       {pl.layout}, DP={pl.dp}, accumulation {recipe.global_batch_size // max(1, pl.layout.micro_batch * pl.dp)}",
+        f"memory/GPU   {_fmt_mem(pl.memory)}" + (f" of {pl.capacity / GB:.0f} GB" if pl.capacity < float("inf") else ""),
+    ]
+    if not pl.fits:
+        lines.append(f"WARNING      this layout does not fit in {pl.capacity / GB:.0f} GB")
+        if pl.suggestion:
+            lay, mem = pl.suggestion
+            lines.append(f"suggestion   {lay}: {mem.total / GB:.2f} GB ({_fmt_mem(mem)})")
+        else:
+            lines.append("suggestion   none found up to TP=8, PP=16, ZeRO-3, micro-batch 1: more GPUs or memory")
+    total_s = total_h = 0.0
+    for p in pl.phases:
+        total_s += p["seconds"]
+        total_h += p["gpu_hours"]
+        lines.append(f"phase {p['name']}: {p['steps']:,} steps, {p['tokens'] / 1e9:.4g} B tokens, "
+                     f"{p['tokens_per_s'] / gpus:,.0f} tokens/s/GPU ({p['tokens_per_s']:,.0f} total), "
+                     f"{p['step_seconds']:.3g} s/step, {_fmt_time(p['seconds'])}, {p['gpu_hours']:,.0f} GPU-hours")
+    lines.append(f"total        {_fmt_time(total_s)} wall, {total_h:,.0f} GPU-hours")
+    lines += [f"note         {w}" for w in pl.warnings]
+    return "\n".join(lines)
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul FLOP/s of this machine with torch's threads (the 'peak' for --gpu cpu)."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fbt plan", description=__doc__.splitlines()[0])
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpu", default="h100", choices=[*DEVICES, "cpu"])
+    ap.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed (default 0.40)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak")
+    ap.add_argument("--memory-gb", type=float, default=None, help="override the device's memory")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    a = ap.parse_intermixed_args(argv)
+    from fbt_megatron.train.recipe import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(a.recipe, a.overrides)
+    except (RecipeError, FileNotFoundError) as e:
+        print(f"fbt plan: {e}", file=sys.stderr)
+        return 2
+    peak = a.peak_tflops * 1e12 if a.peak_tflops else (measure_cpu_peak() if a.gpu == "cpu" else DEVICES[a.gpu][0])
+    cap = a.memory_gb * GB if a.memory_gb else None
+    try:
+        pl = plan(recipe, a.gpus, a.gpu, a.mfu, peak=peak, capacity=cap, gpus_per_node=a.gpus_per_node,
+                  fp32=a.gpu == "cpu")
+    except ValueError as e:
+        print(f"fbt plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(pl, recipe, a.gpus, a.gpu, a.mfu, peak))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

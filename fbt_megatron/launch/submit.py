@@ -1,0 +1,155 @@
+"""Render ``slurm/train.sbatch`` for a recipe and submit it (``fbt slurm submit``).
+
+The recipe is validated against the job's process count before anything is submitted. Every
+submission appends to ``RUN_DIR/slurm/jobs.jsonl`` (what ``fbt slurm status`` reads) and keeps the
+rendered script next to it; logs go to ``RUN_DIR/slurm/logs/<job-name>-<jobid>.out``.
+
+``--phases`` submits the recipe as two chained jobs on the same run directory: phase 1 trains the
+single-pass part (``train.stop_at_step = schedule.feedback_start_step``), phase 2 waits for it with
+``--dependency=afterok`` and resumes from its checkpoint into the feedback mix. Each phase can then
+get its own time limit and node count, and a failed phase 1 never starts phase 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "train.sbatch"
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+@dataclass
+class JobSpec:
+    recipe: str
+    overrides: list[str] = field(default_factory=list)
+    nodes: int = 1
+    min_nodes: int | None = None  # elastic: torchrun --nnodes MIN:MAX
+    gpus_per_node: int = 8  # processes per node (one per GPU; CPU processes with cpu=True)
+    cpus_per_task: int | None = None
+    time: str = "24:00:00"
+    signal_seconds: int = 300  # USR1 this long before the time limit (time to finish a step and save)
+    max_restarts: int = 3
+    cpu: bool = False  # CPU-only cluster / tests: no GPU request, gloo
+    partition: str | None = None
+    account: str | None = None
+    dependency: str | None = None
+    job_name: str | None = None
+    sbatch_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+    train_module: str = "fbt_megatron.cli"  # torchrun -m MODULE train ...
+    template: Path = DEFAULT_TEMPLATE
+    workdir: Path = field(default_factory=Path.cwd)
+
+
+def _q(x) -> str:
+    return shlex.quote(str(x))
+
+
+def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
+    if not spec.template.is_file():
+        raise SubmitError(f"sbatch template {spec.template} not found (--template PATH)")
+    nnodes = f"{spec.min_nodes}:{spec.nodes}" if spec.min_nodes and spec.min_nodes != spec.nodes else str(spec.nodes)
+    cpus = spec.cpus_per_task or ((os.cpu_count() or 1) if spec.cpu else 8 * spec.gpus_per_node)
+    torchrun = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                f"--nproc-per-node={spec.gpus_per_node}", "--rdzv-backend=c10d",
+                f"--max-restarts={spec.max_restarts}", "-m", spec.train_module, "train", spec.recipe,
+                *spec.overrides, f"run_dir={run_dir}"]
+    # Node-side command: torchrun ignores USR1 (its default action would kill it); the trainers
+    # install their own handler. $FBT_RDZV_* and $SLURM_JOB_ID expand on each node.
+    node = ('trap "" USR1; exec ' + " ".join(_q(a) for a in torchrun[:3])
+            + ' --rdzv-endpoint="$FBT_RDZV_HOST:$FBT_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" '
+            + " ".join(_q(a) for a in torchrun[3:]))
+    health = [spec.python, "-m", "fbt_megatron.launch.health", "--run-dir", str(run_dir),
+              "--gpus", "0" if spec.cpu else str(spec.gpus_per_node)]
+    extra = [f"#SBATCH --gpus-per-node={spec.gpus_per_node}"] if not spec.cpu else []
+    for flag, value in (("partition", spec.partition), ("account", spec.account), ("dependency", spec.dependency)):
+        if value:
+            extra.append(f"#SBATCH --{flag}={value}")
+    extra += [f"#SBATCH {a}" for a in spec.sbatch_args]
+    env = ["export FBT_DEVICE=cpu DS_ACCELERATOR=cpu"] if spec.cpu else []
+    fields = {
+        "job_name": job_name, "nodes": spec.nodes, "cpus_per_task": cpus, "time": spec.time,
+        "signal_seconds": spec.signal_seconds, "log_dir": run_dir / "slurm" / "logs",
+        "sbatch_extra": "\n".join(extra), "workdir": _q(spec.workdir), "run_dir": _q(run_dir),
+        "omp_threads": max(1, cpus // spec.gpus_per_node), "env_extra": "\n".join(env),
+        "health_cmd": " ".join(_q(a) for a in health), "node_cmd": _q(node), "python": _q(spec.python),
+    }
+    text = spec.template.read_text()
+    for key, value in fields.items():
+        text = text.replace("{{" + key + "}}", str(value))
+    left = sorted(set(re.findall(r"{{(\w+)}}", text)))
+    if left:
+        raise SubmitError(f"template {spec.template} has fields nobody fills: {left}")
+    return text
+
+
+def _validate(spec: JobSpec, overrides: list[str]):
+    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+
+    try:
+        recipe = load_recipe(spec.recipe, overrides)
+        # The login node has no GPU: check the GPU-only switch (sequence parallelism) on the nodes.
+        checked = recipe if spec.cpu else recipe.model_copy(
+            update={"parallel": recipe.parallel.model_copy(update={"sequence_parallel": False})})
+        for nodes in sorted({spec.min_nodes or spec.nodes, spec.nodes}):
+            check_layout(checked, nodes * spec.gpus_per_node)
+    except (RecipeError, FileNotFoundError) as e:
+        raise SubmitError(f"{spec.recipe}: {e}") from None
+    return recipe
+
+
+def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_fn=print) -> list[dict]:
+    """Render, keep and (unless dry_run) sbatch the job(s); returns one record per job."""
+    recipe = _validate(spec, spec.overrides)
+    run_dir = recipe.resolved_run_dir()
+    run_dir = run_dir if run_dir.is_absolute() else (spec.workdir / run_dir)
+    base = spec.job_name or recipe.name
+    plan = [(None, spec.overrides)]
+    if phases:
+        start = recipe.schedule.feedback_start_step
+        if not 0 < start < recipe.train.steps:
+            raise SubmitError(f"--phases needs 0 < schedule.feedback_start_step < train.steps "
+                              f"(got {start} of {recipe.train.steps})")
+        plan = [(1, [*spec.overrides, f"train.stop_at_step={start}"]), (2, spec.overrides)]
+    out_dir = run_dir / "slurm"
+    records, previous = [], None
+    for phase, overrides in plan:
+        name = base if phase is None else f"{base}-p{phase}"
+        dependency = spec.dependency if previous is None else f"afterok:{previous}"
+        this = JobSpec(**{**spec.__dict__, "overrides": overrides, "dependency": dependency})
+        _validate(this, overrides)
+        script = render(this, run_dir, name)
+        rec = {"phase": phase, "job_name": name, "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node,
+               "dependency": dependency, "submitted_at": time.time()}
+        if dry_run:
+            print_fn(script)
+            rec["job_id"] = previous = f"<phase{phase or 1}>"
+            records.append(rec)
+            continue
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{name}.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+        path.write_text(script)
+        r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+        if r.returncode:
+            raise SubmitError(f"sbatch {path} failed ({r.returncode}): {r.stderr.strip()}")
+        job_id = r.stdout.strip().split(";")[0]
+        rec.update(job_id=job_id, script=str(path), log=str(out_dir / "logs" / f"{name}-{job_id}.out"))
+        with open(out_dir / "jobs.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print_fn(f"submitted {name}: job {job_id}" + (f" (after {previous})" if dependency else "")
+                 + f"; script {path}; log {rec['log']}")
+        records.append(rec)
+        previous = job_id
+    return records

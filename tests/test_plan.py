@@ -1,0 +1,58 @@
+"""`fbt plan` against hand-computed parameters, FLOPs and memory for two configurations."""
+
+import pytest
+
+from fbt_megatron.launch.plan import GB, Layout, Shape, memory_per_gpu, pass_factor, plan
+from fbt_megatron.train.recipe import load_recipe
+
+
+def test_tiny_recipe_counts_by_hand():
+    r = load_recipe("recipes/tiny.yaml")  # L=4 h=128 f=512 V=4096 S=128, tied, GLU fusion
+    s = Shape.from_recipe(r)
+    # per layer: qkv 3h^2 + proj h^2 + fc1/fc2 2hf = 196,608 weights; biases 3h+h+f+h = 1,152;
+    # two LayerNorms 4h = 512  -> 198,272; x4 = 793,088; final norm 256; embedding 524,288;
+    # fusion W_U, W_G 32,768 + h_init 128  -> 1,350,528 (what the built model has, see the docs' check)
+    assert s.params() == 1_350_528
+    # forward FLOPs/token: 2 * (4 * 196,608 + 32,768 + 524,288) + 4 * L * S * h = 2,686,976 + 262,144
+    assert s.forward_flops_per_token() == 2_949_120
+    assert pass_factor([0.75, 0.22, 0.03], "all") == pytest.approx(1.28)
+    assert pass_factor([0.75, 0.22, 0.03], "last") == pytest.approx(3.28 / 3)
+
+    # CPU fp32, TP=1 ZeRO-0, micro-batch 8, DP=1, 3 passes kept (grad_mode all), eager attention
+    m = memory_per_gpu(s, Layout(1, 1, 0, 8), 1, 3, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                       act_bytes=4, flash=False, reserve=0)
+    assert m.weights == 4 * 1_350_528 and m.grads == 4 * 1_350_528 and m.optimizer == 8 * 1_350_528
+    # per layer: s*b*h*34 + 5*a*s^2*b = 4,456,448 + 2,621,440 bytes at 2-byte activations, x2 for fp32
+    assert m.activations == (4_456_448 + 2_621_440) * 2 * 4 * 3
+    assert m.logits == 128 * 8 * 4096 * 8
+
+
+def test_tp2_zero2_by_hand():
+    s = Shape(layers=2, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=2048)
+    # per layer 4,194,304 + 8,388,608 + 5*1024 + 4096 + 4*1024 = 12,596,224; x2 + 2,048 + 32,768,000 + 2,098,176
+    assert s.params() == 60_060_672
+    m = memory_per_gpu(s, Layout(tp=2, pp=1, zero=2, micro_batch=1), dp=4, passes_kept=3)
+    n = 60_060_672 / 2
+    assert m.weights == 2 * n and m.grads == 4 * n / 4 and m.optimizer == 12 * n / 4
+    # flash attention, TP=2 without sequence parallelism: s*b*h*(24/2 + 10) per layer, 2 layers, 3 passes
+    assert m.activations == 2048 * 1024 * 22 * 2 * 3
+    assert m.logits == 2048 * 32000 / 2 * 6
+    assert m.total == pytest.approx(60_060_672 + 30_030_336 + 90_091_008 + 276_824_064 + 196_608_000 + 5e9)
+
+
+def test_plan_1b_on_64_h100_and_a_layout_that_does_not_fit():
+    r = load_recipe("recipes/fbt-1b-400b.yaml")
+    pl = plan(r, 64, "h100", 0.40)
+    assert pl.fits and 0.95e9 < pl.params < 1.1e9
+    tokens = sum(p["tokens"] for p in pl.phases)
+    assert 399e9 < tokens < 401e9
+    feedback = pl.phases[1]
+    assert feedback["flops_per_token"] == pytest.approx(pl.flops_per_token_single * 1.28)
+    # wall time = tokens * FLOPs/token / (MFU * peak * GPUs)
+    assert feedback["seconds"] == pytest.approx(feedback["tokens"] * feedback["flops_per_token"] / (0.4 * 989e12 * 64))
+
+    big = load_recipe("recipes/fbt-13b.yaml", ["parallel.tensor=1", "parallel.zero_stage=1", "parallel.sequence_parallel=false"])
+    pl = plan(big, 64, "h100", 0.40)
+    assert not pl.fits and pl.suggestion is not None
+    lay, mem = pl.suggestion
+    assert mem.total <= 80 * GB and (lay.tp > 1 or lay.zero > 1)
