@@ -6,11 +6,13 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from fbt_megatron.config import FeedbackConfig, ModelConfig
 from fbt_megatron.model import tp_layout
 
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=32)
+# vocab_pad_multiple=32: 64 rows at TP 1 and 2 (no padded rows; padding is tested with the Llama config)
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=32,
+            vocab_pad_multiple=32)
 # Llama-shaped: SwiGLU, RMSNorm, grouped-query attention (2 KV heads for 4 query heads), no biases,
 # untied embeddings, a non-default RoPE base; the vocabulary (64) is padded (to 128, or 256 at TP=2).
 LLAMA = dict(TINY, activation="swiglu", ffn_hidden_size=48, normalization="RMSNorm", num_query_groups=2,
-             add_bias_linear=False, tie_embeddings=False, rotary_base=500000)
+             add_bias_linear=False, tie_embeddings=False, rotary_base=500000, vocab_pad_multiple=128)  # padded
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
