@@ -1,118 +1,211 @@
-"""Training throughput: `fbt train` (1 pass) versus a plain PyTorch loop on Hugging Face's
-LlamaForCausalLM of about the same size, on the same batches, in the same process, on CPU.
+"""Training-step throughput of `fbt train`'s step (DeepSpeed engine + FBTTrainStep) against a plain
+PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, side by side.
 
-    python benchmarks/bench_train.py [--steps 30] [--warmup 5] [recipe overrides ...]
+    python benchmarks/bench_train.py [--sizes 1.3M,28M,100M] [--rounds 5]
+                                     [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
 
-Both train fp32 with AdamW on identical micro-batches (the tiny recipe's data, micro batch and
-accumulation); both use the same torch thread count. Tokens/s counts the tokens fed to the model per
-second of optimiser-step time (forward, backward, step; batches are produced outside the timed part
-for both). The FBT model runs 1 pass (its feedback fusion layer included). Prints one JSON line.
+Prints three tables:
+1. DP=1: for each model size and ZeRO stage 0/1/2/3, fbt tokens/s over the HF loop's tokens/s
+   (goal >= 1.0: the engine costs nothing on top of the model);
+2. DP=2 (2 processes): ZeRO-1/2/3 step time over ZeRO-0 step time (goal <= 1.10);
+3. FBT 2- and 3-pass step time over k x the 1-pass step time (ZeRO-1, goal <= 1.0).
+Defaults are the tiny recipe's batch (micro-batch 8 x 2 accumulation x 128 tokens = 2048 tokens per step).
+Every variant of a table is timed on the same batches in the same process, in interleaved rounds
+(one step of each variant per round) and the median is reported, so drifting machine load hits every
+variant alike. Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
+and the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("FBT_DEVICE", "cpu")
+
+SIZES = {  # name -> (layers, hidden, heads); vocab 4096 (the embedded tokenizer), seq from --seq
+    "1.3M": (4, 128, 4),    # the tiny recipe's model
+    "28M": (8, 512, 8),     # the size of the issue's first measurement
+    "100M": (14, 768, 12),  # ~103M parameters
+}
+VOCAB = 4096
 
 
-def llama_like(recipe):
+def recipe_for(size: str, zero: int, a):
+    from fbt_megatron.train.recipe import load_recipe
+
+    layers, hidden, heads = SIZES[size]
+    gbs = a.micro_batch * a.accumulation
+    return load_recipe(data={
+        "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "vocab_size": VOCAB,
+                  "max_sequence_length": a.seq},
+        "parallel": {"zero_stage": zero}, "batch": {"global_batch_size": gbs * a.dp, "micro_batch_size": a.micro_batch},
+        "data": {"seq_length": a.seq, "synthetic": {"vocab_size": VOCAB}},
+        "schedule": {"feedback_start_step": 10**9}, "optimizer": {"lr": 1e-4, "grad_clip": 1.0}})
+
+
+class FixedPasses:
+    def __init__(self, k):
+        self.k = k
+
+    def num_passes(self, step):
+        return self.k
+
+
+def fbt_step_fn(recipe, passes=1):
+    """`fbt train`'s step function for ``recipe`` (a fresh model and engine), as run.train builds it."""
+    from fbt_megatron import runtime
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.train.train_step import FBTTrainStep
+
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
+    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    step = FBTTrainStep(engine, FixedPasses(passes), recipe.seed, runtime.device())
+    return lambda i, micro: step(i, micro, 1e-4), sum(p.numel() for p in engine.model.parameters())
+
+
+def hf_step_fn(recipe):
+    """The plain loop: LlamaForCausalLM with the same width/depth and a SwiGLU of the same weight count."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = recipe.model
-    h = m.hidden_size
-    ffn = m.ffn_hidden_size or 4 * h
-    # Megatron's GPT MLP has 2 matrices of h x ffn; Llama's SwiGLU has 3 of h x i: match the count.
-    inter = int(round(2 * ffn / 3 / 8)) * 8
-    cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=h, intermediate_size=inter,
+    inter = int(round(2 * m.ffn_size / 3 / 8)) * 8  # GPT MLP: 2 matrices h x ffn; SwiGLU: 3 of h x inter
+    cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=inter,
                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=m.num_attention_heads, max_position_embeddings=m.max_sequence_length,
                       tie_word_embeddings=m.tie_embeddings, attention_dropout=0.0)
     cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny.yaml"))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default=None, help="also write the JSON here")
-    ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args(argv)
-
-    import torch
-
-    os.environ.setdefault("FBT_DEVICE", "cpu")
-    from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
-    from fbt_megatron.train.recipe import load_recipe
-
-    ensure_ds_accelerator()
-    torch.set_num_threads(os.cpu_count() or 1)
-    total = a.warmup + a.steps
-    run_dir = ROOT / "runs" / "bench_train"
-    recipe = load_recipe(a.recipe, [
-        f"train.steps={total}", f"schedule.feedback_start_step={total + 1}", "logging.tensorboard=false",
-        "logging.log_every=1000000", "eval.every=1000000", "eval.at_end=false", "checkpoint.every=1000000",
-        "checkpoint.at_end=false", "checkpoint.resume=false", f"run_dir={run_dir}", *a.overrides])
-    runtime.init_distributed()
-    from fbt_megatron.train.run import build_train_loader, prepare_data, train
-
-    summary = train(recipe, print_fn=lambda *x, **k: None)
-    hist = summary["history"]
-    timed = hist[a.warmup:]
-    tokens = len(timed) * recipe.tokens_per_step
-    # step seconds are not in the summary: re-read them from the trainer via tokens_per_s is windowed,
-    # so time the steps again from the recorded per-step seconds
-    fbt_seconds = sum(s for s in summary["step_seconds"][a.warmup:])
-    fbt_tps = tokens / fbt_seconds
-
-    # ---- the plain loop, same batches
-    prepare_data(recipe, log=lambda *x: None)
-    loader = iter(build_train_loader(recipe, 0, 1, 0))
-    acc = recipe.accumulation_steps(1)
-    steps = [[next(loader) for _ in range(acc)] for _ in range(total)]
     torch.manual_seed(0)
-    model = llama_like(recipe)
-    model.train()
+    model = LlamaForCausalLM(cfg).train()
     o = recipe.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    hf_seconds = 0.0
-    for i, micro in enumerate(steps):
-        t0 = time.perf_counter()
+
+    def step(i, micro):
+        n = sum(float(b["loss_mask"].sum()) for b in micro)
         for b in micro:
             mask = b["loss_mask"]
             logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
             tl = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(),
                                                    reduction="none").view_as(mask)
-            ((tl * mask).sum() / mask.sum() / acc).backward()
+            ((tl * mask).sum() / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i >= a.warmup:
-            hf_seconds += time.perf_counter() - t0
-    hf_tps = tokens / hf_seconds
 
-    from fbt_megatron.model.fbt_gpt import build_model  # noqa: F401  (param count below)
+    return step, sum(p.numel() for p in model.parameters())
 
-    result = {
-        "recipe": Path(a.recipe).name, "threads": torch.get_num_threads(), "timed_steps": len(timed),
-        "tokens_per_step": recipe.tokens_per_step,
-        "fbt_params": summary["num_params"], "llama_params": sum(p.numel() for p in model.parameters()),
-        "fbt_train_tokens_per_s": round(fbt_tps, 1), "hf_llama_tokens_per_s": round(hf_tps, 1),
-        "ratio": round(fbt_tps / hf_tps, 3), "goal": 1.2,
-    }
-    print(json.dumps(result))
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+
+def batches(recipe, dp_rank, dp_size, steps):
+    from fbt_megatron.train.run import build_train_loader
+
+    it = iter(build_train_loader(recipe, dp_rank, dp_size, 0))
+    return [[next(it) for _ in range(recipe.accumulation_steps(dp_size))] for _ in range(steps)]
+
+
+def interleaved(variants: dict, steps: list, rounds: int) -> dict:
+    """Median seconds per step of each variant: warm-up, then ``rounds`` rounds of one step each."""
+    times = {name: [] for name in variants}
+    for name, fn in variants.items():
+        fn(0, steps[0])
+    for r in range(rounds):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn(r + 1, steps[(r + 1) % len(steps)])
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def dp1_table(a):
+    rows = {}
+    for size in a.sizes:
+        variants, params = {}, {}
+        for zero in (0, 1, 2, 3):
+            variants[f"zero{zero}"], params[f"zero{zero}"] = fbt_step_fn(recipe_for(size, zero, a))
+        variants["hf"], params["hf"] = hf_step_fn(recipe_for(size, 0, a))
+        med = interleaved(variants, batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1), a.rounds)
+        rows[size] = (params["zero0"], params["hf"], med)
+        print(f"  [{size}: fbt {params['zero0'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
+              + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
+    return rows
+
+
+def dp2_worker(size, a_dict):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    a = argparse.Namespace(**a_dict)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    variants = {f"zero{z}": fbt_step_fn(recipe_for(size, z, a))[0] for z in (0, 1, 2, 3)}
+    steps = batches(recipe_for(size, 0, a), ps.get_data_parallel_rank(), 2, a.rounds + 1)
+    return interleaved(variants, steps, a.rounds)
+
+
+def passes_table(a, size):
+    variants = {f"k={k}": fbt_step_fn(recipe_for(size, 1, a), passes=k)[0] for k in (1, 2, 3)}
+    return interleaved(variants, batches(recipe_for(size, 1, a), 0, 1, a.rounds + 1), a.rounds)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1.3M,28M,100M")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--accumulation", type=int, default=2)
+    ap.add_argument("--dp2-size", default="28M")
+    ap.add_argument("--passes-size", default="1.3M")
+    ap.add_argument("--skip-dp2", action="store_true")
+    ap.add_argument("--skip-passes", action="store_true")
+    a = ap.parse_args(argv)
+    a.sizes = [s for s in a.sizes.split(",") if s]
+    for s in [*a.sizes, a.dp2_size, a.passes_size]:
+        if s not in SIZES:
+            ap.error(f"unknown size {s!r}; allowed: {sorted(SIZES)}")
+
+    import torch
+
+    from fbt_megatron import runtime
+    from fbt_megatron.train.engine import ensure_ds_accelerator
+
+    ensure_ds_accelerator()
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"threads={torch.get_num_threads()} micro_batch={a.micro_batch} seq={a.seq} accumulation={a.accumulation} "
+          f"rounds={a.rounds} (tokens per step {a.micro_batch * a.seq * a.accumulation})", flush=True)
+
+    a.dp = 1
+    runtime.init_distributed()
+    rows = dp1_table(a) if a.sizes else {}
+    passes = None if a.skip_passes else passes_table(a, a.passes_size)
     runtime.shutdown()
+    dp2 = None
+    if not a.skip_dp2:
+        from fbt_megatron.runtime import ParallelLayout
+        from fbt_megatron.testing.distributed import run_distributed
+
+        a.dp = 2
+        dp2 = run_distributed(dp2_worker, 2, a.dp2_size, vars(a), layout=ParallelLayout(), timeout=3600)[0]
+
+    print("\n1. DP=1: fbt tokens/s / HF LlamaForCausalLM loop tokens/s (goal >= 1.0)")
+    print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} " + " ".join(f"{'ZeRO-' + str(z):>7s}" for z in range(4)))
+    for size, (p_fbt, p_hf, med) in rows.items():
+        print(f"{size:>6s} {p_fbt / 1e6:10.1f}M {p_hf / 1e6:9.1f}M "
+              + " ".join(f"{med['hf'] / med[f'zero{z}']:7.3f}" for z in range(4)))
+    if dp2 is not None:
+        print(f"\n2. DP=2 (2 processes, {a.dp2_size}): step time / ZeRO-0 step time (goal <= 1.10)")
+        print("  " + "  ".join(f"ZeRO-{z}: {dp2[f'zero{z}'] / dp2['zero0']:.3f}" for z in (1, 2, 3))
+              + f"   (ZeRO-0 step {dp2['zero0']:.3f} s)")
+    if passes is not None:
+        print(f"\n3. FBT k-pass step / (k x 1-pass step), {a.passes_size}, ZeRO-1 (goal <= 1.0)")
+        print("  " + "  ".join(f"k={k}: {passes[f'k={k}'] / (k * passes['k=1']):.3f}" for k in (2, 3))
+              + f"   (1-pass step {passes['k=1']:.3f} s)")
     return 0
 
 

@@ -20,16 +20,33 @@ class StrictModel(BaseModel):
 
 
 class ModelConfig(StrictModel):
-    """Transformer size (Megatron-Core GPT)."""
+    """Transformer size and architecture (Megatron-Core GPT).
+
+    The defaults are a GPT-2-style block (GELU MLP, LayerNorm, biases, tied embeddings). A Llama-class
+    model sets ``activation: swiglu``, ``normalization: RMSNorm``, ``num_query_groups`` (grouped-query
+    attention), ``add_bias_linear: false``, ``tie_embeddings: false`` and ``rotary_base``
+    (recipes/models/ and docs/architecture.md).
+    """
 
     num_layers: int = Field(4, ge=1)
     hidden_size: int = Field(128, ge=1)
     num_attention_heads: int = Field(4, ge=1)
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    # Grouped-query attention: heads share this many key/value heads (None: one per head, i.e. MHA;
+    # 1: multi-query attention). Must divide num_attention_heads.
+    num_query_groups: int | None = Field(None, ge=1)
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size (Llama-style SwiGLU: ~8/3 * hidden)
+    # gelu: fc2(gelu(fc1 x)); swiglu: fc2(silu(x W_gate) * (x W_up)), Megatron's gated linear unit.
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    add_bias_linear: bool = True  # biases in every linear layer of the stack (Llama: false)
+    # The tokenizer's (logical) vocabulary. The embedding and LM head are padded to a multiple of
+    # vocab_pad_multiple x TP rows (padded_vocab_size); padded logits are -inf, never predicted.
     vocab_size: int = Field(4096, ge=2)
+    vocab_pad_multiple: int = Field(128, ge=1)
     max_sequence_length: int = Field(256, ge=2)
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: int = Field(10000, ge=1)  # RoPE theta (Llama 2: 10000, Llama 3: 500000)
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = Field(1e-5, gt=0.0)
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Packed rows: "document_causal" = each document attends only to itself, positions restart per
@@ -39,6 +56,9 @@ class ModelConfig(StrictModel):
     # Weight tying (a stabiliser, see FeedbackConfig): input embedding == output layer, so the fed-back
     # top state and the token embeddings live in one space.
     tie_embeddings: bool = True
+    # Activation recomputation in every pass: selective (Megatron's) recomputes core attention in
+    # backward, full keeps only each layer's input and recomputes the layer (model/recompute.py).
+    recompute: Literal["none", "selective", "full"] = "none"
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
@@ -47,20 +67,35 @@ class ModelConfig(StrictModel):
                 f"model.hidden_size={self.hidden_size} must be divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
+        groups = self.num_query_groups
+        if groups is not None and (groups > self.num_attention_heads or self.num_attention_heads % groups):
+            raise ValueError(
+                f"model.num_query_groups={groups} must divide model.num_attention_heads="
+                f"{self.num_attention_heads}; allowed: "
+                f"{[g for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0]}"
+            )
         return self
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Rows of the embedding / LM head: vocab_size rounded up to a multiple of vocab_pad_multiple x TP."""
+        multiple = self.vocab_pad_multiple * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Sizes that tensor parallelism shards must divide by TP; say which one does not."""
-        for name in ("hidden_size", "num_attention_heads", "vocab_size"):
+        for name in ("hidden_size", "num_attention_heads", "num_query_groups"):
             value = getattr(self, name)
-            if value % tp:
+            if value is not None and value % tp:
                 raise ValueError(
                     f"model.{name}={value} is not divisible by tensor parallel size {tp}; "
                     f"allowed: multiples of {tp}"
                 )
-        ffn = self.ffn_hidden_size or 4 * self.hidden_size
-        if ffn % tp:
-            raise ValueError(f"model.ffn_hidden_size={ffn} is not divisible by tensor parallel size {tp}")
+        if self.ffn_size % tp:
+            raise ValueError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by tensor parallel size {tp}")
 
 
 class FeedbackConfig(StrictModel):

@@ -7,7 +7,8 @@ distributed backend and the Megatron parallel state, and gets the same code path
 Why shims are needed on CPU (megatron-core 0.16): tensor-parallel layers allocate buffers on
 ``torch.cuda.current_device()``, dropout inside attention forks ``get_cuda_rng_tracker()`` and the
 dist_checkpointing writer calls ``torch.cuda.synchronize()``. We answer the first with ``"cpu"``,
-make the sync a no-op and replace the tracker with one that saves/restores the CPU generator. Nothing else in megatron-core's *layers* touches CUDA when built with
+make the sync a no-op and replace the tracker with one that saves/restores the CPU generator
+(activation recomputation's CUDA-generator save/restore becomes a no-op as well). Nothing else in megatron-core's *layers* touches CUDA when built with
 ``use_cpu_initialization=True``. (Its pipeline schedules, DDP and distributed optimizer remain
 CUDA-bound; fbt_megatron uses DeepSpeed for data parallelism instead.)
 """
@@ -116,6 +117,10 @@ def install_cpu_shims() -> None:
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     # initialize_rng_tracker() would otherwise replace our tracker with the CUDA one.
     mp_random.initialize_rng_tracker = lambda *a, **k: None
+    # Activation recomputation (tensor_parallel.checkpoint) saves and restores the CUDA generator
+    # next to the CPU one and the tracker's states; on CPU there is no CUDA generator to keep.
+    mp_random._get_cuda_rng_state = lambda *a, **k: None
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
     _cpu_shims_installed = True
 
 

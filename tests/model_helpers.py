@@ -1,12 +1,18 @@
 """Shared builders for the model tests: a tiny config, deterministic inputs, TP (un)sharding."""
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from fbt_megatron.config import FeedbackConfig, ModelConfig
+from fbt_megatron.model import tp_layout
 
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=32)
+# vocab_pad_multiple=32: 64 rows at TP 1 and 2 (no padded rows; padding is tested with the Llama config)
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=32,
+            vocab_pad_multiple=32)
+# Llama-shaped: SwiGLU, RMSNorm, grouped-query attention (2 KV heads for 4 query heads), no biases,
+# untied embeddings, a non-default RoPE base; the vocabulary (64) is padded (to 128, or 256 at TP=2).
+LLAMA = dict(TINY, activation="swiglu", ffn_hidden_size=48, normalization="RMSNorm", num_query_groups=2,
+             add_bias_linear=False, tie_embeddings=False, rotary_base=500000, vocab_pad_multiple=128)  # padded
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -23,30 +29,20 @@ def make_inputs(batch=2, seq=10, vocab=64, seed=0):
     return ids, labels, doc_start
 
 
-def shard(full: torch.Tensor, param) -> torch.Tensor:
+def shard(full: torch.Tensor, param, name: str = "", model=None) -> torch.Tensor:
     """The slice of a TP=1 tensor that this rank's TP-sharded parameter holds."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    return full.chunk(tp, dim=param.partition_dim)[rank].contiguous()
+    return tp_layout.to_local(name, full, param, model)
 
 
-def unshard(local: torch.Tensor, param) -> torch.Tensor:
-    """The full tensor from every TP rank's slice of a TP-sharded parameter (or grad)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return local
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+def unshard(local: torch.Tensor, param, name: str = "", model=None) -> torch.Tensor:
+    """The full (TP=1, logical-vocabulary) tensor from every TP rank's slice of a parameter (or grad)."""
+    return tp_layout.to_full(name, local, param, model)
 
 
 def load_full_weights(model, full_state: dict) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(shard(full_state[name], p))
+            p.copy_(shard(full_state[name], p, name, model))
 
 
 def gathered_logits(logits: torch.Tensor) -> torch.Tensor:

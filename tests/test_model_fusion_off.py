@@ -8,7 +8,7 @@ from model_helpers import feedback, make_inputs, tiny_model_config
 
 
 def test_fusion_off_is_plain_megatron_gpt(single_process):
-    cfg = tiny_model_config(attention_mask="causal")  # Megatron's plain causal mask over the row
+    cfg = tiny_model_config(vocab_pad_multiple=64, attention_mask="causal")  # no padding (no -inf columns); plain causal mask
     torch.manual_seed(0)
     fbt = build_model(cfg, feedback(fusion="off")).eval()
     assert fbt.feedback is None

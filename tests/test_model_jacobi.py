@@ -5,20 +5,22 @@ import torch
 
 from fbt_megatron.model.fbt_gpt import build_model
 from fbt_megatron.model.sequential import sequential_forward
-from model_helpers import feedback, make_inputs, tiny_model_config
+from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
 
 SEQ = 10
 
 
-def rel_err_per_position(a, b):
-    """[B, S, V] -> max over batch of ||a-b|| / ||b|| per position."""
+def rel_err_per_position(a, b, vocab=64):
+    """[B, S, V] -> max over batch of ||a-b|| / ||b|| per position (logical vocabulary; padding is -inf)."""
+    a, b = a[..., :vocab], b[..., :vocab]
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).amax(0)
 
 
-@pytest.fixture
-def model_and_reference(single_process):
+@pytest.fixture(params=["gpt", "llama"])
+def model_and_reference(single_process, request):
     torch.manual_seed(0)
-    model = build_model(tiny_model_config(), feedback()).eval()
+    cfg = tiny_model_config() if request.param == "gpt" else tiny_model_config(**LLAMA)
+    model = build_model(cfg, feedback()).eval()
     ids, _, doc_start = make_inputs(seq=SEQ)
     return model, ids, doc_start
 

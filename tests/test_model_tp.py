@@ -1,17 +1,25 @@
-"""Tensor parallelism changes the layout, not the math: TP=2 equals TP=1 from the same weights."""
+"""Tensor parallelism changes the layout, not the math: TP=2 equals TP=1 from the same weights,
+for the GPT-2-style default block and for the Llama-shaped one (SwiGLU, RMSNorm, GQA, no biases,
+untied embeddings, a vocabulary padded differently at TP=1 and TP=2)."""
 
 import itertools
 
 import pytest
 import torch
 
+from fbt_megatron.model import tp_layout
 from fbt_megatron.model.fbt_gpt import build_model
 from fbt_megatron.runtime import ParallelLayout
 from fbt_megatron.testing.distributed import run_distributed
-from model_helpers import feedback, gathered_logits, load_full_weights, make_inputs, tiny_model_config, unshard
+from model_helpers import LLAMA, TINY, feedback, gathered_logits, load_full_weights, make_inputs, unshard
+
+from fbt_megatron.config import ModelConfig
 
 CASES = list(itertools.product((1, 2, 3), ("all", "last")))
 JITTER_SEED = 77
+
+
+ARCHS = {"gpt": TINY, "llama": LLAMA}
 
 
 def cases_for(loss_on):
@@ -19,38 +27,46 @@ def cases_for(loss_on):
     return [(k, mode) for k, mode in CASES if not (loss_on == "mean" and mode == "last")]
 
 
-def run_cases(full_state, loss_on="last"):
+def run_cases(full_state, loss_on="last", arch="gpt"):
     """On every rank: logits and full (unsharded) parameter gradients for each (k, grad_mode)."""
     ids, labels, doc_start = make_inputs()
+    cfg = ModelConfig(**ARCHS[arch])
     results = {}
     for k, mode in cases_for(loss_on):
         torch.manual_seed(0)
-        model = build_model(tiny_model_config(), feedback(grad_mode=mode, loss_on=loss_on))
+        model = build_model(cfg, feedback(grad_mode=mode, loss_on=loss_on))
         load_full_weights(model, full_state)
         model.train()  # jitter on (seeded), dropout is 0
         out = model(ids, doc_start=doc_start, labels=labels, num_passes=k, jitter_seed=JITTER_SEED)
         out.token_loss.sum().backward()
-        grads = {n: unshard(p.grad, p) for n, p in model.named_parameters()}
+        grads = {n: unshard(p.grad, p, n, model) for n, p in model.named_parameters()}
+        pad = model._padding_columns  # this rank's padded vocabulary rows: no gradient reaches them
+        padding_grad = 0.0 if pad is None else max(
+            float(p.grad[pad].abs().max()) for n, p in model.named_parameters() if n.endswith(("word_embeddings.weight", "output_layer.weight")))
         with torch.no_grad():
             logits = gathered_logits(model(ids, doc_start=doc_start, num_passes=k, jitter_seed=JITTER_SEED).logits.transpose(0, 1)).transpose(0, 1)
-        results[(k, mode)] = {"logits": logits, "loss": out.token_loss.detach(), "grads": grads}
+        assert torch.isneginf(logits[..., cfg.vocab_size:]).all()  # padded columns never get probability
+        results[(k, mode)] = {"logits": logits[..., :cfg.vocab_size], "loss": out.token_loss.detach(), "grads": grads,
+                              "padding_grad": padding_grad}
     return results
 
 
-@pytest.mark.parametrize("loss_on", ["last", "mean"])
-def test_tp2_equals_tp1_logits_and_every_gradient(single_process, loss_on):
+@pytest.mark.parametrize("arch,loss_on", [("gpt", "last"), ("gpt", "mean"), ("llama", "last")])
+def test_tp2_equals_tp1_logits_and_every_gradient(single_process, arch, loss_on):
     torch.manual_seed(0)
-    reference_model = build_model(tiny_model_config(), feedback())
-    full_state = {n: p.detach().clone() for n, p in reference_model.named_parameters()}
-    expected = run_cases(full_state, loss_on)
+    reference_model = build_model(ModelConfig(**ARCHS[arch]), feedback())
+    full_state = {n: tp_layout.to_full(n, p.detach().clone(), p, reference_model)
+                  for n, p in reference_model.named_parameters()}
+    expected = run_cases(full_state, loss_on, arch)
 
-    per_rank = run_distributed(run_cases, 2, full_state, loss_on, layout=ParallelLayout(tensor=2))
+    per_rank = run_distributed(run_cases, 2, full_state, loss_on, arch, layout=ParallelLayout(tensor=2))
     for rank, got in enumerate(per_rank):
         for case in cases_for(loss_on):
             exp, res = expected[case], got[case]
             torch.testing.assert_close(res["logits"], exp["logits"], rtol=1e-5, atol=1e-5, msg=f"logits {case} rank {rank}")
             torch.testing.assert_close(res["loss"], exp["loss"], rtol=1e-5, atol=1e-5)
             assert res["grads"].keys() == exp["grads"].keys()
+            assert res["padding_grad"] == 0.0 and exp["padding_grad"] == 0.0
             for name in exp["grads"]:
                 torch.testing.assert_close(
                     res["grads"][name], exp["grads"][name], rtol=1e-5, atol=1e-5,

@@ -75,6 +75,10 @@ class ParamSpec:
     global_offset: tuple[int, ...]
     prepend_axis_num: int
     replica_id: tuple  # the template's (PP, TP, DP) replica id
+    # Set when the TP-local rows are not one block of the global tensor (a ShardedTensorFactory: the
+    # SwiGLU fc1's [gate; up] halves, the padded vocabulary's logical chunks): (local row, rows, global
+    # row) segments along the first non-prepended axis; local rows in no segment (padding) are not saved.
+    row_map: tuple | None = None
 
 
 def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
@@ -83,15 +87,20 @@ def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     by_id = {}
     for value in model.sharded_state_dict().values():
-        if isinstance(value, ShardedTensor) and isinstance(value.data, torch.nn.Parameter):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.nn.Parameter):
             by_id[id(value.data)] = value
     specs = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         tpl = by_id.get(id(p))
+        if isinstance(tpl, ShardedTensorFactory):
+            specs.append(_factory_spec(name, p, tpl))
+            continue
         if tpl is None:
             tpl = ShardedTensor.from_rank_offsets(name, p.detach(), replica_id=(
                 0, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True)))
@@ -99,6 +108,44 @@ def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
         specs.append(ParamSpec(name, p, tpl.key, tuple(tpl.local_shape), tuple(tpl.global_shape),
                                tuple(tpl.global_offset), tpl.prepend_axis_num, tuple(rid)))
     return specs
+
+
+def _factory_spec(name: str, p: torch.nn.Parameter, factory) -> ParamSpec:
+    """A factory's pieces are views of row blocks of the parameter: record where each block goes."""
+    subs = factory.build()
+    row_bytes = p.stride(0) * p.element_size()
+    segments, first = [], None
+    for sub in subs:
+        same_storage = sub.data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+        if not same_storage:  # a placeholder (e.g. a rank holding only vocabulary padding)
+            first = first or sub
+            continue
+        first = sub
+        ax = sub.prepend_axis_num
+        local_row = (sub.data.data_ptr() - p.data_ptr()) // row_bytes
+        segments.append((local_row, sub.data.shape[0], sub.global_offset[ax]))
+    if first is None:
+        raise ValueError(f"{name}: its checkpoint factory built no pieces")
+    rid = factory.replica_id if isinstance(factory.replica_id, tuple) else (0, 0, factory.replica_id)
+    ax = first.prepend_axis_num  # prepended axes (the layer number) keep the template's offsets
+    goff = tuple(first.global_offset[:ax]) + (0,) * (len(first.global_shape) - ax)
+    return ParamSpec(name, p, factory.key, tuple(p.shape), tuple(first.global_shape),
+                     goff, ax, tuple(rid), tuple(segments))
+
+
+def _row_split(spec: ParamSpec, off: tuple, size: tuple):
+    """A local box -> [(local offset, size, global offset)] through the spec's row map."""
+    p = spec.prepend_axis_num
+    if spec.row_map is None:
+        return [(off, size, spec.global_offset[:p] + tuple(g + o for g, o in zip(spec.global_offset[p:], off)))]
+    out = []
+    for local_row, rows, global_row in spec.row_map:
+        r0, r1 = max(off[0], local_row), min(off[0] + size[0], local_row + rows)
+        if r0 < r1:
+            o = (r0,) + tuple(off[1:])
+            out.append((o, (r1 - r0,) + tuple(size[1:]),
+                        tuple(spec.global_offset[:p]) + (global_row + r0 - local_row,) + tuple(off[1:])))
+    return out
 
 
 @dataclass
@@ -122,7 +169,9 @@ class Fragment:
         for which, flat in self.tensors.items():
             key = storage_key(s.key, which)
             out[key] = []
-            for off, size in flat_range_boxes(s.local_shape, self.start, self.start + self.numel):
+            boxes = [piece for box in flat_range_boxes(s.local_shape, self.start, self.start + self.numel)
+                     for piece in _row_split(s, *box)]
+            for off, size, goff in boxes:
                 begin = _flat_index(s.local_shape, off) - self.start
                 # Prepended axes (e.g. the global layer number) become size-1 leading dims of the piece:
                 # megatron's uneven-sharding path does not handle prepend_axis_num.
@@ -131,7 +180,6 @@ class Fragment:
                 data = flat.narrow(0, begin, math.prod(size)).view(size)
                 if clone:
                     data = data.clone()
-                goff = s.global_offset[:p] + tuple(g + o for g, o in zip(s.global_offset[p:], off))
                 out[key].append(ShardedTensor(key=key, data=data, dtype=data.dtype, local_shape=size,
                                               global_shape=s.global_shape, global_offset=goff,
                                               axis_fragmentations=None, replica_id=replica))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
@@ -27,10 +28,12 @@ from megatron.core.transformer.module import MegatronModule
 
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
+from fbt_megatron.model import vocab
 from fbt_megatron.model.attention import (adapt_layer_spec, document_causal_mask, document_positions,
                                           rotary_for_positions)
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.kernels import fused_switches
+from fbt_megatron.model.recompute import recompute_layers
 
 
 @dataclass
@@ -52,6 +55,13 @@ def reset_positions(doc_start, batch: int, seq_len: int, device) -> torch.Tensor
     return reset
 
 
+RECOMPUTE = {  # ModelConfig.recompute -> Megatron's TransformerConfig switches
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": {},  # FBT's own non-reentrant per-layer recompute (recompute.py), installed on the layers
+}
+
+
 def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
                        dtype: torch.dtype | None = None) -> TransformerConfig:
     """Megatron TransformerConfig for the current parallel state; fused kernels only where installed.
@@ -60,15 +70,22 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
     on_gpu = runtime.use_cuda()
     if dtype is None:
         dtype = torch.bfloat16 if runtime.default_dtype_name() == "bf16" else torch.float32
+    swiglu = model.activation == "swiglu"
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_size,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
         normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        **RECOMPUTE[model.recompute],
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=dtype,  # what travels between stages
@@ -137,22 +154,36 @@ class FBTGPTModel(MegatronModule):
         self.pipelined = config.pipeline_model_parallel_size > 1
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.padded_vocab_size = model.padded_vocab_size(config.tensor_model_parallel_size)
+        # TP-invariant initialisation (Megatron's CPU init): the padded vocabulary depends on TP, so the
+        # embedding draws its logical rows only, and the untied LM head (built last) is re-drawn below.
+        config.embedding_init_method = vocab.logical_rows_init(
+            model.vocab_size, self.padded_vocab_size, config.embedding_init_method_std or config.init_method_std)
+        rng_before = torch.get_rng_state()
         spec = adapt_layer_spec(spec if spec is not None else layer_spec(model), model.attention_mask,
                                 config.sequence_parallel, config.num_layers)
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,
                 transformer_layer_spec=_seeded_spec(spec, init_seed),
-                vocab_size=model.vocab_size,
+                vocab_size=self.padded_vocab_size,
                 max_sequence_length=model.max_sequence_length,
                 position_embedding_type=model.position_embedding_type,
+                rotary_base=model.rotary_base,
                 share_embeddings_and_output_weights=model.tie_embeddings,
                 pre_process=first,
                 post_process=last,
             )
+        if config.use_cpu_initialization and last and not model.tie_embeddings:
+            head_seed = int(torch.randint(2**62, (1,), generator=torch.Generator().set_state(rng_before)))
+            vocab.reinit_logical_rows(self.gpt.output_layer.weight, model.vocab_size, config.init_method_std, head_seed)
+        if model.recompute == "full":
+            recompute_layers(self.gpt.decoder.layers)
         torch.default_generator.manual_seed(init_seed)  # the fusion's init, whatever layers came before
         self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" and first else None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
+        # This rank's LM-head columns that are vocabulary padding (None when it holds none).
+        self._padding_columns = vocab.local_padding_mask(model.vocab_size, self.padded_vocab_size)
 
     # ----------------------------------------------------------------- helpers
     def causal_mask(self, seq_len: int, device) -> torch.Tensor:
@@ -194,11 +225,14 @@ class FBTGPTModel(MegatronModule):
                                           (input_ids, position_ids))
 
     def head(self, top_state, labels=None, weight=None):
-        """LM head on the top state: per-token loss [B, S] if labels, else logits [B, S, V/TP].
+        """LM head on the top state: per-token loss [B, S] if labels, else logits [B, S, V_pad/TP]
+        (padded vocabulary columns are -inf: they take no probability, in the loss or in sampling).
         ``weight`` stands in for the tied output weight (see :meth:`embed`)."""
         if weight is None and self.gpt.share_embeddings_and_output_weights:
             weight = self.gpt.shared_embedding_or_output_weight()
         logits, _ = self.gpt.output_layer(top_state, weight=weight)
+        if self._padding_columns is not None:
+            logits = logits.masked_fill(self._padding_columns.to(logits.device), float("-inf"))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.gpt.compute_language_model_loss(labels, logits)
@@ -241,13 +275,15 @@ class FBTGPTModel(MegatronModule):
 
         cfg = self.feedback_config
         state = self.feedback.initial_states()
+        # The token path of the fusion (sigmoid(W_G e) for glu) is the same in every pass: once per step.
+        gate = self.feedback.token_gate(embedded)
         top, heads, residuals = None, [], []
         for k in range(num_passes):
             last = k == num_passes - 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and (last or cfg.grad_mode == "all")):
                 if k > 0:
                     state = self.feedback.shift_states(top, reset, generator)
-                stack_input = self.feedback(state, embedded)
+                stack_input = self.feedback.fuse(state, gate)
                 local_top = self.run_stack(stack_input, mask, rotary)
                 if last or cfg.loss_on == "mean":
                     heads.append(self.head(local_top, labels))
@@ -257,6 +293,17 @@ class FBTGPTModel(MegatronModule):
                     residuals.append((new_top - top).norm() / top.norm().clamp_min(1e-12))
             top = new_top
         return self._output(top, labels, heads, residuals)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's sharded state dict, with the vocabulary-parallel weights stored TP-independently
+        (their logical rows in vocab_pad_multiple-row chunks, padding left out), so a checkpoint
+        reloads under another TP size although the padded vocabulary depends on TP."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in ("gpt.embedding.word_embeddings.weight", "gpt.output_layer.weight"):
+            if prefix + name in sd:
+                sd[prefix + name] = vocab.chunked_vocab_factory(
+                    sd[prefix + name], self.model_config.vocab_size, self.model_config.vocab_pad_multiple)
+        return sd
 
     def _output(self, top, labels, heads, residuals) -> FBTOutput:
         out = FBTOutput(hidden=top, pass_residuals=residuals)

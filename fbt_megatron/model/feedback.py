@@ -99,10 +99,19 @@ class LatentFeedback(MegatronModule):
 
         Returns [S, B, D], or [S/TP, B, D] under sequence parallelism.
         """
-        value, _ = self.value(state)
+        return self.fuse(state, self.token_gate(embedded))
+
+    def token_gate(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The token path [S, B, D/TP]: sigmoid(W_G e) for glu, W_G e for additive. It does not
+        depend on the fed-back state, so a k-pass forward computes it once and reuses it."""
         gate, _ = self.gate(embedded)
-        local = value * torch.sigmoid(gate) if self.mode == "glu" else value + gate
-        local = local.expand(gate.shape)  # [1, 1, D/TP] value from a constant state
+        return torch.sigmoid(gate) if self.mode == "glu" else gate
+
+    def fuse(self, state: torch.Tensor, token_gate: torch.Tensor) -> torch.Tensor:
+        """Fuse states with a precomputed :meth:`token_gate`; same output as :meth:`forward`."""
+        value, _ = self.value(state)
+        local = value * token_gate if self.mode == "glu" else value + token_gate
+        local = local.expand(token_gate.shape)  # [1, 1, D/TP] value from a constant state
         if self.sequence_parallel:  # [S*B, D/TP] -> [S*B/TP, D]: tokens are sequence-major
             seq, batch, _ = local.shape
             tokens = tensor_parallel.all_to_all_hp2sp(local.reshape(seq * batch, -1))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
+from fbt_megatron.train.optim_step import chunked_adamw_step
 
 
 def ensure_ds_accelerator() -> None:
@@ -156,6 +157,10 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
         "zero_allow_untested_optimizer": True,
     }
     cfg.update(precision_config(recipe))
+    if recipe.parallel.zero_stage in (1, 2) and not runtime.use_cuda():
+        # On CPU a contiguous gradient buffer only adds a copy of every gradient per micro-batch
+        # (profiled: ~15% of a ZeRO-2 step at 28M parameters); there is no fragmentation to avoid.
+        cfg["zero_optimization"]["contiguous_gradients"] = False
     if recipe.parallel.zero_stage == 3:
         # Small, deterministic buckets; no prefetch reordering surprises on CPU.
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
@@ -212,6 +217,8 @@ class SkippableStep:
         self.skip_next = False
         self.stepped = False
         self._step = optimizer.step
+        if type(optimizer) is torch.optim.AdamW:  # the same update, chunk by chunk (optim_step.py)
+            self._step = lambda *a, **k: chunked_adamw_step(optimizer)
 
         def step(*args, **kwargs):
             if self.skip_next:

@@ -8,7 +8,8 @@ import os
 TINY = {
     "name": "test",
     "seed": 1234,
-    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128,
+    # vocab_pad_multiple 64: 128 rows at TP 1 and 2, so layouts compare row for row (padding: test_train_llama)
+    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "vocab_pad_multiple": 64,
               "max_sequence_length": 32},
     "feedback": {"jitter_std": 0.02},
     # Feedback from step 2 with a mix that makes multi-pass steps common in a short run.
