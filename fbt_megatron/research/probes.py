@@ -69,7 +69,7 @@ def train_toy_model(setup: ToySetup, fusion: str, seed: int, steps: int | None =
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return model, losses
 
