@@ -27,11 +27,11 @@ CONVERGED = 0.05
 def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     """Evaluate the latest checkpoint of ``run_dir`` at each pass count (call inside a process group)."""
     from fbt_megatron import runtime
-    from fbt_megatron.research.runs import load_trained_model
+    from fbt_megatron.checkpoint.model import load_checkpoint_model
     from fbt_megatron.train.run import build_valid_batches
     from fbt_megatron.train.train_step import evaluate
 
-    model, recipe, latest = load_trained_model(run_dir)
+    model, recipe, latest = load_checkpoint_model(run_dir)
     batches = build_valid_batches(recipe, 0, 1)
     rows = []
     for k in passes:

@@ -44,13 +44,13 @@ def analyse(runs: Path, passes: int, rows: int = 8) -> dict:
     import torch
 
     from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms
-    from fbt_megatron.research.runs import load_trained_model
+    from fbt_megatron.checkpoint.model import load_checkpoint_model
     from fbt_megatron.research.stability import contraction_ratios
     from fbt_megatron.train.run import build_valid_batches
 
     results = {}
     for name in MIXES:
-        model, recipe, _ = load_trained_model(runs / name)
+        model, recipe, _ = load_checkpoint_model(runs / name)
         batches = build_valid_batches(recipe, 0, 1)
         ids = torch.cat([b["input_ids"] for b in batches])[:rows]
         it = iterate_passes(model, ids, passes)

@@ -142,18 +142,9 @@ def _SlicePlanner(offsets: dict):
 def load_framework_model(checkpoint: str | Path):
     """The checkpoint's FBT model at the current (world-of-one) parallel layout, weights loaded, in eval
     mode: the reference the parity tests compare an export against. Call inside a process group."""
-    from fbt_megatron import runtime
-    from fbt_megatron.checkpoint import load_model_weights
-    from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.checkpoint.model import load_checkpoint_model
 
-    path = resolve_checkpoint(checkpoint)
-    recipe = load_recipe(data=read_checkpoint_state(path)["recipe"])
-    recipe.parallel.tensor = 1
-    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
-    model = build_model(recipe.model, recipe.feedback)
-    load_model_weights(path, model)
-    return model.eval()
+    return load_checkpoint_model(checkpoint)[0]
 
 
 def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:

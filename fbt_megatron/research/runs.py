@@ -1,4 +1,5 @@
-"""Training runs for the experiments: ``fbt train`` in a subprocess, and loading what it saved."""
+"""Training runs for the experiments: ``fbt train`` in a subprocess (load what it saved with
+:func:`fbt_megatron.checkpoint.model.load_checkpoint_model`)."""
 
 from __future__ import annotations
 
@@ -26,20 +27,3 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def load_trained_model(run_dir_or_checkpoint):
-    """(model, recipe, checkpoint dir) from a run's latest checkpoint (or a step dir), saved in any
-    layout, as a TP=1 eval-mode model (inside a world-of-one process group)."""
-    from fbt_megatron import runtime
-    from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
-    from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
-
-    latest = resolve_checkpoint(run_dir_or_checkpoint)
-    recipe = load_recipe(data=read_checkpoint_state(latest)["recipe"])
-    recipe.parallel.tensor = 1
-    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
-    model = build_model(recipe.model, recipe.feedback)
-    load_model_weights(latest, model)
-    return model.eval(), recipe, latest
