@@ -29,7 +29,11 @@ def build_inference_model(model: ModelConfig, feedback: FeedbackConfig) -> FBTGP
 
 @torch.no_grad()
 def full_vocab_logits(model: FBTGPTModel, top: torch.Tensor) -> torch.Tensor:
-    """[S, B, D] top states -> [B, S, V] logits, gathered over tensor parallelism."""
+    """[S, B, D] top states -> [B, S, V] logits over the logical vocabulary (V = ``vocab_size``),
+    gathered over tensor parallelism. The TP-dependent padding columns are cut off, not only masked:
+    a sampler's random draws depend on the width of the vector it samples from, so TP=1 and TP=2
+    would otherwise draw different tokens from the same distribution."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    return gather_from_tensor_model_parallel_region(model.head(top)).float()
+    logits = gather_from_tensor_model_parallel_region(model.head(top))
+    return logits[..., : model.model_config.vocab_size].float()
