@@ -1,7 +1,7 @@
 """Hugging Face conversion: parity of an export with the framework, round trip, stock Llama import,
 bad checkpoints.
 
-The checkpoints are trained and saved at TP=2 (2 gloo processes); the framework reference loads them at
+The checkpoints are trained and saved at TP=2 or PP=2 (2 gloo processes); the framework reference loads them at
 TP=1 in this process; the HF side runs in a fresh process with HF_HUB_OFFLINE=1 (tests/hf_side.py), so
 the export must be self-contained (transformers + the shipped modelling file).
 """
@@ -37,6 +37,8 @@ VARIANTS = {
                           "tie_embeddings": False, "normalization": "RMSNorm"},
                 "feedback": {"bias": True, "prefix_mixin": 0.3}},
 }
+# The rope variant again, trained and saved at PP=2 (two pipeline stages, the tied embedding on both).
+VARIANTS["rope_pp2"] = {**VARIANTS["rope"], "parallel": {"tensor": 1, "pipeline": 2}}
 if "activation" in ModelConfig.model_fields:  # the Llama-class options (SwiGLU, GQA, no bias, RoPE base, padding)
     VARIANTS["llama"] = {"model": {"vocab_size": VOCAB - 50, "init_method_std": 0.2, "activation": "swiglu",
                                    "normalization": "RMSNorm", "num_query_groups": 2, "add_bias_linear": False,
@@ -46,7 +48,7 @@ if "activation" in ModelConfig.model_fields:  # the Llama-class options (SwiGLU,
 
 def _recipe(run_dir, variant):
     v = VARIANTS[variant]
-    return tiny_recipe(run_dir, parallel={"tensor": 2, "zero_stage": 0}, train={"steps": 3},
+    return tiny_recipe(run_dir, parallel={"tensor": 2, "zero_stage": 0, **v.get("parallel", {})}, train={"steps": 3},
                        schedule={"feedback_start_step": 1, "mix": [0.2, 0.5, 0.3], "seed": 3},
                        checkpoint={"every": 1000, "at_end": True}, model=dict(v["model"]),
                        feedback={"jitter_std": 0.02, **v["feedback"]})
@@ -103,6 +105,8 @@ def test_export_matches_framework(exported, variant, tmp_path, single_process):
     from fbt_megatron.model.sequential import sequential_forward
 
     run, export = exported[variant]
+    saved = json.loads(next(run.glob("checkpoints/step_*/state.json")).read_text())["layout"]
+    assert (saved["tensor"], saved["pipeline"]) == ((1, 2) if variant.endswith("pp2") else (2, 1)), saved
     files = sorted(p.name for p in export.iterdir())
     assert "model.safetensors.index.json" in files and "modeling_fbt.py" in files and "README.md" in files
     g = torch.Generator().manual_seed(1)
@@ -142,6 +146,24 @@ def test_export_matches_framework(exported, variant, tmp_path, single_process):
         assert torch.equal(padded[1, p:], hf["short_alone"][0, 2:])
         # FUSED prefill (2 passes): the first generated token's logits are the framework's 2-pass logits.
         assert rel(gen["fused2"]["logits"][0, 0], model(prompt, num_passes=2).logits[0, -1, :vocab]) < RTOL
+
+    # The framework's own KV-cache decoder (`fbt generate`) gives HF's tokens and logits in every mode,
+    # and the left-padded batch.
+    from fbt_megatron.generate.decoder import FeedbackDecoder
+    from fbt_megatron.generate.loading import load_for_inference
+    from fbt_megatron.generate.sampling import SamplingParams
+
+    loaded = load_for_inference(run, need_tokenizer=False)
+    greedy = SamplingParams(max_new_tokens=request["new_tokens"])
+    for mode, decoder in (("feedback", FeedbackDecoder(loaded.model, "feedback", "exact")),
+                          ("standard", FeedbackDecoder(loaded.model, "standard", 1)),
+                          ("fused2", FeedbackDecoder(loaded.model, "feedback", 2))):
+        out = decoder.generate([prompt[0].tolist()], greedy, return_logits=True)
+        assert out.tokens[0] == gen[mode]["tokens"][0, p:].tolist(), mode
+        assert rel(gen[mode]["logits"][0], out.logits[0]) < RTOL, mode
+    batch = FeedbackDecoder(loaded.model, "feedback", "exact").generate(
+        [prompt[0].tolist(), prompt[0, -2:].tolist()], greedy, padding="left")
+    assert batch.tokens == [padded[0, p:].tolist(), padded[1, p:].tolist()]
 
     if variant == "rope":  # the exported tokenizer encodes like the run's sentencepiece model
         from data_pipeline.tokenizer import load_tokenizer
