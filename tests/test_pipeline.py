@@ -85,6 +85,9 @@ def pipelined(full_state, cases):
             for n, p in model.named_parameters():
                 p.copy_(shard(full_state[global_name(model, n)], p))
         model.train()
+        gate_calls = []  # first stage: W_G e once per micro-batch, not once per pass
+        if model.feedback is not None:
+            model.feedback.gate.register_forward_hook(lambda *a: gate_calls.append(1))
         runner = PipelineRunner(model)
         if runner.tied and not runner.first:
             runner.shared_weight().ds_pipe_replicated = True  # counted once (the engine does this)
@@ -92,7 +95,8 @@ def pipelined(full_state, cases):
                          jitter_seeds=[100 + i for i in range(len(mbs))])
         grads = {global_name(model, n): unshard(p.grad, p) for n, p in model.named_parameters()}
         results[(k, mode, loss_on)] = {"loss": float(out.loss_sum) / float(tokens), "grads": grads,
-                                       "norm": model_parallel_grad_norm(list(model.parameters()))}
+                                       "norm": model_parallel_grad_norm(list(model.parameters())),
+                                       "gate_calls": len(gate_calls) if model.feedback is not None else None}
     return results
 
 
@@ -119,6 +123,7 @@ def check(reference, per_rank, cases):
             res = got[case]
             assert abs(res["loss"] - exp["loss"]) < TOL, (case, rank, res["loss"], exp["loss"])
             assert abs(res["norm"] - exp["norm"]) < TOL, (case, rank, res["norm"], exp["norm"])
+            assert res["gate_calls"] in (None, MICRO_BATCHES), (case, rank, res["gate_calls"])
             for name, grad in res["grads"].items():
                 torch.testing.assert_close(grad, exp["grads"][name], rtol=TOL, atol=TOL,
                                            msg=lambda m, n=name: f"grad {n} {case} rank {rank}: {m}")

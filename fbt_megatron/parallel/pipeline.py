@@ -360,8 +360,12 @@ class StepOutput:
 @dataclass
 class _MicroBatch:
     data: dict
-    embedded: torch.Tensor | None = None  # first stage: the embedding graph (pass min(grad_passes) uses it)
-    embedded_leaf: torch.Tensor | None = None  # first stage: detached copy the other grad passes use
+    embedded: torch.Tensor | None = None  # first stage: the embedding graph
+    # First stage: the token path sigmoid(W_G e), computed once per micro-batch (it does not change
+    # between passes); pass min(grad_passes) uses its graph, the other grad passes a detached leaf whose
+    # accumulated gradient goes through W_G and the embedding once, in that pass's backward.
+    gate: torch.Tensor | None = None
+    gate_leaf: torch.Tensor | None = None
     reset: torch.Tensor | None = None
     attention: tuple | None = None  # (mask, rotary) of this row's documents, every stage
     generator: torch.Generator | None = None
@@ -468,8 +472,8 @@ class PipelineRunner:
                         if grad and j - 1 in ctx["grad_passes"]:
                             ring_in.requires_grad_()
                         state = model.feedback.shift_states(ring_in, mb.reset, mb.generator)
-                    embedded = mb.embedded if (not grad or j == min(ctx["grad_passes"])) else mb.embedded_leaf
-                    x = model.feedback(state, embedded)
+                    gate = mb.gate if (not grad or j == min(ctx["grad_passes"])) else mb.gate_leaf
+                    x = model.feedback.fuse(state, gate)
             else:
                 x = ctx["channel"].recv(("act", self.stage - 1, b, j))
                 if grad:
@@ -515,8 +519,10 @@ class PipelineRunner:
         self._attention(mb)
         with torch.set_grad_enabled(bool(ctx["grad_passes"])):
             mb.embedded = model.embed(ids, mb.attention[2], word_weight=self._tied_leaf)
-        if len(ctx["grad_passes"]) > 1:  # later grad passes read a detached copy (one graph per pass)
-            mb.embedded_leaf = mb.embedded.detach().requires_grad_()
+            if model.feedback is not None:
+                mb.gate = model.feedback.token_gate(mb.embedded)
+        if mb.gate is not None and len(ctx["grad_passes"]) > 1:  # one graph per pass: the others read a leaf
+            mb.gate_leaf = mb.gate.detach().requires_grad_()
         cfg = model.feedback_config
         if model.training and cfg.jitter_std > 0 and jitter_seed is not None:
             mb.generator = torch.Generator(device=ids.device).manual_seed(int(jitter_seed))
@@ -548,9 +554,9 @@ class PipelineRunner:
             tensors.append(out)
             grads.append(ctx["channel"].recv(("ringgrad", 0, b, j + 1)))
         final = j == min(ctx["grad_passes"])
-        if self.first and final and mb.embedded_leaf is not None and mb.embedded_leaf.grad is not None:
-            tensors.append(mb.embedded)  # the other passes' embedding gradient, through the embedding once
-            grads.append(mb.embedded_leaf.grad)
+        if self.first and final and mb.gate_leaf is not None and mb.gate_leaf.grad is not None:
+            tensors.append(mb.gate)  # the other passes' gate gradient, through W_G and the embedding once
+            grads.append(mb.gate_leaf.grad)
         ctx["backward"](tensors, grads)
         if not self.first:
             ctx["channel"].send(("grad", self.stage, b, j), self.stage - 1, x.grad)
