@@ -25,7 +25,7 @@ class ModelConfig(StrictModel):
     The defaults are a GPT-2-style block (GELU MLP, LayerNorm, biases, tied embeddings). A Llama-class
     model sets ``activation: swiglu``, ``normalization: RMSNorm``, ``num_query_groups`` (grouped-query
     attention), ``add_bias_linear: false``, ``tie_embeddings: false`` and ``rotary_base``
-    (recipes/models/ and docs/architecture.md).
+    (recipes/1b.yaml, recipes/fbt-*.yaml and docs/architecture.md).
     """
 
     num_layers: int = Field(4, ge=1)

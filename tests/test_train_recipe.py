@@ -19,6 +19,44 @@ def test_tiny_recipe_validates():
     assert check_layout(r, 1) == 1
 
 
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+# The paper-scale model and the SLURM recipes are Llama-class (issue 9).
+LLAMA_RECIPES = ["1b.yaml"] + sorted(p.name for p in RECIPES if p.name.startswith("fbt-"))
+
+
+def test_recipe_list_is_complete():
+    assert {"tiny.yaml", "tiny_llama.yaml", "1b.yaml", "fbt-1b-400b.yaml", "fbt-13b.yaml"} <= {p.name for p in RECIPES}
+    assert len(LLAMA_RECIPES) >= 5
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_validates(path):
+    r = load_recipe(path)
+    assert r.name and 0 < r.train.steps
+    assert r.data.seq_length <= r.model.max_sequence_length
+
+
+@pytest.mark.parametrize("name", LLAMA_RECIPES)
+def test_big_recipes_are_llama_class(name):
+    r = load_recipe(ROOT / "recipes" / name)
+    m = r.model
+    assert m.activation == "swiglu" and m.normalization == "RMSNorm"
+    assert m.num_query_groups is not None and m.num_query_groups < m.num_attention_heads  # GQA
+    assert not m.add_bias_linear and not m.tie_embeddings
+    assert m.position_embedding_type == "rope"
+    # the layout's TP and PP divide what they split (also checked by the loader; here for the record)
+    p = r.parallel
+    for size in (m.num_attention_heads, m.num_query_groups, m.hidden_size, m.ffn_size):
+        assert size % p.tensor == 0
+    assert m.num_layers % p.pipeline == 0
+
+
+def test_slurm_1b_recipe_uses_the_1b_model():
+    """fbt-1b-400b.yaml copies recipes/1b.yaml's model section (YAML recipes have no include)."""
+    assert load_recipe(ROOT / "recipes" / "fbt-1b-400b.yaml").model == load_recipe(ROOT / "recipes" / "1b.yaml").model
+
+
 def test_unknown_key_names_path_and_nearest():
     with pytest.raises(RecipeError) as e:
         load_recipe(data={"model": {"hiden_size": 64}})

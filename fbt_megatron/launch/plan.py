@@ -1,21 +1,27 @@
 """``fbt plan RECIPE --gpus N --gpu h100 [--mfu 0.40]``: what a recipe costs before it is launched.
 
-Counts (all per token unless stated; N_mm = parameters that take part in matmuls):
+Counts (all per token unless stated; N_mm = parameters that take part in matmuls; d = h/a the head
+size, g the key/value heads (query groups; g = a without GQA), f the MLP width, m = 2 for SwiGLU's
+[gate; up] fc1 and 1 for GELU; V the vocabulary padded to 128 x TP rows, as built):
 - parameters: embedding V*h (+ S*h learned positions, + V*h untied output), per layer
-  4h^2 + 2hf weights + 5h + f biases + 4h norm weights, final norm 2h, feedback fusion W_U, W_G (2h^2)
-  and h_init (h);
+  h(h + 2gd) + h^2 attention weights + (m + 1)hf MLP weights, biases (if add_bias_linear)
+  h + 2gd + h + mf + h, norm weights 2 x (2h LayerNorm, h RMSNorm); final norm; feedback fusion
+  W_U, W_G (2h^2) and h_init (h);
 - forward FLOPs F = 2*N_mm + 4*L*S*h (QK^T and AV, full square as in Megatron's MFU convention), with
-  N_mm = L(4h^2 + 2hf) + 2h^2 (fusion) + V*h (output layer);
+  N_mm = L(h(h + 2gd) + h^2 + (m + 1)hf) + 2h^2 (fusion) + V*h (output layer);
 - a step with k passes costs k*F forward; backward 2F per pass with ``grad_mode: all`` (3kF in all),
   or only for the last pass with ``grad_mode: last`` ((k+2)F). The 75/22/3 mix has E[k] = 1.28: 1.28x
   a single-pass step with ``all``, (1.28+2)/3 = 1.09x with ``last``;
 - memory per GPU (mixed precision: bf16 weights, fp32 gradient accumulation, fp32 master + Adam m, v;
   ZeRO-1 shards the 12 optimiser bytes over DP, ZeRO-2 also the 4 gradient bytes, ZeRO-3 also the
   weights; TP and PP divide all of them), activations per layer and micro-batch s*b*h*(34 + 5as/h)
-  bytes (Korthikanti et al. 2022; without the 5as/h term with flash attention; 10 of the 34 replicated
-  under TP without sequence parallelism), times the passes kept for backward (k with ``all``, 1 with
-  ``last``: the deepest step must fit), times PP micro-batches in flight on the first stage, plus logits
-  (6 bytes per s*b*V/TP) and a fixed reserve for the CUDA context, NCCL buffers and fragmentation;
+  bytes for the GPT block (Korthikanti et al. 2022; without the 5as/h term with flash attention; 10 of
+  the 34 replicated under TP without sequence parallelism), generalised: the TP-sharded 24 are
+  Q, proj input (4) + K, V (4g/a) + the MLP's inner activations (4f/h for GELU: its input and fc2's;
+  6f/h for SwiGLU: the 2f-wide [gate; up] and fc2's input), times the passes kept for backward (k with
+  ``all``, 1 with ``last``: the deepest step must fit), times PP micro-batches in flight on the first
+  stage, plus logits (6 bytes per s*b*V/TP) and a fixed reserve for the CUDA context, NCCL buffers and
+  fragmentation;
 - time at a stated MFU: tokens/s = MFU * peak * GPUs / (FLOPs per token).
 """
 
@@ -48,18 +54,32 @@ class Shape:
     learned_positions: bool = False
     fusion: bool = True  # feedback fusion weights exist (fusion != off)
     norm_params: int = 2  # LayerNorm: weight + bias; RMSNorm: weight
+    query_groups: int | None = None  # key/value heads (GQA); None: one per head
+    gated: bool = False  # SwiGLU: fc1 is [gate; up], 2f wide
+    bias: bool = True  # add_bias_linear
 
     @classmethod
     def from_recipe(cls, r) -> "Shape":
         m = r.model
         return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
-                   ffn=m.ffn_hidden_size or 4 * m.hidden_size, vocab=m.vocab_size, seq=r.data.seq_length,
+                   ffn=m.ffn_size, vocab=m.padded_vocab_size(r.parallel.tensor), seq=r.data.seq_length,
                    tied=m.tie_embeddings, learned_positions=m.position_embedding_type == "learned_absolute",
-                   fusion=r.feedback.fusion != "off", norm_params=2 if m.normalization == "LayerNorm" else 1)
+                   fusion=r.feedback.fusion != "off", norm_params=2 if m.normalization == "LayerNorm" else 1,
+                   query_groups=m.num_query_groups, gated=m.activation == "swiglu", bias=m.add_bias_linear)
+
+    @property
+    def kv_width(self) -> int:
+        """Output width of K (and of V): g key/value heads of size h/a."""
+        return (self.query_groups or self.heads) * (self.hidden // self.heads)
+
+    def layer_matmul_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        return h * (h + 2 * self.kv_width) + h * h + (3 if self.gated else 2) * h * f
 
     def params(self, fusion_bias: bool = False) -> int:
         h, f = self.hidden, self.ffn
-        per_layer = 4 * h * h + 2 * h * f + 5 * h + f + 2 * self.norm_params * h  # biases: qkv 3h, proj h, fc1 f, fc2 h
+        biases = (h + 2 * self.kv_width) + h + (2 if self.gated else 1) * f + h  # qkv, proj, fc1, fc2
+        per_layer = self.layer_matmul_params() + (biases if self.bias else 0) + 2 * self.norm_params * h
         n = self.layers * per_layer + self.norm_params * h + self.vocab * h
         n += 0 if self.tied else self.vocab * h
         n += self.seq * h if self.learned_positions else 0
@@ -69,7 +89,7 @@ class Shape:
 
     def matmul_params(self) -> int:
         h = self.hidden
-        return self.layers * (4 * h * h + 2 * h * self.ffn) + (2 * h * h if self.fusion else 0) + self.vocab * h
+        return self.layers * self.layer_matmul_params() + (2 * h * h if self.fusion else 0) + self.vocab * h
 
     def forward_flops_per_token(self) -> float:
         return 2.0 * self.matmul_params() + 4.0 * self.layers * self.seq * self.hidden
@@ -125,7 +145,11 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     s, b, h, a, t = shape.seq, layout.micro_batch, shape.hidden, shape.heads, layout.tp
     # Korthikanti et al.: 34 sbh bytes at 2-byte activations (24 of them in TP-sharded matmul inputs,
     # 10 in norms/dropout/residuals, sharded only with sequence parallelism), + 5as^2 b for the scores.
-    sharded, replicated = 24.0 / t, 10.0 / (t if layout.sequence_parallel else 1)
+    # The 24 are Q and the projection's input (4), K and V (4, 4g/a with GQA) and the MLP's 16 (GELU
+    # at f = 4h: 4f/h; SwiGLU keeps its 2f-wide input and fc2's f-wide input: 6f/h).
+    mlp_inner = (6.0 if shape.gated else 4.0) * shape.ffn / h
+    sharded = (4.0 + 4.0 * shape.kv_width / h + mlp_inner) / t
+    replicated = 10.0 / (t if layout.sequence_parallel else 1)
     per_layer = s * b * h * (sharded + replicated) + (0 if flash else 5.0 * a * s * s * b / t)
     per_layer *= act_bytes / 2.0
     layers_here = shape.layers / layout.pp
@@ -154,7 +178,7 @@ class Plan:
 
 
 def _divides(shape: Shape, tp: int) -> bool:
-    return all(x % tp == 0 for x in (shape.hidden, shape.heads, shape.ffn, shape.vocab))
+    return all(x % tp == 0 for x in (shape.hidden, shape.heads, shape.query_groups or shape.heads, shape.ffn))
 
 
 def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpus_per_node=8, allow_pp=False):
@@ -252,7 +276,9 @@ def format_plan(pl: Plan, recipe, gpus: int, gpu: str, mfu: float, peak: float) 
     lines = [
         f"plan: {recipe.name} on {gpus} x {gpu} at {100 * mfu:.0f}% MFU (peak {peak / 1e12:.4g} TFLOP/s per device)",
         f"model        {pl.params / 1e9:.3f} B parameters ({pl.params:,}); L={s.layers} h={s.hidden} heads={s.heads} "
-        f"ffn={s.ffn} V={s.vocab} seq={s.seq}",
+        + (f"kv-heads={s.query_groups} " if s.query_groups else "")
+        + f"ffn={s.ffn}{' (SwiGLU)' if s.gated else ''} V={s.vocab} seq={s.seq}"
+        + ("" if s.tied else " untied"),
         f"FLOPs/token  {pl.flops_per_token_single:.4g} single-pass training (3 x forward {s.forward_flops_per_token():.4g}); "
         f"feedback mix x{pl.factor_feedback:.3f} ({recipe.feedback.grad_mode} passes backpropagated)",
         f"batch        {recipe.global_batch_size} seq x {s.seq} = {recipe.tokens_per_step:,} tokens/step, "
