@@ -80,3 +80,14 @@ def test_parameter_count_matches_the_built_model(single_process, recipe):
     r = load_recipe(f"recipes/{recipe}")
     model = build_model(r.model, r.feedback)
     assert sum(p.numel() for p in model.parameters()) == Shape.from_recipe(r).params(r.feedback.bias)
+
+
+def test_pipeline_activation_memory_follows_the_schedule():
+    """The first stage holds P stage-passes at k = 1 and 2(P-1) + (k-1)P + 1 with k kept passes
+    (the feedback schedule's warm-up; docs/pipeline.md), each of L/P layers."""
+    shape = Shape(layers=8, hidden=64, heads=4, ffn=256, vocab=128, seq=32)
+    per_pass = memory_per_gpu(shape, Layout(1, 1, 1, 2), 1, 1).activations  # PP=1, one pass: all 8 layers
+    for pp, k, held in ((2, 1, 2), (2, 2, 5), (2, 3, 7), (4, 2, 11)):
+        got = memory_per_gpu(shape, Layout(1, pp, 1, 2), 1, k).activations
+        assert got == pytest.approx(per_pass / pp * held), (pp, k)
+    assert memory_per_gpu(shape, Layout(1, 1, 1, 2), 1, 3).activations == pytest.approx(3 * per_pass)

@@ -153,8 +153,11 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     per_layer = s * b * h * (sharded + replicated) + (0 if flash else 5.0 * a * s * s * b / t)
     per_layer *= act_bytes / 2.0
     layers_here = shape.layers / layout.pp
-    in_flight = layout.pp  # 1F1B: the first stage holds PP micro-batches
-    activations = per_layer * layers_here * in_flight * passes_kept
+    p, k = layout.pp, passes_kept
+    # Stage-pass activations the first stage holds at its peak (docs/pipeline.md, parallel/pipeline.py):
+    # P at k = 1 (1F1B), 2(P-1) + (k-1)P + 1 with k kept passes; PP=1 keeps k passes of one micro-batch.
+    held = k if p == 1 else (p if k == 1 else 2 * (p - 1) + (k - 1) * p + 1)
+    activations = per_layer * layers_here * held
     logits = s * b * shape.vocab / t * (act_bytes + 4)  # logits + fp32 softmax for the loss
     return Memory(weights, grads, optimizer, activations, logits, reserve,
                   {"params_per_gpu": n, "per_layer_activation": per_layer})
@@ -190,11 +193,13 @@ def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpu
     for tp, pp, zero in itertools.product((1, 2, 4, 8), pps, (1, 2, 3)):
         if tp > gpus_per_node or gpus % (tp * pp) or not _divides(shape, tp):
             continue
+        if pp > 1 and zero == 3:  # the pipeline runs ZeRO 0-2 (docs/pipeline.md)
+            continue
         dp = gpus // (tp * pp)
         for mb in (16, 8, 4, 2, 1):
             if global_batch % (mb * dp):
                 continue
-            lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1)
+            lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1 and pp == 1)  # no SP with PP > 1
             mem = memory_per_gpu(shape, lay, dp, passes_kept, **mem_kw)
             if mem.total <= capacity:
                 key = (zero == 3, tp * pp, pp, zero, -mb)
@@ -237,7 +242,8 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
         suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node) \
             or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True)
         if suggestion and suggestion[0].pp > 1:
-            warnings.append("the suggested layout needs pipeline parallelism (recipes accept parallel.pipeline=1 today)")
+            warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 and no "
+                            "sequence parallelism there, docs/pipeline.md)")
     single = 3.0 * shape.forward_flops_per_token()
     factor = pass_factor(mix, grad_mode) if recipe.feedback.fusion != "off" else 1.0
     tokens_per_step = recipe.tokens_per_step
