@@ -1,7 +1,7 @@
 """Training-step throughput of `fbt train`'s step (DeepSpeed engine + FBTTrainStep) against a plain
 PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, side by side.
 
-    python benchmarks/bench_train.py [--sizes 1.3M,28M,100M] [--rounds 5]
+    python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
 
 Prints three tables:
@@ -30,11 +30,16 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("FBT_DEVICE", "cpu")
 
 SIZES = {  # name -> (layers, hidden, heads); vocab 4096 (the embedded tokenizer), seq from --seq
-    "1.3M": (4, 128, 4),    # the tiny recipe's model
+    "1.8M": (4, 128, 4),    # the tiny recipe's width and depth (1.3M with its tied GPT block)
     "28M": (8, 512, 8),     # the size of the issue's first measurement
-    "100M": (14, 768, 12),  # ~103M parameters
+    "100M": (14, 768, 12),  # ~105M parameters (Llama-class block, untied 4096-token vocabulary)
 }
 VOCAB = 4096
+
+
+def llama_ffn(hidden: int) -> int:
+    """SwiGLU width ~8/3 h rounded to a multiple of 64 (as Llama rounds to 256 at scale)."""
+    return int(round(8 * hidden / 3 / 64)) * 64
 
 
 def recipe_for(size: str, zero: int, a):
@@ -43,8 +48,10 @@ def recipe_for(size: str, zero: int, a):
     layers, hidden, heads = SIZES[size]
     gbs = a.micro_batch * a.accumulation
     return load_recipe(data={
+        # Llama-class on both sides (SwiGLU at ~8/3 h, RMSNorm, no biases, untied): the same block as HF's.
         "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "vocab_size": VOCAB,
-                  "max_sequence_length": a.seq},
+                  "max_sequence_length": a.seq, "activation": "swiglu", "normalization": "RMSNorm",
+                  "add_bias_linear": False, "tie_embeddings": False, "ffn_hidden_size": llama_ffn(hidden)},
         "parallel": {"zero_stage": zero}, "batch": {"global_batch_size": gbs * a.dp, "micro_batch_size": a.micro_batch},
         "data": {"seq_length": a.seq, "synthetic": {"vocab_size": VOCAB}},
         "schedule": {"feedback_start_step": 10**9}, "optimizer": {"lr": 1e-4, "grad_clip": 1.0}})
@@ -72,16 +79,18 @@ def fbt_step_fn(recipe, passes=1):
 
 
 def hf_step_fn(recipe):
-    """The plain loop: LlamaForCausalLM with the same width/depth and a SwiGLU of the same weight count."""
+    """The plain loop: LlamaForCausalLM with the same block (width, depth, SwiGLU width, RMSNorm, no
+    biases, untied embeddings)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = recipe.model
-    inter = int(round(2 * m.ffn_size / 3 / 8)) * 8  # GPT MLP: 2 matrices h x ffn; SwiGLU: 3 of h x inter
+    inter = m.ffn_size
     cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=inter,
                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=m.num_attention_heads, max_position_embeddings=m.max_sequence_length,
-                      tie_word_embeddings=m.tie_embeddings, attention_dropout=0.0)
+                      tie_word_embeddings=m.tie_embeddings, attention_dropout=0.0, attention_bias=False,
+                      mlp_bias=False, rms_norm_eps=m.norm_epsilon)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).train()
@@ -155,13 +164,13 @@ def passes_table(a, size):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1.3M,28M,100M")
+    ap.add_argument("--sizes", default="1.8M,28M,100M")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--accumulation", type=int, default=2)
     ap.add_argument("--dp2-size", default="28M")
-    ap.add_argument("--passes-size", default="1.3M")
+    ap.add_argument("--passes-size", default="1.8M")
     ap.add_argument("--skip-dp2", action="store_true")
     ap.add_argument("--skip-passes", action="store_true")
     a = ap.parse_args(argv)
