@@ -115,9 +115,11 @@ class FeedbackConfig(StrictModel):
     grad_mode: str = "all"  # "all": backprop through every pass; "last": earlier passes detached
     loss_on: Literal["last", "mean"] = "last"  # loss of the last pass, or averaged over passes
 
-    @field_validator("fusion")
+    @field_validator("fusion", mode="before")
     @classmethod
     def _fusion(cls, v):
+        if v is False:  # YAML 1.1 reads a bare `off` (in a recipe or a `feedback.fusion=off` override) as false
+            v = "off"
         if v not in FUSION_MODES:
             raise ValueError(f"feedback.fusion={v!r} is not one of {FUSION_MODES}")
         return v

@@ -153,3 +153,13 @@ def test_lr_schedules():
     assert lr_at(79, kind="wsd", decay_fraction=0.2, **kw) == 1.0
     assert lr_at(99, kind="wsd", decay_fraction=0.2, **kw) == pytest.approx(0.1)
     assert 0.1 < lr_at(90, kind="wsd", decay_fraction=0.2, **kw) < 1.0
+
+
+def test_fusion_off_from_yaml_and_overrides(tmp_path):
+    """YAML 1.1 reads a bare `off` as false: `fusion: off` in a recipe and `feedback.fusion=off` on the
+    command line both mean a standard model (the data-efficiency tool's override failed on it)."""
+    assert load_recipe(ROOT / "recipes/tiny.yaml", ["feedback.fusion=off"]).feedback.fusion == "off"
+    text = (ROOT / "recipes/tiny.yaml").read_text().replace("fusion: glu", "fusion: off")
+    assert "fusion: off" in text
+    (tmp_path / "r.yaml").write_text(text)
+    assert load_recipe(tmp_path / "r.yaml").feedback.fusion == "off"
