@@ -8,7 +8,7 @@ standard decoding (no feedback), and latent-feedback decoding with the prompt pr
 (FUSED), 3 parallel passes or exactly (token by token). Reports the answer's mean negative
 log-likelihood per token (the continuation scored as generation decodes it), greedy exact-match
 accuracy on the ``#### answer`` line and the median generated length. Writes
-docs/results/fused_prefill.{md,json}. Budget: about 5 minutes on 2 idle CPU cores for 100 problems.
+docs/results/fused_prefill.{md,json,png}. Budget: about 5 minutes on 2 idle CPU cores for 100 problems.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def run(run_dir: str, problems: list[tuple[str, str]], batch: int, max_new_token
     rows = []
     for mode, k in MODES:
         gen = TextGenerator(loaded, mode=mode, prefill_passes=k)
-        nll, n_tok, correct, lengths = 0.0, 0, 0, []
+        nll, n_tok, correct, lengths, per_problem = 0.0, 0, 0, [], []
         for i in range(0, len(problems), batch):
             chunk = problems[i : i + batch]
             contexts = [gen.encode(p) for p, _ in chunk]
@@ -71,14 +71,36 @@ def run(run_dir: str, problems: list[tuple[str, str]], batch: int, max_new_token
             for (ll, _), ans in zip(gen.decoder.score(contexts, answers), answers):
                 nll -= ll
                 n_tok += len(ans)
+                per_problem.append(-ll / len(ans))
             for (_, ref), c in zip(chunk, gen.generate([p for p, _ in chunk], params)):
                 correct += int(final_answer(c.text) is not None and final_answer(c.text) == final_answer(ref))
                 lengths.append(len(c.tokens))
-        rows.append({"mode": mode, "prefill_passes": k, "answer_nll": nll / max(n_tok, 1),
+        # Error bar: the standard error over problems of the per-problem mean NLL (same problems in
+        # every mode, so differences between modes are paired; their spread is reported too).
+        sem = statistics.stdev(per_problem) / len(per_problem) ** 0.5 if len(per_problem) > 1 else 0.0
+        rows.append({"mode": mode, "prefill_passes": k, "answer_nll": nll / max(n_tok, 1), "per_problem_nll": per_problem,
+                     "per_problem_nll_mean": statistics.fmean(per_problem), "per_problem_nll_sem": sem,
                      "exact_match": correct / len(problems), "median_generated_tokens": statistics.median(lengths)})
         print(f"[fused] {mode} K={k}: nll {rows[-1]['answer_nll']:.4f} exact {rows[-1]['exact_match']:.3f} "
               f"median len {rows[-1]['median_generated_tokens']}", flush=True)
     return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Per-problem answer NLL per decoding mode, with standard-error bars."""
+    from fbt_megatron.research.report import figure
+
+    fig, (ax,) = figure(1)
+    labels = ["standard" if r["mode"] == "standard" else f"feedback K={r['prefill_passes']}" for r in rows]
+    ax.bar(range(len(rows)), [r["per_problem_nll_mean"] for r in rows],
+           yerr=[r["per_problem_nll_sem"] for r in rows], capsize=4, color=["0.6"] + ["C0"] * (len(rows) - 1))
+    ax.set_xticks(range(len(rows)), labels, rotation=20)
+    ax.set_ylabel("answer NLL per token (held-out math)")
+    lo = min(r["per_problem_nll_mean"] - 3 * r["per_problem_nll_sem"] for r in rows)
+    ax.set_ylim(bottom=max(0.0, lo))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -101,15 +123,27 @@ def main(argv=None) -> int:
     finally:
         runtime.shutdown()
     ckpt = resolve_checkpoint(a.run_dir)
+    base = rows[0]["per_problem_nll"]  # standard decoding: paired differences against it
+    for r in rows:
+        diffs = [x - y for x, y in zip(r["per_problem_nll"], base)]
+        r["paired_diff_vs_standard"] = statistics.fmean(diffs)
+        r["paired_diff_sem"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+    plot(rows, Path(a.out) / "fused_prefill.png")
     md = "\n".join([
         "# FUSED prefill", "",
         f"Checkpoint `{ckpt}`; {a.problems} held-out math problems (generated like the embedded mix's, seed "
         f"{HELD_OUT_SEED}); greedy decoding, at most {a.max_new_tokens} new tokens, stop at a blank line. "
         "*Answer NLL*: mean negative log-likelihood per answer token, the answer fed as generation decodes it. "
         "*Exact match*: the `#### value` line equals the reference's.", "",
-        table(["decoding", "prefill passes", "answer NLL", "exact match", "median generated tokens"],
-              [[r["mode"], r["prefill_passes"], f"{r['answer_nll']:.4f}", f"{r['exact_match']:.3f}",
+        "*Per-problem NLL*: mean over problems of each problem's per-token NLL, ± its standard error; "
+        "*vs standard*: the paired per-problem difference from standard decoding, ± its standard error.", "",
+        table(["decoding", "prefill passes", "answer NLL", "per-problem NLL", "vs standard", "exact match",
+               "median generated tokens"],
+              [[r["mode"], r["prefill_passes"], f"{r['answer_nll']:.4f}",
+                f"{r['per_problem_nll_mean']:.3f} ± {r['per_problem_nll_sem']:.3f}",
+                f"{r['paired_diff_vs_standard']:+.3f} ± {r['paired_diff_sem']:.3f}", f"{r['exact_match']:.3f}",
                 r["median_generated_tokens"]] for r in rows]), "",
+        "![FUSED prefill](fused_prefill.png)", "",
         provenance(f"python tools/fused_prefill.py {a.run_dir}", time.perf_counter() - t0)])
     out = save(Path(a.out), "fused_prefill", md, {"checkpoint": str(ckpt), "args": vars(a), "rows": rows})
     print(out.read_text())
