@@ -4,10 +4,12 @@ For each k, after a warm-up step, every stage times each of its ops over several
 - measured bubble = 1 - (time computing in ops) / (step time): the step is timed from a barrier to
   the end of ``PipelineRunner.run`` (final tied-gradient and loss all-reduces included), time blocked
   in a receive counts as idle;
-- theoretical bubble = the schedule's own order simulated with each stage's median forward and
-  backward op times and free communication (stages are unbalanced: the first has the embedding and
-  fusion, the last the LM head), and the ratio measured / theoretical (goal <= 1.1); the uniform
-  closed form (P-1)(f+b) / (m (k f + n_b b) + (P-1)(f+b)) is printed alongside;
+- theoretical bubble = the schedule's own order simulated with each stage's median op time per
+  (forward/backward, pass) and free communication (stages are unbalanced: the first has the embedding
+  and fusion, the last the LM head, on its loss pass only), and the ratio measured / theoretical (goal
+  <= 1.1); the uniform closed form (P-1)(f+b) / (m (k f + n_b b) + (P-1)(f+b)) is printed alongside;
+- where the idle time goes: seconds per step blocked in receives ("wait") and outside any op
+  ("outside": the end-of-step tied-gradient and loss all-reduces, which the simulation leaves out);
 - peak activation memory per stage: the most bytes held at once by tensors autograd saved for
   backward (counted once per storage, via saved-tensor hooks), the schedule's peak number of held
   stage-pass activations, and their ratio (MiB per held stage-pass).
@@ -84,7 +86,7 @@ def stage_measurements(args, k: int) -> dict:
                 "loss_mask": torch.ones(args.micro_batch, args.seq)} for _ in range(args.micro_batches)]
     scale = 1.0 / (args.micro_batches * args.micro_batch * args.seq)
     runner.run(batches, k, training=True, scale=scale)  # warm-up
-    steps, forwards, backwards, peaks = [], [], [], []
+    steps, forwards, backwards, peaks, per_class = [], [], [], [], {}
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
         dist.barrier()
@@ -93,15 +95,21 @@ def stage_measurements(args, k: int) -> dict:
             out = runner.run(batches, k, training=True, scale=scale, timings=True)
         step = time.perf_counter() - t0
         busy = sum(end - begin - waited for _, begin, end, waited in out.op_seconds)
-        steps.append((step, busy))
+        in_ops = sum(end - begin for _, begin, end, _ in out.op_seconds)
+        steps.append((step, busy, in_ops - busy, step - in_ops))  # + receive waits, time outside any op
         forwards += [end - begin - w for op, begin, end, w in out.op_seconds if op.kind == FORWARD]
         backwards += [end - begin - w for op, begin, end, w in out.op_seconds if op.kind != FORWARD]
+        for op, begin, end, w in out.op_seconds:
+            per_class.setdefault((op.kind, op.pass_index), []).append(end - begin - w)
         peaks.append(saved.peak)
     schedule = build_schedule(2, args.micro_batches, k, grad_passes_for(k, args.grad_mode, True))
     stage = ps.get_pipeline_model_parallel_rank()
-    return {"stage": stage, "step": statistics.median(s for s, _ in steps),
-            "bubble": statistics.median(1 - b / s for s, b in steps),
+    return {"stage": stage, "step": statistics.median(s[0] for s in steps),
+            "bubble": statistics.median(1 - s[1] / s[0] for s in steps),
+            "recv_wait": statistics.median(s[2] for s in steps), "outside_ops": statistics.median(s[3] for s in steps),
             "forward": statistics.median(forwards), "backward": statistics.median(backwards),
+            # per (kind, pass) medians: the last stage's loss pass (the LM head) costs more than the others
+            "per_class": {key: statistics.median(v) for key, v in per_class.items()},
             "peak_bytes": max(peaks), "held_passes": schedule.peak_activations(stage)}
 
 
@@ -128,17 +136,19 @@ def main():
           f"m={args.micro_batches} micro-batches, grad_mode={args.grad_mode}, {args.steps} timed steps "
           f"(medians)")
     print(f"{'k':>2} {'stage':>5} {'step s':>7} {'F ms':>6} {'B ms':>6} {'bubble':>7} {'theory':>7} "
-          f"{'ratio':>6} {'uniform':>7} {'peak act MiB':>12} {'held passes':>11} {'MiB/pass':>8}")
+          f"{'ratio':>6} {'uniform':>7} {'wait s':>6} {'outside s':>9} {'peak act MiB':>12} {'held passes':>11} "
+          f"{'MiB/pass':>8}")
     for k in (int(x) for x in args.passes.split(",")):
         per_stage = run_distributed(stage_measurements, 2, args, k, layout=ParallelLayout(pipeline=2))
         schedule = build_schedule(2, args.micro_batches, k, grad_passes_for(k, args.grad_mode, True))
-        theory = simulated_bubbles(schedule, [(r["forward"], r["backward"]) for r in per_stage])
+        theory = simulated_bubbles(schedule, [lambda op, c=r["per_class"]: c[(op.kind, op.pass_index)]
+                                              for r in per_stage])
         uniform = theoretical_bubble(2, args.micro_batches, k, args.grad_mode)
         for r, th in zip(per_stage, theory):
             mib = r["peak_bytes"] / 2**20
             print(f"{k:>2} {r['stage']:>5} {r['step']:>7.2f} {1e3 * r['forward']:>6.1f} {1e3 * r['backward']:>6.1f} "
                   f"{r['bubble']:>7.3f} {th:>7.3f} {r['bubble'] / th:>6.2f} {uniform:>7.3f} "
-                  f"{mib:>12.1f} {r['held_passes']:>11} {mib / r['held_passes']:>8.1f}")
+                  f"{r['recv_wait']:>6.3f} {r['outside_ops']:>9.3f} {mib:>12.1f} {r['held_passes']:>11} {mib / r['held_passes']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def _all_ops(stages, micro_batches, passes, grad_passes):
 def _timed(stages, micro_batches, passes, grad_passes, orders, costs, stage_costs=None) -> Schedule | None:
     """Simulated times of running each stage's ``orders`` in order (an op starts when the stage is
     free and its dependencies have finished); None if the orders deadlock. ``stage_costs[s]``
-    overrides ``costs`` (forward, backward) per stage."""
+    overrides ``costs`` per stage: (forward, backward), or a function of the op."""
     start, finish = {}, {}
     position, clock = [0] * stages, [0.0] * stages
     progress = True
@@ -146,8 +146,9 @@ def _timed(stages, micro_batches, passes, grad_passes, orders, costs, stage_cost
                 if any(d not in finish for d in deps):
                     break
                 start[(s, op)] = t = max([clock[s]] + [finish[d] for d in deps])
-                f, b = stage_costs[s] if stage_costs else costs
-                finish[(s, op)] = clock[s] = t + (f if op.kind == FORWARD else b)
+                cost = stage_costs[s] if stage_costs else costs
+                seconds = cost(op) if callable(cost) else cost[0] if op.kind == FORWARD else cost[1]
+                finish[(s, op)] = clock[s] = t + seconds
                 position[s] += 1
                 progress = True
     if any(position[s] < len(orders[s]) for s in range(stages)):
@@ -266,9 +267,10 @@ def build_schedule(stages: int, micro_batches: int, passes: int, grad_passes: tu
     return best[1]
 
 
-def simulated_bubbles(schedule: Schedule, stage_costs: list[tuple[float, float]]) -> list[float]:
-    """Per-stage idle fraction of ``schedule``'s order with each stage's own (forward, backward) op
-    times and free communication: what the schedule achieves for unbalanced stages."""
+def simulated_bubbles(schedule: Schedule, stage_costs: list) -> list[float]:
+    """Per-stage idle fraction of ``schedule``'s order with each stage's own op times and free
+    communication: what the schedule achieves for unbalanced stages. ``stage_costs[s]``: (forward,
+    backward) seconds, or a function of the op (e.g. the last stage's LM-head passes cost more)."""
     timed = _timed(schedule.stages, schedule.micro_batches, schedule.passes, schedule.grad_passes,
                    schedule.ops, schedule.costs, stage_costs)
     return [timed.bubble(s) for s in range(schedule.stages)]
@@ -310,7 +312,11 @@ def _message_orders(schedule: Schedule) -> dict:
 
 
 class _Channel:
-    """Point-to-point messages of one step for this rank; receives posted in the sender's order."""
+    """Point-to-point messages of one step for this rank. Receives are posted in the sender's order,
+    ``RECV_AHEAD`` per sender ahead of use, so a message's transfer overlaps the compute before it is
+    needed instead of starting when the stage asks for it."""
+
+    RECV_AHEAD = 2  # extra [S, B, D] buffers per sender
 
     def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], shape, dtype, device):
         self.stage, self.ranks = stage, stage_ranks
@@ -318,23 +324,40 @@ class _Channel:
         self.orders = _message_orders(schedule)
         self.posted: dict = {}  # msg -> (work, buffer)
         self.next_index: dict = {}  # src -> how many of its messages to me are posted
+        self.consumed: dict = {}  # src -> how many of its messages to me were received
         self.sends: list = []
         self.waited = 0.0  # seconds spent blocked in receives (benchmarks: idle, not work)
+        for src, dst in self.orders:
+            if dst == stage:
+                self._post_ahead(src)
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
         tag = self.orders[(self.stage, dst)].index(msg)
         self.sends.append((dist.isend(tensor, self.ranks[dst], tag=tag), tensor))
 
+    def _post_next(self, src: int) -> bool:
+        order = self.orders[(src, self.stage)]
+        i = self.next_index.get(src, 0)
+        if i >= len(order):
+            return False
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.posted[order[i]] = (dist.irecv(buffer, self.ranks[src], tag=i), buffer)
+        self.next_index[src] = i + 1
+        return True
+
+    def _post_ahead(self, src: int) -> None:
+        while self.next_index.get(src, 0) - self.consumed.get(src, 0) < self.RECV_AHEAD and self._post_next(src):
+            pass
+
     def recv(self, msg) -> torch.Tensor:
         src = msg[1]
-        order = self.orders[(src, self.stage)]
         while msg not in self.posted:
-            i = self.next_index.get(src, 0)
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.posted[order[i]] = (dist.irecv(buffer, self.ranks[src], tag=i), buffer)
-            self.next_index[src] = i + 1
+            if not self._post_next(src):
+                raise RuntimeError(f"stage {self.stage} waits for {msg}, which stage {src} never sends")
         work, buffer = self.posted.pop(msg)
+        self.consumed[src] = self.consumed.get(src, 0) + 1
+        self._post_ahead(src)
         t0 = time.perf_counter()
         work.wait()
         self.waited += time.perf_counter() - t0
