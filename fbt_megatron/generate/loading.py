@@ -38,18 +38,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointNotFound(str(e)) from None
 
 
-def read_state(path: Path) -> dict:
-    from fbt_megatron.checkpoint import read_checkpoint_state
-
-    return read_checkpoint_state(path)
-
-
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    from fbt_megatron.checkpoint import load_model_weights
-
-    load_model_weights(path, model)
-
-
 # ---------------------------------------------------------------------- model + tokenizer
 @dataclass
 class LoadedModel:
@@ -95,10 +83,11 @@ def find_tokenizer(recipe: dict, checkpoint: Path, override: str | None = None):
 def load_for_inference(path: str | os.PathLike, *, tokenizer: str | None = None,
                        need_tokenizer: bool = True) -> LoadedModel:
     """Build the run's model for the current parallel layout, fill it from the checkpoint, eval mode."""
+    from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state
     from fbt_megatron.generate.model import build_inference_model
 
     ckpt = resolve_checkpoint(path)
-    state = read_state(ckpt)
+    state = read_checkpoint_state(ckpt)
     recipe = state.get("recipe")
     if not isinstance(recipe, dict) or "model" not in recipe:
         raise ValueError(f"{ckpt}/state.json has no 'recipe' with a 'model' section; cannot rebuild the model")
@@ -106,7 +95,7 @@ def load_for_inference(path: str | os.PathLike, *, tokenizer: str | None = None,
     fb_cfg = FeedbackConfig.model_validate(recipe.get("feedback", {}))
     ensure_runtime()
     model = build_inference_model(model_cfg, fb_cfg)
-    load_weights(ckpt, model)
+    load_model_weights(ckpt, model)
     tok = find_tokenizer(recipe, ckpt, tokenizer)
     if tok is None and need_tokenizer:
         raise FileNotFoundError(f"{ckpt}: the recipe names no tokenizer (synthetic data?); pass --tokenizer PATH")

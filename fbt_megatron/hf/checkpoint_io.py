@@ -34,12 +34,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise ConversionError(str(err)) from None
 
 
-def read_checkpoint_state(path: Path) -> dict:
-    from fbt_megatron.checkpoint import read_checkpoint_state as read
-
-    return read(path)
-
-
 class CheckpointTensors:
     def __init__(self, path: Path):
         from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fbt_megatron.hf import mapping
-from fbt_megatron.hf.checkpoint_io import CheckpointTensors, read_checkpoint_state, resolve_checkpoint
+from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
 from fbt_megatron.hf.mapping import ConversionError
 
 MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
@@ -174,6 +174,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
 
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}")
+    from fbt_megatron.checkpoint import read_checkpoint_state
+
     path = resolve_checkpoint(checkpoint)
     state = read_checkpoint_state(path)
     recipe = _recipe(state)
