@@ -47,17 +47,22 @@ def global_name(model, name: str) -> str:
     return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
+def case_model(full_state, mode, loss_on, local_value):
+    """The case's model (this rank's part), its parameters filled by ``local_value(model, name, p)``."""
+    model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(local_value(model, n, p))
+    return model.train()
+
+
 def whole_model_reference(full_state, cases):
     """PP=1 in this process: per case, the loss, gradient norm and full gradients."""
     mbs = micro_batches()
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
     for k, mode, loss_on in cases:
-        model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(full_state[n])
-        model.train()
+        model = case_model(full_state, mode, loss_on, lambda model, n, p: full_state[n])
         loss = 0.0
         for i, b in enumerate(mbs):
             out = model(b["input_ids"], b["position_ids"], b["doc_start"], b["labels"], num_passes=k,
@@ -80,11 +85,7 @@ def pipelined(full_state, cases):
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
     for k, mode, loss_on in cases:
-        model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(shard(full_state[global_name(model, n)], p))
-        model.train()
+        model = case_model(full_state, mode, loss_on, lambda model, n, p: shard(full_state[global_name(model, n)], p))
         gate_calls = []  # first stage: W_G e once per micro-batch, not once per pass
         if model.feedback is not None:
             model.feedback.gate.register_forward_hook(lambda *a: gate_calls.append(1))
