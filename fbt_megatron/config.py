@@ -13,6 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 FUSION_MODES = ("glu", "additive", "off")
 GRAD_MODES = ("all", "last")
+# What a pass feeds where no previous state exists (pass 1 everywhere; position 0 and document
+# starts in later passes): "embedding" = the token embedding e_t, so pass 1 is exactly a standard GPT
+# (the paper's reading, the default); "state" = fuse(h_init, e_t) (the rule before 2026-11-30, an ablation).
+FIRST_INPUTS = ("embedding", "state")
+# A checkpoint or HF export written before ``first_input`` existed was trained with this rule.
+LEGACY_FIRST_INPUT = "state"
 
 
 class StrictModel(BaseModel):
@@ -108,6 +114,16 @@ class FeedbackConfig(StrictModel):
 
     fusion: str = "glu"
     bias: bool = False
+    # Where no previous top state exists — pass 1 at every position, position 0 and every document
+    # start in later passes — the stack reads ``embedding`` (e_t: pass 1 is the ordinary transformer)
+    # or ``state`` (fuse(h_init, e_t), the ablation). docs/feedback.md, "The first pass".
+    first_input: Literal["embedding", "state"] = "embedding"
+    # Initialisation of the fusion. W_U: ``normal`` N(0, init_method_std) (divided by sqrt(2 L) with
+    # depth_scaling), or ``identity`` value_init_scale * I (with tied embeddings a state is then read
+    # like the embedding of the token it predicts). W_G: N(0, gate_init_std or init_method_std).
+    value_init: Literal["normal", "identity"] = "normal"
+    value_init_scale: float = Field(0.04, gt=0.0)
+    gate_init_std: float | None = Field(None, gt=0.0)
     # Stabilisers. Each is our documented interpretation of the paper's switch (docs/feedback.md).
     prefix_mixin: float = Field(0.1, ge=0.0, le=1.0)  # fed-back h <- (1-a) h + a h_init
     depth_scaling: bool = True  # W_U initialised with std / sqrt(2 * num_layers)
@@ -161,6 +177,14 @@ class PassScheduleConfig(StrictModel):
         if abs(sum(v) - 1.0) > 1e-6:
             raise ValueError(f"schedule.mix={v} sums to {sum(v):.6g}; it must sum to 1")
         return v
+
+
+def saved_feedback_section(section: dict | None) -> dict:
+    """A checkpoint's (or export's) saved ``feedback`` section, read with the rule it was trained
+    under: one written before ``first_input`` existed used the ``state`` rule."""
+    section = dict(section or {})
+    section.setdefault("first_input", LEGACY_FIRST_INPUT)
+    return section
 
 
 def check_num_passes(k: int) -> int:

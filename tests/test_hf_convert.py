@@ -30,9 +30,10 @@ TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits", "
 # Two architectures, both trained at TP=2 for a few steps (feedback from step 1):
 # the default GPT block (rope, tied embeddings, LayerNorm, biases) and learned positions with untied
 # embeddings, RMSNorm and fusion biases. init_method_std is large so that greedy tokens vary (0.2 gave
-# one repeated token for the learned variant with the layout-independent init).
+# one repeated token for the learned variant with the layout-independent init, and for the rope variant
+# once pass 1 became the plain model: 0.4 varies).
 VARIANTS = {
-    "rope": {"model": {"vocab_size": VOCAB, "init_method_std": 0.2}, "feedback": {}},
+    "rope": {"model": {"vocab_size": VOCAB, "init_method_std": 0.4}, "feedback": {}},
     "learned": {"model": {"vocab_size": VOCAB, "init_method_std": 0.5, "position_embedding_type": "learned_absolute",
                           "tie_embeddings": False, "normalization": "RMSNorm"},
                 "feedback": {"bias": True, "prefix_mixin": 0.3}},
@@ -225,29 +226,72 @@ def _stock_llama(path: Path):
 
 
 def test_stock_llama_import(tmp_path, single_process):
-    """A LlamaForCausalLM saved by transformers imports; with the fusion off the framework model gives
-    transformers' logits; the default import has a fresh fusion and a feedback-phase recipe."""
-    from fbt_megatron.config import ModelConfig
+    """A LlamaForCausalLM saved by transformers imports: the FBT model's first pass IS the stock model
+    (fp32, <= 1e-5 relative), with a fresh fusion and a feedback-phase recipe, and its --standard export
+    is the stock model again; with the fusion off the same holds."""
+    from transformers import LlamaForCausalLM
+
     from fbt_megatron.hf.checkpoint_io import load_framework_model
+    from fbt_megatron.hf.export import export_checkpoint
     from fbt_megatron.hf.importer import import_hf
 
     llama = _stock_llama(tmp_path / "llama")
-    if "activation" not in ModelConfig.model_fields:  # before the Llama-class options (issue 9)
-        with pytest.raises(ConversionError, match=r"is needed, but this fbt_megatron's model config has no '\w+' option"):
-            import_hf(tmp_path / "llama", tmp_path / "plain", fusion="off", log=lambda *a: None)
-        return
-    import_hf(tmp_path / "llama", tmp_path / "plain", fusion="off", log=lambda *a: None)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         theirs = llama(ids).logits
-        ours = load_framework_model(tmp_path / "plain")(ids).logits
-    assert rel(ours, theirs) < RTOL
+    import_hf(tmp_path / "llama", tmp_path / "plain", fusion="off", log=lambda *a: None)
+    with torch.no_grad():
+        assert rel(load_framework_model(tmp_path / "plain")(ids).logits, theirs) < 1e-5
 
     import_hf(tmp_path / "llama", tmp_path / "fbt", log=lambda *a: None)
     model = load_framework_model(tmp_path / "fbt")
-    assert model.feedback is not None
+    assert model.feedback is not None and model.feedback_config.first_input == "embedding"
+    with torch.no_grad():
+        assert rel(model(ids, num_passes=1).logits[..., :256], theirs) < 1e-5  # the stock model's behaviour
+        assert rel(model(ids, num_passes=2).logits[..., :256], theirs) > 1e-3  # the fresh fusion is live
     recipe = (tmp_path / "fbt" / "recipe.yaml").read_text()
     assert "feedback_start_step: 0" in recipe and "dedicated feedback phase" in recipe
+
+    export_checkpoint(tmp_path / "fbt", tmp_path / "back", standard=True, log=lambda *a: None)
+    assert not (tmp_path / "back" / "modeling_fbt.py").exists()
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert rel(back(ids).logits, theirs) < 1e-6
+
+
+def test_standard_export_is_transformers_llama(exported, tmp_path, single_process):
+    """`fbt convert to-hf --standard` of a trained Llama-class FBT checkpoint: transformers' own
+    LlamaForCausalLM (no remote code) gives the FBT model's standard decoding: 1-pass logits and the
+    framework decoder's greedy tokens; a recipe that is not Llama-class is refused by name."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from fbt_megatron.generate.decoder import FeedbackDecoder
+    from fbt_megatron.generate.sampling import SamplingParams
+    from fbt_megatron.hf.checkpoint_io import load_framework_model
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _ = exported["llama"]
+    export_checkpoint(run, tmp_path / "std", standard=True, log=lambda *a: None)
+    config = json.loads((tmp_path / "std" / "config.json").read_text())
+    assert config["model_type"] == "llama" and "auto_map" not in config
+    assert not any(k.startswith("feedback") for k in config)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "std").eval()  # no trust_remote_code
+    assert type(plain) is LlamaForCausalLM
+    model = load_framework_model(run)
+    vocab = VARIANTS["llama"]["model"]["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids, num_passes=1).logits[..., :vocab]
+        assert rel(plain(ids).logits, ours) < 1e-5
+        prompt = ids[:1, :4]
+        theirs = plain.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+    assert FeedbackDecoder(model, "standard", 1).generate([prompt[0].tolist()],
+                                                          SamplingParams(max_new_tokens=6)).tokens[0] == theirs
+
+    with pytest.raises(ConversionError, match=r"not Llama-class: model.activation='gelu' .*"
+                                              r"model.normalization='LayerNorm'"):
+        export_checkpoint(exported["rope"][0], tmp_path / "gpt_std", standard=True, log=lambda *a: None)
+    assert not (tmp_path / "gpt_std").exists()
 
 
 def test_bad_checkpoints_fail_clearly(exported, tmp_path):

@@ -39,7 +39,8 @@ def run_cases(full_state, loss_on="last", arch="gpt"):
         model.train()  # jitter on (seeded), dropout is 0
         out = model(ids, doc_start=doc_start, labels=labels, num_passes=k, jitter_seed=JITTER_SEED)
         out.token_loss.sum().backward()
-        grads = {n: unshard(p.grad, p, n, model) for n, p in model.named_parameters()}
+        # None: the parameter took no part (the fusion in a 1-pass forward)
+        grads = {n: None if p.grad is None else unshard(p.grad, p, n, model) for n, p in model.named_parameters()}
         pad = model._padding_columns  # this rank's padded vocabulary rows: no gradient reaches them
         padding_grad = 0.0 if pad is None else max(
             float(p.grad[pad].abs().max()) for n, p in model.named_parameters() if n.endswith(("word_embeddings.weight", "output_layer.weight")))

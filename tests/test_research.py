@@ -94,7 +94,10 @@ def test_fixed_point_iteration_is_exact_after_seq_len_passes_and_jacobian_norm_m
 
     def step(h):
         st = torch.cat([states[:t], fb.fed_back(h).view(1, 1, -1)], 0)
-        x = fb(st, emb[: t + 1])
+        # the pass input by the formula: e at position 0, (W_U s) * sigmoid(W_G e) elsewhere
+        fused = (torch.nn.functional.linear(st, fb.value.weight)
+                 * torch.sigmoid(torch.nn.functional.linear(emb[: t + 1], fb.gate.weight)))
+        x = torch.where(reset[: t + 1].unsqueeze(-1), emb[: t + 1], fused)
         return model.run_stack(x, mask[..., : t + 1, : t + 1], rotary[: t + 1])[-1, 0]
 
     jac = torch.autograd.functional.jacobian(step, res["top"][t - 1, 0].detach())

@@ -1,10 +1,11 @@
 """KV-cache decoding with latent feedback.
 
 Each new token's stack input is the fusion of the previous position's top state with its
-embedding — the two lines in :meth:`DecodeSession._run_slot`::
+embedding, by the model's one pass-input rule (``LatentFeedback.stack_input``), in
+:meth:`DecodeSession._run_slot`::
 
-    state = fed_back(prev_top)            # h_{t-1} (prefix mixin applied; h_init at a sequence start)
-    x_t   = feedback(state, embed(token)) # (W_U h_{t-1}) * sigmoid(W_G e_t), then the cached stack
+    state = fed_back(prev_top)                  # h_{t-1} (prefix mixin applied)
+    x_t   = stack_input(state, e_t, gate, ...)  # (W_U h_{t-1}) * sigmoid(W_G e_t); e_t at a sequence start
 
 The KV cache is Megatron-Core's own ``StaticInferenceContext`` passed to the decoder
 (``TransformerBlock``): attention writes each step's keys/values at ``sequence_len_offset`` and
@@ -13,13 +14,13 @@ attends over the cached prefix. It runs on CPU with the runtime shims (its buffe
 
 Prompt prefill (``prefill_passes``):
 - ``K`` (an int): K Jacobi passes over the whole prompt in parallel, as training's multi-pass
-  teacher forcing does. K=1 is an ordinary forward (every prompt position receives h_init); K=2 is
-  the paper's FUSED prefill; only the last pass fills the KV cache. After K passes the first K
-  prompt positions are exact.
+  teacher forcing does (``LatentFeedback.pass_input``). K=1 is an ordinary forward of the prompt's
+  embeddings; K=2 is the paper's FUSED prefill; only the last pass fills the KV cache. After K passes
+  the first K prompt positions are exact.
 - ``"exact"``: the recurrence itself, one prompt token at a time through the cache (equal to K =
   prompt length, at the cost of one pass).
-``mode="standard"`` decodes without feedback: every position, prompt and generated, receives h_init
-(the FBT model read as a plain transformer), for comparison.
+``mode="standard"`` decodes without feedback: the plain transformer (token embeddings in, no fusion
+computed; under the ``state`` ablation every position fuses h_init), for comparison.
 
 Batches of prompts are laid out in *slots* (the cache's sequence axis): left padding right-aligns
 prompts, right padding left-aligns them; generated tokens take the slots after the longest prompt.
@@ -122,13 +123,12 @@ class DecodeSession:
         """[B, S] tokens at ``slots`` -> [S, B, D] embeddings (per-sequence learned positions)."""
         return self.model.gpt.embedding(input_ids=token_ids, position_ids=self.positions[slots].t())
 
-    def _fuse(self, state: torch.Tensor | None, embedded: torch.Tensor) -> torch.Tensor:
-        feedback = self.model.feedback
-        if feedback is None:  # fusion=off: a plain GPT
-            return embedded
-        if state is None or self.mode == "standard":
-            state = feedback.initial_states()
-        return feedback(state, embedded)
+    def _feeds_back(self) -> bool:
+        return self.mode == "feedback" and self.model.feedback is not None
+
+    def _token_gate(self, embedded: torch.Tensor, passes: int):
+        fb = self.model.feedback
+        return fb.token_gate(embedded) if fb is not None and fb.needs_token_gate(passes) else None
 
     def _stack(self, x, mask, use_cache: bool):
         """The transformer layers (+ final norm). With the cache, attention slices the rotary table
@@ -148,12 +148,15 @@ class DecodeSession:
         if slot >= self.total:
             raise RuntimeError(f"the session's {self.total} slots are used up")
         embedded = self._embed(token_ids.view(-1, 1).to(self.device), slice(slot, slot + 1))
-        state = None
-        if self.prev_top is not None and self.mode == "feedback" and self.model.feedback is not None:
-            fed = self.model.feedback.fed_back(self.prev_top)  # the latent feedback ...
-            h0 = self.model.feedback.initial_state.to(fed.dtype)
-            state = torch.where(self.has_prev.view(1, -1, 1), fed, h0)
-        x = self._fuse(state, embedded)  # ... fused with the new token's embedding
+        fb = self.model.feedback
+        if fb is None:  # fusion=off: a plain GPT
+            x = embedded
+        elif not self._feeds_back() or self.prev_top is None:
+            x = fb.stateless_input(embedded, self._token_gate(embedded, 1))
+        else:  # the latent feedback, fused with the new token's embedding where a state exists
+            h0 = fb.initial_state.to(self.prev_top.dtype)
+            state = torch.where(self.has_prev.view(1, -1, 1), fb.fed_back(self.prev_top), h0)
+            x = fb.stack_input(state, embedded, fb.token_gate(embedded), ~self.has_prev.view(1, -1))
         self.context.sequence_len_offset = slot
         top = self._stack(x, ~self.valid[:, None, None, : slot + 1], use_cache=True)
         real = self.valid[:, slot].view(1, -1, 1)
@@ -168,7 +171,7 @@ class DecodeSession:
         """Run the prompts; returns next-token logits [B, V] (and, with ``return_all``, the logits of
         every prompt slot [B, W, V])."""
         self.context.reset()
-        if self.passes == "exact" and self.mode == "feedback" and self.model.feedback is not None:
+        if self.passes == "exact" and self._feeds_back():
             tops = [self._run_slot(self.tokens[:, s]) for s in range(self.width)]
             top = torch.cat(tops, dim=0)
         else:
@@ -186,15 +189,15 @@ class DecodeSession:
         fb = self.model.feedback
         embedded = self._embed(self.tokens, slice(0, self.width))
         mask = self._prefill_mask()
-        passes = 1 if (self.mode == "standard" or fb is None) else int(self.passes)
+        passes = int(self.passes) if self._feeds_back() else 1
         slots = torch.arange(self.width, device=self.device).view(-1, 1)
         reset = slots <= self.first.view(1, -1)  # [W, B]: a sequence's first token (and padding before it)
-        top, state = None, None
+        gate = self._token_gate(embedded, passes)
+        top = None
         for k in range(passes):
-            if k > 0:
-                state = fb.shift_states(top, reset)
+            x = embedded if fb is None else fb.pass_input(top, embedded, gate, reset)
             self.context.sequence_len_offset = 0
-            top = self._stack(self._fuse(state, embedded), mask, use_cache=k == passes - 1)
+            top = self._stack(x, mask, use_cache=k == passes - 1)
         self.prev_top = top.gather(0, self.last.view(1, -1, 1).expand(1, -1, top.shape[-1]))
         self.has_prev[:] = True
         return top

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fbt_megatron import runtime
-from fbt_megatron.config import FeedbackConfig, ModelConfig
+from fbt_megatron.config import FeedbackConfig, ModelConfig, saved_feedback_section
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -92,7 +92,7 @@ def load_for_inference(path: str | os.PathLike, *, tokenizer: str | None = None,
     if not isinstance(recipe, dict) or "model" not in recipe:
         raise ValueError(f"{ckpt}/state.json has no 'recipe' with a 'model' section; cannot rebuild the model")
     model_cfg = ModelConfig.model_validate(recipe["model"])
-    fb_cfg = FeedbackConfig.model_validate(recipe.get("feedback", {}))
+    fb_cfg = FeedbackConfig.model_validate(saved_feedback_section(recipe.get("feedback")))
     ensure_runtime()
     model = build_inference_model(model_cfg, fb_cfg)
     load_model_weights(ckpt, model)

@@ -1,6 +1,7 @@
 """`fbt convert`: Hugging Face conversion in both directions.
 
     fbt convert to-hf CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 2GB] [--tokenizer X.model]
+                                         [--standard]
     fbt convert from-hf HF_DIR CHECKPOINT_DIR [--fusion glu|additive|off]
 
 CHECKPOINT is a run directory (its latest checkpoint), a checkpoints directory or one step directory,
@@ -35,6 +36,9 @@ def main(argv=None) -> int:
     to.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     to.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"))
     to.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: the run's own)")
+    to.add_argument("--standard", action="store_true",
+                    help="a plain LlamaForCausalLM checkpoint (no remote code, no fusion): standard decoding; "
+                         "Llama-class recipes only")
     frm = sub.add_parser("from-hf", help="Hugging Face directory (our export or a stock Llama) -> checkpoint")
     frm.add_argument("hf_dir")
     frm.add_argument("checkpoint_dir")
@@ -52,7 +56,7 @@ def main(argv=None) -> int:
             from fbt_megatron.hf.export import export_checkpoint
 
             export_checkpoint(a.checkpoint, a.out_dir, dtype=a.dtype, max_shard_bytes=a.max_shard_size,
-                              tokenizer=a.tokenizer)
+                              tokenizer=a.tokenizer, standard=a.standard)
         else:
             from fbt_megatron.hf.importer import import_hf
 

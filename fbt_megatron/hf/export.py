@@ -1,6 +1,10 @@
 """`fbt convert to-hf CHECKPOINT OUT_DIR`: a checkpoint (any TP / PP / ZeRO layout) -> a Hugging Face
 directory that ``AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)`` loads.
 
+``--standard`` writes a plain Llama checkpoint instead (``model_type: llama``, no remote code, no
+fusion weights): the FBT model's standard decoding, which its first pass is, for any Llama server.
+Only a Llama-class recipe whose first pass reads token embeddings converts (``mapping.check_llama_class``).
+
 Streaming: the tensors are read one transformer layer at a time (``checkpoint_io``), converted by the
 table in ``mapping.py`` and appended to the current safetensors shard, which is written and dropped as
 soon as it is full. Shards are planned from the checkpoint's metadata before any tensor is read, so
@@ -33,11 +37,11 @@ def import_dir(path: Path) -> Path:
 
 
 def _recipe(state: dict):
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.train.recipe import load_saved_recipe
 
     if "recipe" not in state:
         raise ConversionError("the checkpoint's state.json has no 'recipe': cannot tell the model's shape")
-    return load_recipe(data=state["recipe"])
+    return load_saved_recipe(state["recipe"])
 
 
 # ---------------------------------------------------------------------- provenance
@@ -125,6 +129,17 @@ def _convert_sentencepiece(model: Path, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------- config
+def standard_hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
+    """transformers' own LlamaConfig fields for the model without its fusion."""
+    fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
+    for name in mapping.FBT_ONLY_FIELDS:
+        fields.pop(name)
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "use_cache": True,
+            "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+            "bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
+            "pad_token_id": tokens.get("pad_token_id"), "fbt": dict(prov, exported_as="standard")}
+
+
 def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
     fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
     deepest = len(recipe.schedule.mix) if recipe.feedback.fusion != "off" else 1
@@ -168,8 +183,9 @@ def _out_shapes(row: mapping.Row, stored: tuple) -> list[tuple]:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str | Path | None = None,
-                      log=print) -> Path:
-    """Write the HF directory; returns it. Call inside a (world-of-one) process group."""
+                      standard: bool = False, log=print) -> Path:
+    """Write the HF directory; returns it. Call inside a (world-of-one) process group. ``standard``:
+    a plain Llama checkpoint (see the module docstring)."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -180,9 +196,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     state = read_checkpoint_state(path)
     recipe = _recipe(state)
     model_cfg, num_layers = recipe.model, recipe.model.num_layers
+    if standard:
+        mapping.check_llama_class(model_cfg, recipe.feedback)
     rows = mapping.weight_rows(model_cfg, recipe.feedback)
     reader = CheckpointTensors(path)
     reader.verify(rows, num_layers)
+    if standard:  # the plain model: the fusion's weights stay behind
+        rows = [r for r in rows if not r.key.startswith("feedback.")]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,12 +241,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     tok_source = ("sp", Path(tokenizer)) if tokenizer else tokenizer_source(path, recipe)
     tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size)
     prov = provenance(path, state, recipe)
-    config = hf_config(recipe, prov, tokens, dtype)
+    config = (standard_hf_config if standard else hf_config)(recipe, prov, tokens, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {"bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
                   "pad_token_id": tokens.get("pad_token_id"), "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+    if not standard:
+        shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
     from fbt_megatron.hf.model_card import model_card
 
     (out / "README.md").write_text(model_card(config, has_tokenizer=tok_source is not None))

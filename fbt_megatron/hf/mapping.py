@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fbt_megatron.config import FeedbackConfig, ModelConfig
+from fbt_megatron.config import LEGACY_FIRST_INPUT, FeedbackConfig, ModelConfig
 
 LAYERS = "gpt.decoder.layers."
 
@@ -88,7 +88,26 @@ OPTIONS: list[Option] = [
     Option("feedback", "fusion", "glu", **_same("feedback_fusion", "off")),
     Option("feedback", "bias", False, **_same("feedback_bias", False)),
     Option("feedback", "prefix_mixin", 0.1, **_same("feedback_prefix_mixin", 0.0)),
+    # An export written before the field existed was trained with the state rule.
+    Option("feedback", "first_input", "embedding", **_same("feedback_first_input", LEGACY_FIRST_INPUT)),
 ]
+# Fields of the FBT config that a plain LlamaConfig does not have (left out of a --standard export).
+FBT_ONLY_FIELDS = ("norm_type", "mlp_gated", "position_embedding_type", "feedback_fusion", "feedback_bias",
+                   "feedback_prefix_mixin", "feedback_first_input")
+
+
+def check_llama_class(model: ModelConfig, feedback: FeedbackConfig) -> None:
+    """A checkpoint whose standard decoding transformers' own LlamaForCausalLM computes: the Llama
+    block, and a first pass that reads token embeddings. Refuses naming what differs."""
+    wrong = [f"model.{name}={getattr(model, name)!r} (Llama: {want!r})" for name, want in
+             (("activation", "swiglu"), ("normalization", "RMSNorm"), ("position_embedding_type", "rope"))
+             if getattr(model, name) != want]
+    if feedback.fusion != "off" and feedback.first_input != "embedding":
+        wrong.append(f"feedback.first_input={feedback.first_input!r} (its 1-pass model fuses h_init: only "
+                     "'embedding' makes standard decoding the plain Llama)")
+    if wrong:
+        raise ConversionError("--standard writes a plain LlamaForCausalLM checkpoint, but this recipe is not "
+                              "Llama-class: " + "; ".join(wrong))
 
 
 def _activation_from(c: dict) -> str:

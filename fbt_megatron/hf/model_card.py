@@ -5,7 +5,35 @@ from __future__ import annotations
 import json
 
 
+def standard_model_card(config: dict, *, has_tokenizer: bool) -> str:
+    prov = config.get("fbt") or {}
+    load = ("tok = AutoTokenizer.from_pretrained(path)\nids = tok(\"def add(a, b):\", return_tensors=\"pt\").input_ids"
+            if has_tokenizer else "ids = torch.tensor([[1, 2, 3]])  # no tokenizer was exported")
+    return f"""---
+library_name: transformers
+tags: [fbt, llama]
+---
+# `{prov.get('recipe_name', 'fbt')}`: standard decoding of an FBT model, as a plain Llama
+
+Exported by `fbt convert to-hf --standard` from fbt_megatron: the FBT model's first pass, which is an
+ordinary Llama reading token embeddings. The latent-feedback fusion (W_U, W_G, h_init) is not in this
+checkpoint, so it decodes without feedback; export without `--standard` for feedback decoding.
+Training: {prov.get('steps', 0)} steps, {prov.get('tokens_seen', 0):,} tokens seen.
+
+```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path = "."
+model = AutoModelForCausalLM.from_pretrained(path)
+{load}
+out = model.generate(ids, max_new_tokens=32, do_sample=False)
+```
+"""
+
+
 def model_card(config: dict, *, has_tokenizer: bool) -> str:
+    if config.get("model_type") == "llama":
+        return standard_model_card(config, has_tokenizer=has_tokenizer)
     prov = config.get("fbt") or {}
     counts = prov.get("pass_counts") or {}
     total = sum(counts.values())

@@ -9,18 +9,22 @@ cache, masks; ``GenerationMixin``: ``generate``), with three additions:
   ``norm_type`` (RMSNorm or LayerNorm), ``mlp_gated`` (SwiGLU or a plain ``act(up)`` -> ``down`` MLP),
   ``position_embedding_type`` (rope or learned absolute positions added to the token embedding);
 - the latent feedback fusion: ``x_t = (W_U s_t) * sigmoid(W_G e_t)`` (``feedback_fusion="glu"``) or
-  ``W_U s_t + W_G e_t`` (``"additive"``), where ``s_t`` is ``h_init`` at position 0 and the fed-back
-  top state ``(1 - a) h_{t-1} + a h_init`` (prefix mixin ``a``) elsewhere; ``h`` is the final-norm output;
-- a forward with a number of fused passes (multi-pass teacher forcing = Jacobi iteration of the
+  ``W_U s_t + W_G e_t`` (``"additive"``), where ``s_t = (1 - a) h_{t-1} + a h_init`` is the fed-back
+  top state (prefix mixin ``a``; ``h`` is the final-norm output). Where no previous state exists
+  (pass 1, position 0, the first token of a left-padded row) the stack reads the token embedding
+  ``e_t`` (``feedback_first_input="embedding"``: pass 1 is the plain Llama) or, in checkpoints trained
+  with the ``"state"`` ablation, ``fuse(h_init, e_t)``;
+- a forward with a number of passes (multi-pass teacher forcing = Jacobi iteration of the
   recurrence), and generation with feedback through the KV cache.
 
-Forward: ``model(input_ids, num_passes=k)`` runs k fused passes over the sequence (default
+Forward: ``model(input_ids, num_passes=k)`` runs k passes over the sequence (default
 ``config.forward_passes``) and returns the last pass's logits.
 
 Generation (``model.generate(...)``) keyword options, defaults from the config:
 - ``feedback_decoding="feedback"``: each new token's stack input fuses the previous token's top state
   (carried between steps as ``feedback_state``) with its embedding; ``"standard"`` decodes without
-  feedback (every state is ``h_init``: the model's 1-pass behaviour), for comparison;
+  feedback (the model's 1-pass behaviour: with the embedding rule, exactly ``LlamaForCausalLM`` on the
+  same weights), for comparison;
 - ``prefill_passes``: an integer K runs K fused passes over the whole prompt (K=2 is the paper's
   FUSED prefill, the exporter's default; the cache then holds the last pass's keys and values);
   ``"exact"`` runs the prompt token by token through the cache (the exact recurrence).
@@ -45,6 +49,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 FUSIONS = ("glu", "additive", "off")
+FIRST_INPUTS = ("embedding", "state")
 DECODINGS = ("feedback", "standard")
 
 
@@ -59,6 +64,7 @@ class FBTConfig(LlamaConfig):
     feedback_fusion: str = "glu"
     feedback_bias: bool = False
     feedback_prefix_mixin: float = 0.0
+    feedback_first_input: str = "embedding"  # where no previous state exists: "embedding" or "state"
     forward_passes: int = 1  # fused passes of a plain forward (teacher forcing)
     feedback_decoding: str = "feedback"  # generate(): "feedback" or "standard"
     prefill_passes: int | str = "exact"  # generate(): "exact" or a number of fused passes
@@ -143,10 +149,19 @@ class LatentFeedback(nn.Module):
         self.value_proj = nn.Linear(d, d, bias=config.feedback_bias)
         self.gate_proj = nn.Linear(d, d, bias=config.feedback_bias)
         self.initial_state = nn.Parameter(torch.zeros(d))
+        self.plain_first_pass = config.feedback_first_input == "embedding"
 
     def fed_back(self, top):
         a = self.prefix_mixin
         return (1.0 - a) * top + a * self.initial_state if a else top
+
+    def stateless(self, emb, gate):
+        """The input where no previous state exists: e_t, or fuse(h_init, e_t) under the state rule."""
+        return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, 1, -1), gate)
+
+    def with_state(self, state, emb, gate, no_state):
+        """fuse(state, e) where a state exists, the stateless input where ``no_state`` [B, S]."""
+        return torch.where(no_state.unsqueeze(-1), self.stateless(emb, gate), self.fuse(state, gate))
 
     def fuse(self, state, gate):
         """state [B, S, D] or [1, 1, D]; gate = W_G e (precomputed once per sequence: it does not
@@ -164,6 +179,8 @@ class FBTForCausalLM(LlamaForCausalLM):
     def __init__(self, config: FBTConfig):
         if config.feedback_fusion not in FUSIONS:
             raise ValueError(f"feedback_fusion={config.feedback_fusion!r} is not one of {FUSIONS}")
+        if config.feedback_first_input not in FIRST_INPUTS:
+            raise ValueError(f"feedback_first_input={config.feedback_first_input!r} is not one of {FIRST_INPUTS}")
         LlamaPreTrainedModel.__init__(self, config)
         self.model = FBTModel(config)
         self.vocab_size = config.vocab_size
@@ -207,37 +224,37 @@ class FBTForCausalLM(LlamaForCausalLM):
                          cache=cache, use_cache=cache is not None, **kwargs)
         return out.last_hidden_state
 
-    def _jacobi(self, gate, reset, attention_mask, position_ids, cache, passes: int, **kwargs):
-        """``passes`` fused passes over the whole sequence; the last one fills ``cache`` if given."""
+    def _jacobi(self, emb, gate, reset, attention_mask, position_ids, cache, passes: int, **kwargs):
+        """``passes`` passes over the whole sequence; the last one fills ``cache`` if given."""
         fb = self.feedback
         h0 = fb.initial_state.view(1, 1, -1)
-        state, top, residuals = h0, None, []
+        top, residuals = None, []
         for k in range(passes):
-            if k > 0:
+            if k == 0:
+                x = fb.stateless(emb, gate)
+            else:
                 fed = fb.fed_back(top)
                 shifted = torch.cat([h0.expand_as(fed[:, :1]), fed[:, :-1]], dim=1)
-                state = torch.where(reset.unsqueeze(-1), h0.to(shifted.dtype), shifted)
+                x = fb.with_state(shifted, emb, gate, reset)
             last = k == passes - 1
-            new_top = self._stack(fb.fuse(state, gate), attention_mask, position_ids,
-                                  cache if last else None, **kwargs)
+            new_top = self._stack(x, attention_mask, position_ids, cache if last else None, **kwargs)
             if top is not None:
                 residuals.append((new_top - top).norm() / top.norm().clamp_min(1e-12))
             top = new_top
         return top, residuals
 
-    def _recurrent(self, gate, reset, attention_mask, position_ids, cache, prev_state, past: int, **kwargs):
+    def _recurrent(self, emb, gate, reset, attention_mask, position_ids, cache, prev_state, past: int, **kwargs):
         """The exact recurrence, one token at a time through the KV cache."""
         fb = self.feedback
-        h0 = fb.initial_state.view(1, -1)
         tops = []
-        for t in range(gate.shape[1]):
+        for t in range(emb.shape[1]):
+            e_t, g_t = emb[:, t:t + 1], gate[:, t:t + 1]
             if prev_state is None:
-                state = h0.expand(gate.shape[0], -1)
+                x = fb.stateless(e_t, g_t)
             else:
-                state = torch.where(reset[:, t:t + 1], h0.to(prev_state.dtype), fb.fed_back(prev_state))
+                x = fb.with_state(fb.fed_back(prev_state)[:, None], e_t, g_t, reset[:, t:t + 1])
             mask = attention_mask[:, : past + t + 1] if attention_mask is not None else None
-            top = self._stack(fb.fuse(state[:, None], gate[:, t:t + 1]), mask, position_ids[:, t:t + 1],
-                              cache, **kwargs)
+            top = self._stack(x, mask, position_ids[:, t:t + 1], cache, **kwargs)
             prev_state = top[:, 0]
             tops.append(top)
         return torch.cat(tops, dim=1)
@@ -269,29 +286,29 @@ class FBTForCausalLM(LlamaForCausalLM):
             raise ValueError(f"feedback_decoding={decoding!r} is not one of {DECODINGS}")
 
         residuals = []
-        if self.feedback is None:  # a standard GPT / Llama
-            top = self._stack(emb, attention_mask, position_ids, cache, **kwargs)
+        if self.feedback is None or (decoding == "standard" and self.feedback.plain_first_pass):
+            top = self._stack(emb, attention_mask, position_ids, cache, **kwargs)  # the plain Llama / GPT
         else:
             gate = self.feedback.gate_proj(emb)  # W_G e: the same in every pass and step
             reset = self._reset(attention_mask, past, batch, seq, input_ids.device)
-            if decoding == "standard":  # every state is h_init: the model's 1-pass behaviour
-                top = self._stack(self.feedback.fuse(self.feedback.initial_state.view(1, 1, -1), gate),
-                                  attention_mask, position_ids, cache, **kwargs)
+            if decoding == "standard":  # the state rule's 1-pass behaviour: every state is h_init
+                top = self._stack(self.feedback.stateless(emb, gate), attention_mask, position_ids, cache,
+                                  **kwargs)
             elif past > 0 or feedback_state is not None:  # continuing: the recurrence, step by step
                 if feedback_state is None:
                     raise ValueError("feedback decoding past a cached prefix needs feedback_state (the "
                                      "previous token's top state, returned as outputs.feedback_state)")
-                top = self._recurrent(gate, reset, attention_mask, position_ids, cache, feedback_state, past,
+                top = self._recurrent(emb, gate, reset, attention_mask, position_ids, cache, feedback_state, past,
                                       **kwargs)
             else:  # a fresh sequence: fused passes (teacher forcing / FUSED prefill) or exact prefill
                 spec = num_passes if num_passes is not None else (
                     prefill_passes or self.config.prefill_passes if cache is not None else self.config.forward_passes)
                 if spec == "exact":
-                    top = self._recurrent(gate, reset, attention_mask, position_ids, cache, None, 0, **kwargs)
+                    top = self._recurrent(emb, gate, reset, attention_mask, position_ids, cache, None, 0, **kwargs)
                 else:
                     if not isinstance(spec, int) or spec < 1:
                         raise ValueError(f"passes={spec!r} is invalid; allowed: an integer >= 1 or 'exact'")
-                    top, residuals = self._jacobi(gate, reset, attention_mask, position_ids, cache, spec,
+                    top, residuals = self._jacobi(emb, gate, reset, attention_mask, position_ids, cache, spec,
                                                   **kwargs)
 
         hidden = top[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep else top

@@ -1,14 +1,14 @@
 """The full-bandwidth GPT: Megatron-Core's GPTModel with latent feedback at the stack's input,
 trained by multi-pass teacher forcing.
 
-Multi-pass teacher forcing is Jacobi iteration of the recurrence along the sequence:
-- pass 1: every position receives the learned initial state h_init (the initial guess), so it is an
-  ordinary forward of the fused input with no dependence between positions' states;
-- pass k > 1: pass k-1's top states are shifted one position right (position t receives h_{t-1}),
-  positions that start a document receive h_init again, the result is fused with the token
-  embeddings and the whole stack re-runs in parallel.
+Multi-pass teacher forcing is Jacobi iteration of the recurrence along the sequence (the rule for
+each pass's input is :meth:`LatentFeedback.pass_input`, in ``feedback.py``):
+- pass 1: the token embeddings, an ordinary GPT forward (the initial guess of the states);
+- pass k > 1: pass k-1's top states are shifted one position right (position t receives h_{t-1}) and
+  fused with the token embeddings; positions that start a document read their embedding (no state
+  exists there); the whole stack re-runs in parallel.
 After k passes positions < k (counted from their document's start) equal the token-by-token
-recurrence (``sequential.py``); tests check this rather than assume it.
+recurrence (``sequential.py``, written from the formulas); tests check this rather than assume it.
 
 Gradient modes: ``all`` backpropagates through every pass; ``last`` runs passes 1..k-1 without
 gradient (their states enter the last pass as constants), as Huginn does. The loss is the last
@@ -264,26 +264,23 @@ class FBTGPTModel(MegatronModule):
         # Token (+ position) embeddings, [S, B, D] ([S/TP, B, D] under sequence parallelism).
         embedded = self.gpt.embedding(input_ids=input_ids, position_ids=positions)
 
-        if self.feedback is None:  # a standard GPT: one pass, the state is never used
+        fb = self.feedback
+        if fb is None or (num_passes == 1 and fb.plain_first_pass):  # the ordinary transformer
             top = self.run_stack(embedded, mask, rotary)
             return self._output(self._full_sequence(top), labels, [self.head(top, labels)], [])
-        embedded = self._full_sequence(embedded)
 
         generator = None
         if self.training and self.feedback_config.jitter_std > 0 and jitter_seed is not None:
             generator = torch.Generator(device=embedded.device).manual_seed(int(jitter_seed))
 
         cfg = self.feedback_config
-        state = self.feedback.initial_states()
         # The token path of the fusion (sigmoid(W_G e) for glu) is the same in every pass: once per step.
-        gate = self.feedback.token_gate(embedded)
+        gate = fb.token_gate(self._full_sequence(embedded))
         top, heads, residuals = None, [], []
         for k in range(num_passes):
             last = k == num_passes - 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and (last or cfg.grad_mode == "all")):
-                if k > 0:
-                    state = self.feedback.shift_states(top, reset, generator)
-                stack_input = self.feedback.fuse(state, gate)
+                stack_input = fb.pass_input(top, embedded, gate, reset, generator)
                 local_top = self.run_stack(stack_input, mask, rotary)
                 if last or cfg.loss_on == "mean":
                     heads.append(self.head(local_top, labels))

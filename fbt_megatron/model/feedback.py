@@ -1,4 +1,5 @@
-"""Latent feedback: the one new layer of a full-bandwidth transformer.
+"""Latent feedback: the one new layer of a full-bandwidth transformer, and the rule for what each
+pass feeds the bottom of the stack.
 
 A standard decoder turns its top-layer state into one sampled token and drops the state. Here the
 previous position's top state h_{t-1} comes back to the bottom of the stack, fused with the current
@@ -10,6 +11,15 @@ The state rides the value path and the token is only a multiplicative gate: with
 fusion (``additive``: x_t = W_U h_{t-1} + W_G e_t, kept for ablation) the model can learn to ignore
 the state. ``off`` gives a standard GPT (x_t = e_t, no extra weights).
 
+The pass input (:meth:`LatentFeedback.pass_input`, the one definition every forward uses: the whole
+model, the pipeline's first stage, the KV-cache decoder):
+- pass 1: x_t = e_t at every position — exactly a standard GPT on the same weights;
+- pass j >= 2: x_t = fuse(h^(j-1)_{t-1}, e_t) where t has a previous position in its document, and
+  x_t = e_t at position 0 and at every document start (there is no state there).
+The true recurrence follows the same rule (x_0 = e_0, x_t = fuse(h_{t-1}, e_t)), so after k passes the
+first k positions of every document are exact. ``first_input="state"`` is the ablation that feeds
+fuse(h_init, e_t) wherever there is no previous state instead (pass 1 then is not a standard GPT).
+
 Which state is fed back: the *final-layernorm output* of the top layer (exactly what the LM head
 reads). It is normalised, so its scale does not grow with depth or passes, which keeps the
 pass-to-pass map well conditioned.
@@ -19,10 +29,11 @@ rows of both), the product is formed on the local slice and gathered back to [S,
 parallelism the local slice is redistributed to the sequence-parallel layout by an all-to-all instead.
 
 Stabilisers (switches in FeedbackConfig; our documented reading of the paper, see docs/feedback.md):
-- prefix mixin a: the fed-back state is (1-a) h + a h_init, a pull toward the learned initial state
-  (the state every prefix starts from) that shrinks the map's Lipschitz constant by (1-a);
-- depth scaling: W_U starts at std / sqrt(2 * num_layers), like Megatron's residual-output init, so
-  early in the feedback phase the fed-back value is a small perturbation;
+- prefix mixin a: the fed-back state is (1-a) h + a h_init, a pull toward a learned constant state
+  that shrinks the map's Lipschitz constant by (1-a) (h_init is used by nothing else under the
+  embedding rule);
+- depth scaling: a normal-initialised W_U starts at std / sqrt(2 * num_layers), like Megatron's
+  residual-output init;
 - weight tying: input embedding and LM head share weights (ModelConfig.tie_embeddings), so fed-back
   states and token embeddings live in one space;
 - jitter: N(0, jitter_std^2) noise on the fed-back state, training only, drawn from a generator
@@ -35,7 +46,7 @@ import math
 from dataclasses import replace
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
@@ -53,18 +64,22 @@ class LatentFeedback(MegatronModule):
         # linears are built without sequence parallelism; the output is redistributed explicitly.
         linear_config = replace(config, sequence_parallel=False)
         std = config.init_method_std
-        value_std = std / math.sqrt(2.0 * config.num_layers) if feedback.depth_scaling else std
+        if feedback.value_init == "identity":
+            value_init = scaled_identity_init(feedback.value_init_scale)
+        else:
+            value_std = std / math.sqrt(2.0 * config.num_layers) if feedback.depth_scaling else std
+            value_init = normal_init(value_std)
 
-        def linear(init_std):
+        def linear(init_method):
             return tensor_parallel.ColumnParallelLinear(
                 hidden, hidden, config=linear_config, bias=feedback.bias, gather_output=False,
-                init_method=lambda w: torch.nn.init.normal_(w, 0.0, init_std),
+                init_method=init_method,
             )
 
-        self.value = linear(value_std)  # W_U: acts on the fed-back state
-        self.gate = linear(std)  # W_G: acts on the token embedding
-        # h_init: the state at position 0 and at every document start. Unit scale, like a
-        # final-layernorm output; zero would make the glu input vanish.
+        self.value = linear(value_init)  # W_U: acts on the fed-back state
+        self.gate = linear(normal_init(feedback.gate_init_std or std))  # W_G: acts on the token embedding
+        # h_init: the prefix mixin's anchor (and, under first_input="state", the state wherever none
+        # exists). Unit scale, like a final-layernorm output.
         self.initial_state = torch.nn.Parameter(torch.empty(hidden, dtype=config.params_dtype))
         with torch.no_grad():
             self.initial_state.normal_(0.0, 1.0)
@@ -80,20 +95,71 @@ class LatentFeedback(MegatronModule):
         return state
 
     def initial_states(self) -> torch.Tensor:
-        """Pass 1's state: h_init at every position, as a broadcastable [1, 1, D] (the value
-        projection of a constant is then computed once, not once per token)."""
+        """h_init as a broadcastable [1, 1, D] (the value projection of a constant is then computed
+        once, not once per token)."""
         return self.initial_state.view(1, 1, -1)
 
     def shift_states(self, top_state: torch.Tensor, reset: torch.Tensor, generator=None) -> torch.Tensor:
         """[S, B, D] top states of the previous pass -> the state each position receives.
 
         Position t gets the fed-back h_{t-1}; positions where ``reset`` [S, B] is True (position 0
-        and every document start) get h_init instead, never the previous document's state.
+        and every document start) have no previous state: they get h_init here, which only the
+        ``state`` rule reads (:meth:`stack_input` gives them the embedding under the default rule).
         """
         fed = self.fed_back(top_state, generator)
         shifted = torch.cat([self.initial_state.expand_as(fed[:1]), fed[:-1]], dim=0)
         return torch.where(reset.unsqueeze(-1), self.initial_state.to(shifted.dtype), shifted)
 
+    # ----------------------------------------------------------------- the pass input (the rule)
+    @property
+    def plain_first_pass(self) -> bool:
+        """Pass 1 is the ordinary transformer (token embeddings in, no fusion computed)."""
+        return self.feedback.first_input == "embedding"
+
+    def needs_token_gate(self, num_passes: int) -> bool:
+        """Whether a forward of ``num_passes`` passes reads sigmoid(W_G e) at all."""
+        return num_passes > 1 or not self.plain_first_pass
+
+    def pass_input(self, previous_top: torch.Tensor | None, embedded: torch.Tensor, token_gate, reset,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+        """The stack input of one pass over a sequence.
+
+        ``previous_top``: None for pass 1, else the previous pass's top states [S, B, D] (full
+        sequence; shifted one position right here). ``embedded``: token (+ position) embeddings in the
+        stack's layout ([S, B, D], [S/TP, B, D] under sequence parallelism). ``token_gate``:
+        :meth:`token_gate` of the full-sequence embeddings (None is fine when
+        :meth:`needs_token_gate` is False). ``reset`` [S, B]: positions with no previous state in
+        their document (position 0 and every document start)."""
+        if previous_top is None:  # pass 1: no position has a previous state
+            return self.stateless_input(embedded, token_gate)
+        state = self.shift_states(previous_top, reset, generator)
+        return self.stack_input(state, embedded, token_gate, reset)
+
+    def stack_input(self, state: torch.Tensor, embedded: torch.Tensor, token_gate: torch.Tensor,
+                    no_state: torch.Tensor) -> torch.Tensor:
+        """fuse(state, e) where a previous state exists; where ``no_state`` [S, B] is True, the
+        rule's stateless input. ``state`` is already the fed-back state of each position (the KV-cache
+        decoder passes h_{t-1} of each sequence's one new position)."""
+        fused = self.fuse(state, token_gate)
+        if not self.plain_first_pass:
+            return fused  # the state rule: shift_states put h_init at those positions already
+        return torch.where(self._stack_layout(no_state).unsqueeze(-1), embedded, fused)
+
+    def stateless_input(self, embedded: torch.Tensor, token_gate: torch.Tensor | None) -> torch.Tensor:
+        """The input where no position has a state (pass 1, standard decoding): e_t, or under the
+        ``state`` rule fuse(h_init, e_t)."""
+        if self.plain_first_pass:
+            return embedded
+        return self.fuse(self.initial_states(), token_gate)
+
+    def _stack_layout(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[S, B] -> this rank's [S/TP, B] slice under sequence parallelism (as the stack input)."""
+        if not self.sequence_parallel:
+            return per_position
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return per_position.chunk(tp, dim=0)[parallel_state.get_tensor_model_parallel_rank()]
+
+    # ----------------------------------------------------------------- the fusion
     def forward(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """Fuse states [S, B, D] (or a broadcastable [1, 1, D]) with token embeddings [S, B, D].
 
@@ -117,3 +183,25 @@ class LatentFeedback(MegatronModule):
             tokens = tensor_parallel.all_to_all_hp2sp(local.reshape(seq * batch, -1))
             return tokens.view(-1, batch, tokens.shape[-1])
         return tensor_parallel.gather_from_tensor_model_parallel_region(local)
+
+
+def normal_init(std: float):
+    return lambda w: torch.nn.init.normal_(w, 0.0, std)
+
+
+def scaled_identity_init(scale: float):
+    """W = scale * I for a [D, D] weight, or this rank's [D/TP, D] row block of it (Megatron's GPU
+    init calls the init method on the local partition; its CPU init on the whole master weight)."""
+
+    def init(weight: torch.Tensor) -> torch.Tensor:
+        rows, cols = weight.shape
+        offset = 0
+        if rows != cols:  # a column-parallel partition: rows [rank * rows, (rank + 1) * rows)
+            offset = parallel_state.get_tensor_model_parallel_rank() * rows
+        with torch.no_grad():
+            weight.zero_()
+            index = torch.arange(rows, device=weight.device)
+            weight[index, index + offset] = scale
+        return weight
+
+    return init

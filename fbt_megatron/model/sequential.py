@@ -1,43 +1,103 @@
-"""The true recurrence, token by token: the reference multi-pass training must converge to.
+"""The true recurrence, token by token, written from the paper's formulas: the reference multi-pass
+training must converge to.
 
-For t = 0..S-1: state_t = h_init at a document start (and t = 0), else the fed-back h_{t-1};
-x_t = fuse(state_t, e_t); h_t = top state of the stack at position t given x_0..x_t, attending
-and positioned as the model's ``attention_mask`` says (only its own document's x_j with
-``document_causal``, computed here by the same mask and positions as training). This plain
-implementation re-runs the causal stack on the growing prefix (O(S^2), no KV cache): it exists to be
-obviously right, for tests and as the simplest decoder.
+For each row and t = 0..S-1, with d(t) the start of t's document (position 0 or a ``doc_start``):
+
+    x_t = e_t                                                   at a document start (no state exists)
+    x_t = (W_U s_t + b_U) * sigmoid(W_G e_t + b_G)              elsewhere (glu; additive: sum)
+    s_t = (1 - a) h_{t-1} + a h_init                            (prefix mixin a)
+    h_t = Stack(x_{d(t)}, ..., x_t)[-1]                         (document_causal: the document only,
+                                                                 positions counted from d(t);
+                                                                 causal: x_0, ..., x_t, positions t)
+    logits_t = h_t W_out^T                                      (padded vocabulary columns -inf)
+
+Under the ``state`` ablation x_t = fuse(h_init, e_t) at a document start instead. Only the stack
+(Megatron's transformer layers + final norm, which the recurrence does not change) and the token
+embedding lookup are the model's own modules; the fusion, the mixin, the document boundaries, the
+positions, the attention span and the head are computed here from the weights, so the model's
+multi-pass forward and the decoders are checked against the formulas, not against themselves.
+O(S^2) stack runs, one row at a time, no KV cache: it exists to be obviously right (tests, demo).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from fbt_megatron.model.fbt_gpt import FBTGPTModel, FBTOutput, reset_positions
+from fbt_megatron.model.fbt_gpt import FBTGPTModel, FBTOutput
+
+
+def _linear(x, layer):
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _fusion(model: FBTGPTModel):
+    """x = fuse(s, e) from the weights of W_U, W_G (TP=1: the whole matrices)."""
+    fb, cfg = model.feedback, model.feedback_config
+
+    def fuse(state, embedded):
+        value, gate = _linear(state, fb.value), _linear(embedded, fb.gate)
+        return value * torch.sigmoid(gate) if cfg.fusion == "glu" else value + gate
+
+    return fuse
+
+
+def _head(model: FBTGPTModel, hidden: torch.Tensor) -> torch.Tensor:
+    """[S, B, D] -> [B, S, V_pad] logits, padded columns -inf."""
+    gpt = model.gpt
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else gpt.output_layer.weight
+    logits = F.linear(hidden, weight).transpose(0, 1)
+    logits[..., model.model_config.vocab_size:] = float("-inf")
+    return logits.contiguous()
 
 
 @torch.no_grad()
 def sequential_forward(model: FBTGPTModel, input_ids, position_ids=None, doc_start=None) -> FBTOutput:
-    """Logits [B, S, V/TP] and top states [S, B, D] of the exact recurrence (eval-mode semantics)."""
+    """Logits [B, S, V_pad] and top states [S, B, D] of the exact recurrence (eval-mode semantics)."""
     if model.feedback is None:
         raise ValueError("feedback.fusion='off' has no recurrence to run")
-    if model.config.sequence_parallel:
-        raise ValueError("sequential_forward runs without sequence parallelism")
+    if model.config.tensor_model_parallel_size != 1 or model.pipelined:
+        raise ValueError("sequential_forward is the single-process reference (TP=1, PP=1)")
+    cfg, fuse = model.feedback_config, _fusion(model)
+    a, h_init = cfg.prefix_mixin, model.feedback.initial_state
+    document_causal = model.model_config.attention_mask == "document_causal"
     batch, seq_len = input_ids.shape
-    reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
-    mask, positions = model.attention_inputs(reset, position_ids)
-    embedded = model.gpt.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, D]
+    starts = torch.zeros(batch, seq_len, dtype=torch.bool) if doc_start is None else doc_start.bool().cpu().clone()
+    starts[:, 0] = True
+    rope = None
+    if model.model_config.position_embedding_type == "rope":
+        rope = model.gpt.rotary_pos_emb(model.model_config.max_sequence_length)  # [P, 1, 1, d]
 
-    h0 = model.feedback.initial_state
-    inputs, tops = [], []
-    for t in range(seq_len):
-        if t == 0:
-            state = h0.expand(batch, -1)
-        else:
-            fed = model.feedback.fed_back(tops[-1])
-            state = torch.where(reset[t].unsqueeze(-1), h0.expand(batch, -1), fed)
-        inputs.append(model.feedback(state.unsqueeze(0), embedded[t : t + 1]))
-        prefix = torch.cat(inputs, dim=0)
-        top = model.run_stack(prefix, mask[..., : t + 1, : t + 1], model.rotary(positions[:, : t + 1]))
-        tops.append(top[-1])
-    hidden = torch.stack(tops, dim=0)
-    return FBTOutput(logits=model.head(hidden), hidden=hidden)
+    tops = torch.zeros(seq_len, batch, model.config.hidden_size, dtype=model.config.params_dtype,
+                       device=input_ids.device)
+    for b in range(batch):
+        doc_first = 0
+        positions = []
+        for t in range(seq_len):
+            if starts[b, t]:
+                doc_first = t
+            positions.append(t - doc_first if document_causal else t)
+        positions = torch.tensor(positions, device=input_ids.device)
+        if position_ids is not None:
+            positions = position_ids[b].to(input_ids.device)
+        embedded = model.gpt.embedding(input_ids=input_ids[b:b + 1], position_ids=positions.view(1, -1))  # [S, 1, D]
+        inputs = []
+        doc_first = 0
+        for t in range(seq_len):
+            e_t = embedded[t:t + 1]
+            if starts[b, t]:
+                doc_first = t
+                x_t = e_t if cfg.first_input == "embedding" else fuse(h_init.view(1, 1, -1), e_t)
+            else:
+                state = (1.0 - a) * tops[t - 1, b] + a * h_init
+                x_t = fuse(state.view(1, 1, -1), e_t)
+            inputs.append(x_t)
+            first = doc_first if document_causal else 0
+            prefix = torch.cat(inputs[first:], dim=0)  # [L, 1, D]
+            span = prefix.shape[0]
+            causal = torch.ones(span, span, dtype=torch.bool, device=prefix.device).triu(1)[None, None]
+            rotary = None if rope is None else rope[positions[first:t + 1]]
+            top = model.gpt.decoder(hidden_states=prefix, attention_mask=causal, rotary_pos_emb=rotary)
+            tops[t, b] = top[-1, 0]
+    return FBTOutput(logits=_head(model, tops), hidden=tops)

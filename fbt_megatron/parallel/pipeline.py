@@ -383,10 +383,12 @@ class StepOutput:
 @dataclass
 class _MicroBatch:
     data: dict
-    embedded: torch.Tensor | None = None  # first stage: the embedding graph
-    # First stage: the token path sigmoid(W_G e), computed once per micro-batch (it does not change
-    # between passes); pass min(grad_passes) uses its graph, the other grad passes a detached leaf whose
-    # accumulated gradient goes through W_G and the embedding once, in that pass's backward.
+    # First stage: the embeddings and the token path sigmoid(W_G e), computed once per micro-batch
+    # (they do not change between passes; the gate only when some pass reads it). Pass
+    # min(grad_passes) uses their graphs, the other grad passes detached leaves whose accumulated
+    # gradients go through W_G and the embedding once, in that pass's backward.
+    embedded: torch.Tensor | None = None
+    embedded_leaf: torch.Tensor | None = None
     gate: torch.Tensor | None = None
     gate_leaf: torch.Tensor | None = None
     reset: torch.Tensor | None = None
@@ -485,18 +487,17 @@ class PipelineRunner:
                 self._start_micro_batch(mb, jitter_seed)
         with torch.set_grad_enabled(grad):
             if self.first:
+                owner = not grad or j == min(ctx["grad_passes"])  # reads the graphs, not the leaves
+                embedded = mb.embedded if owner else mb.embedded_leaf
                 if model.feedback is None:
-                    x = mb.embedded
+                    x = embedded
                 else:
-                    if j == 0:
-                        state = model.feedback.initial_states()
-                    else:
+                    if j > 0:
                         ring_in = ctx["channel"].recv(("ring", self.stages - 1, b, j - 1))
                         if grad and j - 1 in ctx["grad_passes"]:
                             ring_in.requires_grad_()
-                        state = model.feedback.shift_states(ring_in, mb.reset, mb.generator)
-                    gate = mb.gate if (not grad or j == min(ctx["grad_passes"])) else mb.gate_leaf
-                    x = model.feedback.fuse(state, gate)
+                    gate = mb.gate if owner else mb.gate_leaf
+                    x = model.feedback.pass_input(ring_in, embedded, gate, mb.reset, mb.generator)
             else:
                 x = ctx["channel"].recv(("act", self.stage - 1, b, j))
                 if grad:
@@ -542,10 +543,12 @@ class PipelineRunner:
         self._attention(mb)
         with torch.set_grad_enabled(bool(ctx["grad_passes"])):
             mb.embedded = model.embed(ids, mb.attention[2], word_weight=self._tied_leaf)
-            if model.feedback is not None:
+            if model.feedback is not None and model.feedback.needs_token_gate(ctx["k"]):
                 mb.gate = model.feedback.token_gate(mb.embedded)
-        if mb.gate is not None and len(ctx["grad_passes"]) > 1:  # one graph per pass: the others read a leaf
-            mb.gate_leaf = mb.gate.detach().requires_grad_()
+        if len(ctx["grad_passes"]) > 1:  # one graph per pass: the others read leaves
+            mb.embedded_leaf = mb.embedded.detach().requires_grad_()
+            if mb.gate is not None:
+                mb.gate_leaf = mb.gate.detach().requires_grad_()
         cfg = model.feedback_config
         if model.training and cfg.jitter_std > 0 and jitter_seed is not None:
             mb.generator = torch.Generator(device=ids.device).manual_seed(int(jitter_seed))
@@ -577,9 +580,11 @@ class PipelineRunner:
             tensors.append(out)
             grads.append(ctx["channel"].recv(("ringgrad", 0, b, j + 1)))
         final = j == min(ctx["grad_passes"])
-        if self.first and final and mb.gate_leaf is not None and mb.gate_leaf.grad is not None:
-            tensors.append(mb.gate)  # the other passes' gate gradient, through W_G and the embedding once
-            grads.append(mb.gate_leaf.grad)
+        if self.first and final:  # the other passes' gradients, through W_G and the embedding once
+            for graph, leaf in ((mb.gate, mb.gate_leaf), (mb.embedded, mb.embedded_leaf)):
+                if leaf is not None and leaf.grad is not None:
+                    tensors.append(graph)
+                    grads.append(leaf.grad)
         ctx["backward"](tensors, grads)
         if not self.first:
             ctx["channel"].send(("grad", self.stage, b, j), self.stage - 1, x.grad)

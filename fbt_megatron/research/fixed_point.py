@@ -37,11 +37,11 @@ def iterate_passes(model, input_ids: torch.Tensor, max_passes: int, doc_start=No
     model.eval()
     fb = model.feedback
     emb, mask, rotary, reset = stack_inputs(model, input_ids, doc_start)
-    x = fb(fb.initial_states(), emb)
-    top = model.run_stack(x, mask, rotary)
+    gate = fb.token_gate(emb)
+    top = model.run_stack(fb.pass_input(None, emb, gate, reset), mask, rotary)
     residuals = []
     for _ in range(max_passes - 1):
-        new = model.run_stack(fb(fb.shift_states(top, reset), emb), mask, rotary)
+        new = model.run_stack(fb.pass_input(top, emb, gate, reset), mask, rotary)
         residuals.append(float((new - top).norm() / top.norm().clamp_min(1e-30)))
         top = new
     return {"residuals": residuals, "top": top, "emb": emb, "reset": reset}
@@ -57,6 +57,7 @@ def one_step_jacobian_norms(model, input_ids: torch.Tensor, top: torch.Tensor, p
     seq = ids.shape[1]
     with torch.no_grad():
         emb, mask, rotary, reset = stack_inputs(model, ids)
+        gate = fb.token_gate(emb)
         base_state = fb.shift_states(top[:, row : row + 1], reset)  # the fixed point's fed-back states
     out = []
     for t in positions:
@@ -67,7 +68,7 @@ def one_step_jacobian_norms(model, input_ids: torch.Tensor, top: torch.Tensor, p
         def step(h_prev, t=t, prefix_state=prefix_state):
             # h_{t-1} -> what position t receives (prefix mixin, no jitter in eval) -> h_t
             state = torch.cat([prefix_state[:t], fb.fed_back(h_prev).view(1, 1, -1)], dim=0)
-            x = fb(state, emb[: t + 1])
+            x = fb.stack_input(state, emb[: t + 1], gate[: t + 1], reset[: t + 1])
             return model.run_stack(x, mask[..., : t + 1, : t + 1], rotary[: t + 1] if rotary is not None else None)[-1, 0]
 
         h_prev = top[t - 1, row].detach()

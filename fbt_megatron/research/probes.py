@@ -97,14 +97,15 @@ def layer_inputs(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
             return feats
         fb = model.feedback
         emb, mask, rotary, reset = stack_inputs(model, input_ids)
-        x1 = fb(fb.initial_states(), emb)
+        gate = fb.token_gate(emb)
+        x1 = fb.pass_input(None, emb, gate, reset)  # pass 1: the token embeddings
         top1 = model.run_stack(x1, mask, rotary)
         state = fb.shift_states(top1, reset)
         feats["layer0_pass1"] = bsd(x1)
-        feats["layer0_feedback1"] = bsd(fb(state, emb))
-        feats["layer0_feedback1_zeroed"] = bsd(fb(torch.zeros_like(state), emb))
+        feats["layer0_feedback1"] = bsd(fb.stack_input(state, emb, gate, reset))
+        feats["layer0_feedback1_zeroed"] = bsd(fb.stack_input(torch.zeros_like(state), emb, gate, reset))
         perm = torch.roll(torch.arange(batch), 1)  # every row gets another row's states
-        feats["layer0_feedback1_shuffled"] = bsd(fb(state[:, perm], emb))
+        feats["layer0_feedback1_shuffled"] = bsd(fb.stack_input(state[:, perm], emb, gate, reset))
         model(input_ids, num_passes=seq)  # exact recurrence: the last pass's layer-0 input
         feats["layer0_exact"] = bsd(captured[0])
         return feats

@@ -278,6 +278,35 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         raise RecipeError(format_validation_error(err)) from None
 
 
+def load_saved_recipe(data: dict) -> Recipe:
+    """The recipe saved in a checkpoint's state.json, read with the rules it was trained under (a
+    checkpoint written before ``feedback.first_input`` existed used the ``state`` rule)."""
+    from fbt_megatron.config import saved_feedback_section
+
+    return load_recipe(data={**data, "feedback": saved_feedback_section(data.get("feedback"))})
+
+
+def adopt_checkpoint_rule(recipe: Recipe, saved: dict, where) -> str | None:
+    """Resuming ``saved`` (a checkpoint's recipe dict) under ``recipe``: the pass-input rule is the
+    checkpoint's. A recipe that does not set ``feedback.first_input`` takes it (returns a message
+    saying so); one that sets the other rule is refused naming both, before anything is written."""
+    from fbt_megatron.config import saved_feedback_section
+
+    trained = saved_feedback_section(saved.get("feedback"))["first_input"]
+    asked = recipe.feedback.first_input
+    if trained == asked:
+        return None
+    if "first_input" in recipe.feedback.model_fields_set:
+        raise RecipeError(
+            f"recipe key 'feedback.first_input': the checkpoint {where} was trained with "
+            f"feedback.first_input={trained!r}, this recipe asks for {asked!r}; resuming would change what "
+            f"the model's first pass reads. Set feedback.first_input={trained} to continue it, or start a "
+            f"new run_dir")
+    recipe.feedback.first_input = trained
+    return (f"feedback.first_input={trained!r} (the rule the checkpoint {where} was trained with; the recipe "
+            f"does not set it)")
+
+
 def check_layout(recipe: Recipe, world_size: int) -> int:
     """Check the parallel layout and batch against ``world_size`` processes; return the DP size."""
     p = recipe.parallel

@@ -12,7 +12,7 @@ import math
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.train.recipe import Recipe, bf16_accumulation_warning, check_layout
+from fbt_megatron.train.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
 
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
@@ -112,7 +112,7 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train import callbacks as cb
-    from fbt_megatron.checkpoint import CheckpointError, CheckpointManager
+    from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
     from fbt_megatron.checkpoint.shards import ZeroState, param_specs
     from fbt_megatron.train.engine import Engine
     from fbt_megatron.train.lr_schedule import LRSchedule
@@ -132,10 +132,6 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
     check_tokenizer(recipe)
     if bf16_accumulation_warning(recipe):
         log(bf16_accumulation_warning(recipe))
-    dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
-    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
-                        dtype=dtype)
-    specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
                              async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
     if not recipe.checkpoint.resume and ckpt.has_checkpoints():
@@ -143,6 +139,14 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
         raise CheckpointError(f"checkpoint.resume=false, but {ckpt.root} already holds checkpoints; "
                               f"choose another run_dir or remove {ckpt.root}")
     latest = ckpt.latest() if recipe.checkpoint.resume else None
+    if latest is not None:  # the model is built with the rule the checkpoint was trained under
+        adopted = adopt_checkpoint_rule(recipe, read_checkpoint_state(latest).get("recipe", {}), latest)
+        if adopted:
+            log(adopted)
+    dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
+    model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
+                        dtype=dtype)
+    specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     engine = Engine(model, recipe)
     zero = ZeroState(engine, specs)
     state, saved_cursor = TrainState(), None
