@@ -118,12 +118,16 @@ class FeedbackConfig(StrictModel):
     # start in later passes — the stack reads ``embedding`` (e_t: pass 1 is the ordinary transformer)
     # or ``state`` (fuse(h_init, e_t), the ablation). docs/feedback.md, "The first pass".
     first_input: Literal["embedding", "state"] = "embedding"
-    # Initialisation of the fusion. W_U: ``normal`` N(0, init_method_std) (divided by sqrt(2 L) with
-    # depth_scaling), or ``identity`` value_init_scale * I (with tied embeddings a state is then read
-    # like the embedding of the token it predicts). W_G: N(0, gate_init_std or init_method_std).
+    # Initialisation of the fusion (it is first used at the switch to multi-pass batches; docs/feedback.md).
+    # W_U: ``normal`` N(0, init_method_std), divided by sqrt(2 L) with depth_scaling; ``identity``
+    # value_init_scale * I (default 2 * init_method_std: with the gate near 1/2 the fused input starts
+    # at the embeddings' initial scale; with tied embeddings a state is read like the embedding of the
+    # token it predicts). W_G: ``normal`` N(0, init_method_std) (sigmoid(W_G e) ~ 1/2 for every token);
+    # ``unit_spread`` N(0, 1 / (sqrt(D) * init_method_std)), so W_G e has unit spread for embeddings at
+    # their initial scale and the gate carries the token.
     value_init: Literal["normal", "identity"] = "normal"
-    value_init_scale: float = Field(0.04, gt=0.0)
-    gate_init_std: float | None = Field(None, gt=0.0)
+    value_init_scale: float | None = Field(None, gt=0.0)
+    gate_init: Literal["normal", "unit_spread"] = "normal"
     # Stabilisers. Each is our documented interpretation of the paper's switch (docs/feedback.md).
     prefix_mixin: float = Field(0.1, ge=0.0, le=1.0)  # fed-back h <- (1-a) h + a h_init
     depth_scaling: bool = True  # W_U initialised with std / sqrt(2 * num_layers)

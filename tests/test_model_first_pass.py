@@ -173,12 +173,16 @@ def test_one_pass_computes_no_fusion(single_process):
 
 
 def test_scaled_identity_value_init_is_tensor_parallel_invariant(single_process):
-    """feedback.value_init=identity: W_U = scale * I (the whole matrix at TP=1)."""
+    """feedback.value_init=identity: W_U = scale * I (the whole matrix at TP=1; default scale
+    2 * init_method_std); gate_init=unit_spread: W_G ~ N(0, 1 / (sqrt(D) * init_method_std))."""
     torch.manual_seed(0)
-    model = build_model(tiny_model_config(), feedback(value_init="identity", value_init_scale=0.5,
-                                                      gate_init_std=0.3))
+    model = build_model(tiny_model_config(), feedback(value_init="identity", value_init_scale=0.5))
     torch.testing.assert_close(model.feedback.value.weight, 0.5 * torch.eye(32), rtol=0, atol=0)
-    assert abs(model.feedback.gate.weight.std().item() - 0.3) < 0.03
+    model = build_model(tiny_model_config(init_method_std=0.05), feedback(value_init="identity",
+                                                                          gate_init="unit_spread"))
+    torch.testing.assert_close(model.feedback.value.weight, 0.1 * torch.eye(32), rtol=0, atol=0)
+    want = 1.0 / (32 ** 0.5 * 0.05)
+    assert abs(model.feedback.gate.weight.std().item() / want - 1) < 0.1
 
 
 def test_scaled_identity_on_a_gpu_partition(monkeypatch):

@@ -65,7 +65,7 @@ class LatentFeedback(MegatronModule):
         linear_config = replace(config, sequence_parallel=False)
         std = config.init_method_std
         if feedback.value_init == "identity":
-            value_init = scaled_identity_init(feedback.value_init_scale)
+            value_init = scaled_identity_init(feedback.value_init_scale or 2.0 * std)
         else:
             value_std = std / math.sqrt(2.0 * config.num_layers) if feedback.depth_scaling else std
             value_init = normal_init(value_std)
@@ -77,7 +77,8 @@ class LatentFeedback(MegatronModule):
             )
 
         self.value = linear(value_init)  # W_U: acts on the fed-back state
-        self.gate = linear(normal_init(feedback.gate_init_std or std))  # W_G: acts on the token embedding
+        gate_std = 1.0 / (math.sqrt(hidden) * std) if feedback.gate_init == "unit_spread" else std
+        self.gate = linear(normal_init(gate_std))  # W_G: acts on the token embedding
         # h_init: the prefix mixin's anchor (and, under first_input="state", the state wherever none
         # exists). Unit scale, like a final-layernorm output.
         self.initial_state = torch.nn.Parameter(torch.empty(hidden, dtype=config.params_dtype))
