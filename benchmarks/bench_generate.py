@@ -2,8 +2,8 @@
 
 Same model, same run, measured side by side (rounds interleave the modes; medians reported):
 - decode tokens/s with feedback / decode tokens/s standard (goal >= 0.98). Feedback decoding adds
-  the fusion of the previous top state to each step; standard decoding of the same FBT model fuses
-  h_init instead (same matmuls), so the ratio isolates the cost of carrying the state.
+  the fusion of the previous top state to each step (two D x D matmuls per token); standard decoding
+  of the same FBT model is the plain transformer (no fusion computed).
 - for reference, a plain GPT of the same size (fusion=off, no fusion layer at all).
 - prefill seconds for K = 1, 2 (FUSED) passes and for the exact (token-by-token) prefill.
 

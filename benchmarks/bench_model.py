@@ -2,8 +2,8 @@
 
 Prints:
 - FBT 1-pass train-step time / plain Megatron-Core GPTModel train-step time at the same size
-  (goal <= 1.02: the fusion adds two D x D matmuls per token; in pass 1 the value path sees the
-  constant h_init, so only W_G costs per token);
+  (goal <= 1.02: pass 1 is the plain transformer and computes no fusion; later passes add two
+  D x D matmuls per token);
 - k-pass step time / (k x 1-pass step time) for k = 2, 3 (goal <= 1.05).
 
 A train step = forward + backward + AdamW step. Timings are interleaved round-robin and the median

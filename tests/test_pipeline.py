@@ -173,3 +173,39 @@ def test_schedule_is_valid_and_full(stages, m, k, mode):
     if m >= stages:  # the ring is full except one ramp: the closed form holds
         worst = max(s.bubble(st) for st in range(stages))
         assert worst == pytest.approx(theoretical_bubble(stages, m, k, mode), abs=1e-9)
+
+
+# ---------------------------------------------------------------------- pass 1 is the plain GPT, pipelined
+def pass_one_fbt_and_plain(full_state):
+    """On this rank of PP=2: a 1-pass training step of the FBT model and of the fusion-off model on
+    the same weights: (loss, grads) of each, under their PP=1 names."""
+    mbs = micro_batches()
+    tokens = sum(b["loss_mask"].sum() for b in mbs)
+    out = {}
+    for fusion in ("glu", "off"):
+        model = build_model(tiny_model_config(**MODEL), feedback(fusion=fusion))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(shard(full_state[global_name(model, n)], p))
+        runner = PipelineRunner(model.train())
+        if runner.tied and not runner.first:
+            runner.shared_weight().ds_pipe_replicated = True
+        step = runner.run(mbs, 1, training=True, scale=1.0 / float(tokens),
+                          jitter_seeds=[100 + i for i in range(len(mbs))])
+        out[fusion] = (step.loss_sum.clone(), {global_name(model, n): None if p.grad is None else p.grad.clone()
+                                                 for n, p in model.named_parameters()})
+    return out
+
+
+def test_pp2_pass_one_is_the_plain_gpt_bitwise(full_state_and_reference):
+    full_state, _ = full_state_and_reference
+    for rank, res in enumerate(run_distributed(pass_one_fbt_and_plain, 2, full_state,
+                                               layout=ParallelLayout(pipeline=2))):
+        (fbt_loss, fbt_grads), (plain_loss, plain_grads) = res["glu"], res["off"]
+        assert torch.equal(fbt_loss, plain_loss), rank
+        for name, grad in fbt_grads.items():
+            if name.startswith("feedback."):
+                assert grad is None, (rank, name)  # the fusion took no part
+            else:
+                assert torch.equal(grad, plain_grads[name]), (rank, name)
+        assert set(plain_grads) == {n for n in fbt_grads if not n.startswith("feedback.")}

@@ -2,15 +2,17 @@
 
     python tools/data_efficiency.py [--seeds 1,2,3] [--steps 600] [--out docs/results]
 
-Trains the tiny recipe on the embedded token mix as a standard model (feedback.fusion=off) and as an
-FBT model (the recipe as is: single-pass until 60%, then 75/22/3), three seeds each, and records the
+Trains the tiny recipe on the embedded token mix as a standard model (feedback.fusion=off), as an
+FBT model (the recipe as is: single-pass until 60%, then 75/22/3) and as the ``first_input=state``
+ablation (pass 1 fuses h_init instead of reading the embeddings), three seeds each, and records the
 held-out validation loss every 50 steps (FBT at its feedback depth, 3 passes, and at 1 pass).
 Same compute budget: the FBT run's extra passes cost FLOPs (k passes = k x forward and backward with
 grad_mode all), so the standard model gets the steps that spend the FBT run's FLOPs (about 1.11x
 the steps at the default schedule) with the same LR schedule shape. Reports the token ratio at which
 the standard model reaches the FBT model's final loss (interpolated on its curve; "not reached" if it
-never does within its budget). Writes docs/results/data_efficiency.{md,json,png}. Budget: about 25
-minutes on 2 idle CPU cores (six ~600-step runs; measured 22.0 min).
+never does within its budget). Writes docs/results/data_efficiency.{md,json,png}. Budget: about 35
+minutes on 2 idle CPU cores (nine ~600-step runs; 22.0 min for six measured before the ablation was
+added; ``--jobs 2`` runs two at a time with one thread each).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EVERY = 50
+KINDS = ("fbt", "state", "standard")  # FBT (pass 1 = the plain model), the first_input=state ablation, standard
 
 
 def fbt_compute_factor(steps: int, feedback_start: int, mix: list[float]) -> float:
@@ -42,27 +45,34 @@ def tokens_to_reach(curve: list[tuple[float, float]], target: float) -> float | 
     return None
 
 
-def run(seeds: list[int], steps: int, runs: Path) -> dict:
+def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1) -> dict:
     import yaml
 
-    from fbt_megatron.research.runs import ROOT, train_run
+    from fbt_megatron.research.runs import ROOT, run_jobs, train_run
 
     tiny = yaml.safe_load((ROOT / "recipes/tiny.yaml").read_text())
     start, mix = tiny["schedule"]["feedback_start_step"] * steps // tiny["train"]["steps"], tiny["schedule"]["mix"]
     factor = fbt_compute_factor(steps, start, mix)
     std_steps = round(steps * factor)
-    out = {"fbt": [], "standard": [], "compute_factor": factor, "standard_steps": std_steps,
-           "feedback_start_step": start}
+    out = {kind: [] for kind in KINDS}
+    out.update(compute_factor=factor, standard_steps=std_steps, feedback_start_step=start)
     common = ["eval.every=%d" % EVERY, "checkpoint.every=100000", "checkpoint.at_end=false", "logging.tensorboard=false"]
-    for seed in seeds:
-        for kind, extra, n in (("fbt", [f"schedule.feedback_start_step={start}", "eval.feedback_passes=3"], steps),
-                               ("standard", ["feedback.fusion=off", f"schedule.feedback_start_step={std_steps}"],
-                                std_steps)):
-            print(f"[data_efficiency] {kind} seed {seed}: {n} steps", flush=True)
-            s = train_run("recipes/tiny.yaml", runs / f"{kind}_seed{seed}",
-                          [f"name=de_{kind}_{seed}", f"seed={seed}", f"schedule.seed={seed}", f"train.steps={n}",
-                           *common, *extra])
-            out[kind].append({"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"]})
+    fbt = [f"schedule.feedback_start_step={start}", "eval.feedback_passes=3"]
+    kinds = {"fbt": (fbt, steps),
+             "state": (fbt + ["feedback.first_input=state"], steps),  # the ablation: pass 1 fuses h_init
+             "standard": (["feedback.fusion=off", f"schedule.feedback_start_step={std_steps}"], std_steps)}
+
+    def one(seed, kind):
+        extra, n = kinds[kind]
+        print(f"[data_efficiency] {kind} seed {seed}: {n} steps", flush=True)
+        s = train_run("recipes/tiny.yaml", runs / f"{kind}_seed{seed}",
+                      [f"name=de_{kind}_{seed}", f"seed={seed}", f"schedule.seed={seed}", f"train.steps={n}",
+                       *common, *extra])
+        return {"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"]}
+
+    todo = [(seed, kind) for seed in seeds for kind in KINDS]
+    for (seed, kind), result in zip(todo, run_jobs(one, todo, jobs)):
+        out[kind].append(result)
     return out
 
 
@@ -74,14 +84,19 @@ def summarise(results: dict) -> dict:
                 for v in run["val_history"]]
 
     rows = []
-    for fbt, std in zip(results["fbt"], results["standard"]):
+    for fbt, state, std in zip(results["fbt"], results["state"], results["standard"]):
         fbt_curve, std_curve = curve(fbt, 3), curve(std, 1)
         fbt_final_tokens, fbt_final = fbt_curve[-1]
         reach = tokens_to_reach(std_curve, fbt_final)
+        start = results["feedback_start_step"]
+        before = [(a["step"], a["loss"]["1"], b["loss"]["1"]) for a, b in zip(fbt["val_history"], std["val_history"])
+                  if a["step"] <= start]
         rows.append({"seed": fbt["seed"], "fbt_final": fbt_final, "fbt_final_1pass": curve(fbt, 1)[-1][1],
+                     "state_final": curve(state, 3)[-1][1], "state_final_1pass": curve(state, 1)[-1][1],
                      "standard_final": std_curve[-1][1],
                      "standard_at_fbt_tokens": float(np.interp(fbt_final_tokens, *zip(*std_curve))),
-                     "tokens_ratio": None if reach is None else reach / fbt_final_tokens})
+                     "tokens_ratio": None if reach is None else reach / fbt_final_tokens,
+                     "max_gap_before_switch": max(abs(x - y) for _, x, y in before)})
     return {"rows": rows}
 
 
@@ -91,13 +106,14 @@ def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) ->
     from fbt_megatron.research.report import fmt, figure, mean_std, provenance, save, table
 
     fig, (ax,) = figure(ncols=1, width=6.0, height=4.0)
-    for kind, passes, color in (("standard", 1, "C1"), ("fbt", 3, "C0"), ("fbt", 1, "C2")):
+    for kind, passes, color in (("standard", 1, "C1"), ("fbt", 3, "C0"), ("fbt", 1, "C2"), ("state", 3, "C3")):
         curves = [[(v["tokens"], v["loss"][str(passes)]) for v in r["val_history"]] for r in results[kind]]
         n = min(len(c) for c in curves)
         tokens = np.array([t for t, _ in curves[0][:n]])
         losses = np.array([[l for _, l in c[:n]] for c in curves])
         m, s = losses.mean(0), losses.std(0, ddof=1) if len(curves) > 1 else np.zeros(n)
-        label = "standard" if kind == "standard" else f"FBT, {passes}-pass eval"
+        label = {"standard": "standard", "fbt": f"FBT, {passes}-pass eval",
+                 "state": "first_input=state ablation, 3-pass eval"}[kind]
         ax.plot(tokens, m, color=color, label=label)
         ax.fill_between(tokens, m - s, m + s, color=color, alpha=0.2)
     ax.axvline(results["feedback_start_step"] * (results["fbt"][0]["val_history"][-1]["tokens"] /
@@ -111,23 +127,30 @@ def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) ->
     r = summary["rows"]
     ratios = [x["tokens_ratio"] for x in r]
     reached = [x for x in ratios if x is not None]
-    table_rows = [[x["seed"], f"{x['fbt_final']:.4f}", f"{x['fbt_final_1pass']:.4f}", f"{x['standard_at_fbt_tokens']:.4f}",
-                   f"{x['standard_final']:.4f}", "not reached" if x["tokens_ratio"] is None else f"{x['tokens_ratio']:.2f}"]
-                  for x in r]
+    table_rows = [[x["seed"], f"{x['fbt_final']:.4f}", f"{x['fbt_final_1pass']:.4f}", f"{x['state_final']:.4f}",
+                   f"{x['standard_at_fbt_tokens']:.4f}", f"{x['standard_final']:.4f}",
+                   "not reached" if x["tokens_ratio"] is None else f"{x['tokens_ratio']:.2f}",
+                   f"{x['max_gap_before_switch']:.4f}"] for x in r]
     table_rows.append(["mean ± std", fmt(*mean_std([x["fbt_final"] for x in r]), 4),
                        fmt(*mean_std([x["fbt_final_1pass"] for x in r]), 4),
+                       fmt(*mean_std([x["state_final"] for x in r]), 4),
                        fmt(*mean_std([x["standard_at_fbt_tokens"] for x in r]), 4),
                        fmt(*mean_std([x["standard_final"] for x in r]), 4),
-                       f"{fmt(*mean_std(reached), 2)} ({len(reached)}/{len(ratios)} reached)"])
+                       f"{fmt(*mean_std(reached), 2)} ({len(reached)}/{len(ratios)} reached)",
+                       fmt(*mean_std([x["max_gap_before_switch"] for x in r]), 4)])
     md = "\n".join([
         "# Data efficiency", "",
         f"Tiny recipe ({args.steps} FBT steps, feedback from step {results['feedback_start_step']}, mix 75/22/3) against "
         f"a standard model of the same size given the same compute ({results['standard_steps']} steps, "
         f"x{results['compute_factor']:.3f} FBT's FLOPs per step averaged over the run). Validation every {EVERY} steps on "
         "held-out documents. *Token ratio*: tokens the standard model needs to reach the FBT model's final "
-        "loss over the FBT model's tokens (> 1: FBT is more data-efficient; the paper reports 1.5-2 at 1B).", "",
-        table(["seed", "FBT final (3-pass)", "FBT final (1-pass)", "standard at FBT's tokens", "standard final (same compute)",
-               "token ratio"], table_rows), "", "![data efficiency](data_efficiency.png)", "",
+        "loss over the FBT model's tokens (> 1: FBT is more data-efficient; the paper reports 1.5-2 at 1B). "
+        "*state*: the `feedback.first_input=state` ablation (pass 1 fuses h_init), same steps as FBT. *Gap before "
+        "the switch*: largest |FBT 1-pass - standard| validation loss at the same step up to the switch (the two "
+        "runs differ there only in the LR schedule's length, 1.11x for the standard run).", "",
+        table(["seed", "FBT final (3-pass)", "FBT final (1-pass)", "state ablation final (3-pass)",
+               "standard at FBT's tokens", "standard final (same compute)", "token ratio", "gap before the switch"],
+              table_rows), "", "![data efficiency](data_efficiency.png)", "",
         provenance("python tools/data_efficiency.py", seconds)])
     return save(out_dir, "data_efficiency", md, {"args": vars(args), "results": results, "summary": summary})
 
@@ -136,12 +159,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default="runs/research/data_efficiency")
     ap.add_argument("--out", default="docs/results")
     a = ap.parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
     t0 = time.perf_counter()
-    results = run([int(s) for s in a.seeds.split(",")], a.steps, Path(a.runs))
+    results = run([int(s) for s in a.seeds.split(",")], a.steps, Path(a.runs), a.jobs)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(render(results, summarise(results), a, time.perf_counter() - t0, out_dir).read_text())

@@ -30,13 +30,14 @@ VARIANTS = {  # name -> recipe overrides (feedback.*)
 
 def main(argv=None) -> int:
     from fbt_megatron.research.report import provenance, save, table
-    from fbt_megatron.research.runs import train_run
+    from fbt_megatron.research.runs import run_jobs, train_run
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--variants", default=",".join(str(i) for i in range(len(VARIANTS))),
                     help="indices into the variant list (default: all)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default="runs/research/switch_init")
     ap.add_argument("--out", default="docs/results")
     a = ap.parse_args(argv)
@@ -44,15 +45,17 @@ def main(argv=None) -> int:
     names = [list(VARIANTS)[int(i)] for i in a.variants.split(",")]
     start = 360 * a.steps // 600
     t0 = time.perf_counter()
-    results = {}
-    for i, name in enumerate(names):
+
+    def one(i, name):
         print(f"[switch_init] {name}", flush=True)
         s = train_run("recipes/tiny.yaml", Path(a.runs) / f"variant{i}",
                       [f"name=switch_{i}", f"seed={a.seed}", f"schedule.seed={a.seed}", f"train.steps={a.steps}",
                        f"schedule.feedback_start_step={start}", "eval.feedback_passes=3", f"eval.every={EVERY}",
                        "checkpoint.every=100000", "checkpoint.at_end=false", "logging.tensorboard=false",
                        *VARIANTS[name]])
-        results[name] = s["val_history"]
+        return s["val_history"]
+
+    results = dict(zip(names, run_jobs(one, list(enumerate(names)), a.jobs)))
     steps = [v["step"] for v in next(iter(results.values())) if v["step"] >= start]
     rows = []
     for name, history in results.items():

@@ -2,7 +2,8 @@
 
 A k-pass micro-batch visits the stages k times. Pass j's top states leave the last stage and travel
 the ring back to the first stage (``next = (r+1) % P``, as in Megatron's interleaved schedule), where
-they are shifted, mixed with h_init and fused with the token embeddings for pass j+1. Pass j of a
+they become pass j+1's input by the model's one rule (``LatentFeedback.pass_input``: shifted, mixed,
+fused with the token embeddings; the embedding at document starts). Pass j of a
 micro-batch is therefore virtual chunk j of an interleaved schedule whose chunks share one set of
 weights; gradients travel the same ring backwards (first stage -> last stage carries the gradient of
 pass j's top states from pass j+1's backward).

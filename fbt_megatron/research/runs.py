@@ -27,3 +27,15 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:
+    """``[fn(*a) for a in args]``, ``jobs`` at a time (training subprocesses; each is given one CPU
+    thread when several run at once, so they share the cores instead of oversubscribing them)."""
+    if jobs <= 1:
+        return [fn(*a) for a in args]
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by train_run's subprocesses
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda a: fn(*a), args))
