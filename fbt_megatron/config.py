@@ -125,9 +125,9 @@ class FeedbackConfig(StrictModel):
     # token it predicts). W_G: ``normal`` N(0, init_method_std) (sigmoid(W_G e) ~ 1/2 for every token);
     # ``unit_spread`` N(0, 1 / (sqrt(D) * init_method_std)), so W_G e has unit spread for embeddings at
     # their initial scale and the gate carries the token.
-    value_init: Literal["normal", "identity"] = "normal"
+    value_init: Literal["normal", "identity"] = "identity"
     value_init_scale: float | None = Field(None, gt=0.0)
-    gate_init: Literal["normal", "unit_spread"] = "normal"
+    gate_init: Literal["normal", "unit_spread"] = "unit_spread"
     # Stabilisers. Each is our documented interpretation of the paper's switch (docs/feedback.md).
     prefix_mixin: float = Field(0.1, ge=0.0, le=1.0)  # fed-back h <- (1-a) h + a h_init
     depth_scaling: bool = True  # W_U initialised with std / sqrt(2 * num_layers)

@@ -106,8 +106,10 @@ def test_resume_continues_the_straight_run(matrix, saved, resumed):
     assert [h[0] for h in got] == [h[0] for h in ref]  # starts at the saved step
     assert [h[4] for h in got] == [h[4] for h in ref]  # same samples
     assert [h[1] for h in got] == [h[1] for h in ref]  # same pass counts
-    loss_err = max(abs(a[2] - b[2]) for a, b in zip(got, ref))
-    norm_err = max(abs(a[5] - b[5]) for a, b in zip(got, ref))
+    # Relative to the value: another layout's fp32 summation order moves the saved weights by ~1e-7, which
+    # a multi-pass step's gradient carries to ~5e-6 of its norm (measured after a TP=2 save: 4.6e-6).
+    loss_err = max(abs(a[2] - b[2]) / max(1.0, abs(b[2])) for a, b in zip(got, ref))
+    norm_err = max(abs(a[5] - b[5]) / max(1.0, abs(b[5])) for a, b in zip(got, ref))
     assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err, got, ref)
     # The final fp32 masters and AdamW moments (what a checkpoint holds) equal the straight run's, up to
     # the summation-order noise of another layout (which Adam's normalised update turns into up to ~lr

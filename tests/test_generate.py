@@ -34,7 +34,7 @@ def test_kv_cache_feedback_decoding_equals_sequential_recurrence(single_process)
         session = FeedbackDecoder(model, "feedback", passes).session([seq[:prompt_len]], len(seq) - prompt_len)
         logits = [session.prefill()[0]] + [session.step(torch.tensor([t]))[0] for t in seq[prompt_len:-1]]
         torch.testing.assert_close(torch.stack(logits), reference[prompt_len - 1:-1], **TOL)
-    # without feedback the cached decode is the 1-pass forward (every state = h_init)
+    # without feedback the cached decode is the 1-pass forward (the plain transformer)
     plain = model(torch.tensor([seq]), num_passes=1).logits[0]
     session = FeedbackDecoder(model, "standard").session([seq[:3]], len(seq) - 3)
     logits = [session.prefill()[0]] + [session.step(torch.tensor([t]))[0] for t in seq[3:-1]]

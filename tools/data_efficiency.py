@@ -18,6 +18,7 @@ added; ``--jobs 2`` runs two at a time with one thread each).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -45,7 +46,7 @@ def tokens_to_reach(curve: list[tuple[float, float]], target: float) -> float | 
     return None
 
 
-def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1) -> dict:
+def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1, reuse: bool = False) -> dict:
     import yaml
 
     from fbt_megatron.research.runs import ROOT, run_jobs, train_run
@@ -59,11 +60,17 @@ def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1) -> dict:
     common = ["eval.every=%d" % EVERY, "checkpoint.every=100000", "checkpoint.at_end=false", "logging.tensorboard=false"]
     fbt = [f"schedule.feedback_start_step={start}", "eval.feedback_passes=3"]
     kinds = {"fbt": (fbt, steps),
-             "state": (fbt + ["feedback.first_input=state"], steps),  # the ablation: pass 1 fuses h_init
+             # the ablation: the model before 2026-11-30 as it was (pass 1 fuses h_init, normal-initialised fusion)
+             "state": (fbt + ["feedback.first_input=state", "feedback.value_init=normal", "feedback.gate_init=normal"],
+                       steps),
              "standard": (["feedback.fusion=off", f"schedule.feedback_start_step={std_steps}"], std_steps)}
 
     def one(seed, kind):
         extra, n = kinds[kind]
+        done = runs / f"{kind}_seed{seed}" / "summary.json"
+        if reuse and done.is_file():  # a finished run with these arguments: summarise it again
+            s = json.loads(done.read_text())
+            return {"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"]}
         print(f"[data_efficiency] {kind} seed {seed}: {n} steps", flush=True)
         s = train_run("recipes/tiny.yaml", runs / f"{kind}_seed{seed}",
                       [f"name=de_{kind}_{seed}", f"seed={seed}", f"schedule.seed={seed}", f"train.steps={n}",
@@ -145,7 +152,8 @@ def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) ->
         f"x{results['compute_factor']:.3f} FBT's FLOPs per step averaged over the run). Validation every {EVERY} steps on "
         "held-out documents. *Token ratio*: tokens the standard model needs to reach the FBT model's final "
         "loss over the FBT model's tokens (> 1: FBT is more data-efficient; the paper reports 1.5-2 at 1B). "
-        "*state*: the `feedback.first_input=state` ablation (pass 1 fuses h_init), same steps as FBT. *Gap before "
+        "*state*: the model before 2026-11-30 (`feedback.first_input=state`: pass 1 fuses h_init; normal-initialised "
+        "fusion), same steps as FBT. *Gap before "
         "the switch*: largest |FBT 1-pass - standard| validation loss at the same step up to the switch (the two "
         "runs differ there only in the LR schedule's length, 1.11x for the standard run).", "",
         table(["seed", "FBT final (3-pass)", "FBT final (1-pass)", "state ablation final (3-pass)",
@@ -161,11 +169,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default="runs/research/data_efficiency")
+    ap.add_argument("--reuse", action="store_true", help="use finished runs found under --runs instead of retraining")
     ap.add_argument("--out", default="docs/results")
     a = ap.parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
     t0 = time.perf_counter()
-    results = run([int(s) for s in a.seeds.split(",")], a.steps, Path(a.runs), a.jobs)
+    results = run([int(s) for s in a.seeds.split(",")], a.steps, Path(a.runs), a.jobs, a.reuse)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(render(results, summarise(results), a, time.perf_counter() - t0, out_dir).read_text())

@@ -12,6 +12,7 @@ docs/results/switch_init.{md,json}. Budget: about 4 minutes per variant on 2 idl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -21,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EVERY = 50
 VARIANTS = {  # name -> recipe overrides (feedback.*)
-    "normal W_U (depth-scaled), normal W_G": [],
-    "identity W_U, normal W_G": ["feedback.value_init=identity"],
-    "normal W_U, unit-spread W_G": ["feedback.gate_init=unit_spread"],
+    "normal W_U (depth-scaled), normal W_G": ["feedback.value_init=normal", "feedback.gate_init=normal"],
+    "identity W_U, normal W_G": ["feedback.value_init=identity", "feedback.gate_init=normal"],
+    "normal W_U, unit-spread W_G": ["feedback.value_init=normal", "feedback.gate_init=unit_spread"],
     "identity W_U, unit-spread W_G": ["feedback.value_init=identity", "feedback.gate_init=unit_spread"],
 }
 
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
                     help="indices into the variant list (default: all)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default="runs/research/switch_init")
+    ap.add_argument("--reuse", action="store_true", help="use finished runs found under --runs instead of retraining")
     ap.add_argument("--out", default="docs/results")
     a = ap.parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
@@ -47,6 +49,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     def one(i, name):
+        done = Path(a.runs) / f"variant{i}" / "summary.json"
+        if a.reuse and done.is_file():  # a finished run of this variant (same arguments): render it again
+            return json.loads(done.read_text())["val_history"]
         print(f"[switch_init] {name}", flush=True)
         s = train_run("recipes/tiny.yaml", Path(a.runs) / f"variant{i}",
                       [f"name=switch_{i}", f"seed={a.seed}", f"schedule.seed={a.seed}", f"train.steps={a.steps}",
@@ -55,7 +60,8 @@ def main(argv=None) -> int:
                        *VARIANTS[name]])
         return s["val_history"]
 
-    results = dict(zip(names, run_jobs(one, list(enumerate(names)), a.jobs)))
+    indices = [list(VARIANTS).index(n) for n in names]
+    results = dict(zip(names, run_jobs(one, list(zip(indices, names)), a.jobs)))
     steps = [v["step"] for v in next(iter(results.values())) if v["step"] >= start]
     rows = []
     for name, history in results.items():
