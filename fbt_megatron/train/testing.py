@@ -116,6 +116,11 @@ def load_latest_weights(run_dir: str, recipe_data: dict) -> dict:
 
     recipe = load_recipe(data=recipe_data)
     model = build_model(recipe.model, recipe.feedback)
+    import torch
+
+    with torch.no_grad():  # away from any value training could have left a tensor at (a fusion weight that
+        for p in model.parameters():  # got no gradient yet keeps its initial value)
+            p.add_(1.0)
     before = [p.detach().clone() for p in model.parameters()]
     try:  # the checkpoint package's weights-only loader (issue 7)
         from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
