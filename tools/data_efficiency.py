@@ -70,7 +70,8 @@ def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1, reuse: bool = F
         done = runs / f"{kind}_seed{seed}" / "summary.json"
         if reuse and done.is_file():  # a finished run with these arguments: summarise it again
             s = json.loads(done.read_text())
-            return {"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"]}
+            return {"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"], "reused": True,
+                    **({"note": s["note"]} if "note" in s else {})}
         print(f"[data_efficiency] {kind} seed {seed}: {n} steps", flush=True)
         s = train_run("recipes/tiny.yaml", runs / f"{kind}_seed{seed}",
                       [f"name=de_{kind}_{seed}", f"seed={seed}", f"schedule.seed={seed}", f"train.steps={n}",
@@ -105,6 +106,17 @@ def summarise(results: dict) -> dict:
                      "tokens_ratio": None if reach is None else reach / fbt_final_tokens,
                      "max_gap_before_switch": max(abs(x - y) for _, x, y in before)})
     return {"rows": rows}
+
+
+def reuse_note(results: dict) -> str:
+    """Which runs were trained by this invocation and which were found finished (``--reuse``)."""
+    runs = [(kind, r) for kind in KINDS for r in results[kind]]
+    reused = [f"{kind} seed {r['seed']}" + (f" ({r['note']})" if r.get("note") else "") for kind, r in runs
+              if r.get("reused")]
+    if not reused:
+        return ""
+    return (f"{len(reused)} of {len(runs)} runs were trained by earlier invocations and summarised again here "
+            f"(`--reuse`; the time below does not include them): {'; '.join(reused)}.\n")
 
 
 def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) -> Path:
@@ -159,6 +171,7 @@ def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) ->
         table(["seed", "FBT final (3-pass)", "FBT final (1-pass)", "state ablation final (3-pass)",
                "standard at FBT's tokens", "standard final (same compute)", "token ratio", "gap before the switch"],
               table_rows), "", "![data efficiency](data_efficiency.png)", "",
+        reuse_note(results),
         provenance("python tools/data_efficiency.py", seconds)])
     return save(out_dir, "data_efficiency", md, {"args": vars(args), "results": results, "summary": summary})
 

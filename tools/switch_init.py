@@ -73,7 +73,10 @@ def main(argv=None) -> int:
         "validation loss with **1 pass / 3 passes** after the switch (the runs are identical before it: pass 1 "
         "does not use the fusion).", "",
         table(["W_U, W_G initialisation"] + [f"step {st}" for st in steps], rows), "",
-        provenance("python tools/switch_init.py", time.perf_counter() - t0)])
+        "Trained with `--jobs 2` (two runs at a time, one CPU thread each) on a machine shared with other work; "
+        "`--reuse` renders finished runs again without retraining (the time below then excludes them)." if a.reuse
+        else "",
+        provenance("python tools/switch_init.py" + (" --reuse" if a.reuse else ""), time.perf_counter() - t0)])
     print(save(Path(a.out), "switch_init", md, {"args": vars(a), "val_history": results}).read_text())
     return 0
 
