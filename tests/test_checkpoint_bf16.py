@@ -63,8 +63,20 @@ def test_bf16_checkpoint_holds_fp32_masters_not_bf16_copies(runs):
 
 
 def test_bf16_zero1_checkpoint_resumes_under_zero0(runs):
-    _, out = runs
+    """Every resumed step (loss, gradient norm) and the final fp32 masters follow the straight ZeRO-1 run.
+    ZeRO-0 bf16 accumulates gradients in bf16 (ZeRO-1 in fp32): close, not bit-equal. Measured (2026-11-30):
+    losses within 7e-5, gradient norms within 0.07 %, masters within 1.8 % of a tensor's norm. A resume
+    that trains on other bf16 weights than the loaded masters is off by 0.04 in loss, 100 % in gradient norm
+    and 40 % in the masters."""
+    base, out = runs
     ref, got = out["straight"]["history"][3:], out["zero0"]["history"]
     assert [h[0] for h in got] == [3, 4, 5] and [h[4] for h in got] == [h[4] for h in ref]
-    # Another optimiser (bf16 gradient accumulation): close, not bit-equal.
-    assert abs(got[0][2] - ref[0][2]) < 2e-2, (got, ref)
+    for a, b in zip(got, ref):
+        assert abs(a[2] - b[2]) < 1e-3, ("loss", got, ref)
+        assert abs(a[5] - b[5]) < 1e-2 * b[5], ("grad norm", got, ref)
+    final = read_full_tensors(base / "zero0" / "checkpoints" / "step_00000006")
+    want = read_full_tensors(base / "straight" / "checkpoints" / "step_00000006")
+    assert sorted(final) == sorted(want)
+    for key in (k for k in want if not k.startswith("optimizer.")):
+        rel = float((final[key] - want[key]).norm() / want[key].norm())
+        assert rel < 0.06, (key, rel)

@@ -49,7 +49,18 @@ def run_cases(full_state, loss_on="last", arch="gpt"):
         assert torch.isneginf(logits[..., cfg.vocab_size:]).all()  # padded columns never get probability
         results[(k, mode)] = {"logits": logits[..., :cfg.vocab_size], "loss": out.token_loss.detach(), "grads": grads,
                               "padding_grad": padding_grad}
+    results["layout"] = tp_sharding(model)
     return results
+
+
+def tp_sharding(model) -> dict:
+    """This rank's TP rank and size, and the parameters it holds only a 1/TP slice of (full tensor from
+    every rank's slice vs the local one)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+            "sliced": sorted(n for n, p in model.named_parameters()
+                             if unshard(p.detach(), p, n, model).numel() > p.numel())}
 
 
 @pytest.mark.parametrize("arch,loss_on", [("gpt", "last"), ("gpt", "mean"), ("llama", "last")])
@@ -61,7 +72,15 @@ def test_tp2_equals_tp1_logits_and_every_gradient(single_process, arch, loss_on)
     expected = run_cases(full_state, loss_on, arch)
 
     per_rank = run_distributed(run_cases, 2, full_state, loss_on, arch, layout=ParallelLayout(tensor=2))
+    # The TP=2 side is sharded: attention, MLP, the embedding and both fusion linears hold a slice each
+    # (Llama's vocabulary is padded to 128 rows at TP=1 and 256 at TP=2: each rank's 128 include padding).
+    assert expected["layout"] == {"tp": (0, 1), "sliced": []}
     for rank, got in enumerate(per_rank):
+        assert got["layout"]["tp"] == (rank, 2)
+        sliced = got["layout"]["sliced"]
+        for part in ("linear_qkv.weight", "linear_fc1.weight", "linear_fc2.weight", "linear_proj.weight",
+                     "feedback.value.weight", "feedback.gate.weight") + (("word_embeddings.weight",) * (arch == "gpt")):
+            assert any(n.endswith(part) for n in sliced), (part, sliced)
         for case in cases_for(loss_on):
             exp, res = expected[case], got[case]
             torch.testing.assert_close(res["logits"], exp["logits"], rtol=1e-5, atol=1e-5, msg=f"logits {case} rank {rank}")

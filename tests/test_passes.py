@@ -1,9 +1,8 @@
-"""The pass schedule: deterministic from (seed, step), same on every rank and after restart."""
+"""The pass schedule: deterministic from (seed, step), so the same on every rank and after restart."""
 
 
 from fbt_megatron.config import PassScheduleConfig
 from fbt_megatron.passes import PassSchedule
-from fbt_megatron.testing.distributed import run_distributed
 
 
 def draws(seed=5, start=100, steps=3000):
@@ -17,13 +16,17 @@ def test_single_pass_until_switch_then_mix():
     assert set(seq[100:]) == {1, 2, 3}
 
 
-def test_identical_on_every_rank():
-    per_rank = run_distributed(draws, 2)
-    assert per_rank[0] == per_rank[1] == draws()
-
-
 def test_identical_after_restart_from_any_step():
+    """A pure function of (seed, step): a fresh object, in a process whose global random generators are
+    elsewhere (another rank, a restarted job), draws the same k. The schedule takes no rank, so this is
+    also what makes every rank draw alike."""
+    import random
+
+    import numpy as np
+    import torch
+
     full = draws()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
     resumed = PassSchedule(PassScheduleConfig(feedback_start_step=100, seed=5))  # a fresh process's object
     assert [resumed.num_passes(s) for s in range(1700, 3000)] == full[1700:]
     assert draws(seed=6) != full  # the seed matters

@@ -12,6 +12,7 @@ from fbt_megatron.parallel.pipeline import (BACKWARD, FORWARD, Op, PipelineRunne
                                             grad_passes_for, theoretical_bubble)
 from fbt_megatron.runtime import ParallelLayout
 from fbt_megatron.testing.distributed import run_distributed
+from fbt_megatron.train.engine import Engine
 from model_helpers import feedback, shard, tiny_model_config, unshard
 
 # (passes, grad_mode, loss_on): every k with both gradient modes; both loss modes among them
@@ -91,16 +92,44 @@ def pipelined(full_state, cases):
         if model.feedback is not None:
             model.feedback.gate.register_forward_hook(lambda *a: gate_calls.append(1))
         runner = PipelineRunner(model)
-        if runner.tied and not runner.first:
-            runner.shared_weight().ds_pipe_replicated = True  # counted once (the engine does this)
+        Engine._mark_pipeline_replicas(model)  # what the training engine marks (counted once in the norm)
+        marked = [n for n, p in model.named_parameters() if getattr(p, "ds_pipe_replicated", False)]
         out = runner.run(mbs, k, training=True, scale=1.0 / float(tokens),
                          jitter_seeds=[100 + i for i in range(len(mbs))])
         grads = {global_name(model, n): None if p.grad is None else unshard(p.grad, p)
                  for n, p in model.named_parameters()}
         results[(k, mode, loss_on)] = {"loss": float(out.loss_sum) / float(tokens), "grads": grads,
                                        "norm": model_parallel_grad_norm(list(model.parameters())),
-                                       "gate_calls": len(gate_calls) if model.feedback is not None else None}
+                                       "gate_calls": len(gate_calls) if model.feedback is not None else None,
+                                       "layout": stage_layout(model), "marked": marked}
     return results
+
+
+def stage_layout(model) -> dict:
+    """What this rank runs: its PP/TP ranks and sizes, its global layer numbers, and how many of its
+    parameters are TP shards (their full tensor is TP times larger)."""
+    from megatron.core import parallel_state as ps
+
+    return {"pp": (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+            "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+            "layers": sorted({int(m.group(1)) for n, _ in model.named_parameters()
+                              if (m := re.search(r"decoder\.layers\.(\d+)\.", global_name(model, n)))}),
+            "tp_shards": sum(int(unshard(p.detach(), p).numel() > p.numel()) for p in model.parameters()),
+            "first": model.gpt.pre_process, "last": model.gpt.post_process}
+
+
+def check_layout(per_rank, tp: int):
+    """Every rank ran the pipeline it claims: 2 stages of 2 layers each (first: layers 0-1, the embedding
+    and the fusion; last: layers 2-3 and the head; its tied head weight marked as the replica), TP=tp."""
+    firsts = [next(iter(got.values())) for got in per_rank]
+    layouts = [first["layout"] for first in firsts]
+    assert sorted(lay["pp"] for lay in layouts) == sorted((r, 2) for r in range(2) for _ in range(tp))
+    assert sorted(lay["tp"] for lay in layouts) == sorted((r, tp) for r in range(tp) for _ in range(2))
+    for lay, first in zip(layouts, firsts):
+        stage = lay["pp"][0]
+        assert lay["layers"] == [2 * stage, 2 * stage + 1] and (lay["first"], lay["last"]) == (stage == 0, stage == 1)
+        assert (lay["tp_shards"] > 0) == (tp > 1), lay
+        assert first["marked"] == ([] if stage == 0 else ["gpt.output_layer.weight"]), first["marked"]
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +172,7 @@ def check(reference, per_rank, cases):
 def test_pp2_equals_pp1(full_state_and_reference):
     full_state, reference = full_state_and_reference
     per_rank = run_distributed(pipelined, 2, full_state, CASES, layout=ParallelLayout(pipeline=2))
+    check_layout(per_rank, tp=1)
     check(reference, per_rank, CASES)
 
 
@@ -150,6 +180,7 @@ def test_pp2_tp2_equals_pp1(full_state_and_reference):
     full_state, reference = full_state_and_reference
     cases = [(3, "all", "mean")]
     per_rank = run_distributed(pipelined, 4, full_state, cases, layout=ParallelLayout(tensor=2, pipeline=2))
+    check_layout(per_rank, tp=2)
     check(reference, per_rank, cases)
 
 

@@ -278,6 +278,8 @@ class Engine:
         if self.zero_stage == 3:
             self._register_shared_weights(deepspeed, self.model)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
+        self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(
+            self.ds.optimizer, "immediate_grad_update", False)
         self.skipper = SkippableStep(self.torch_optimizer)
         self._materialize_optimizer_state()
         self._clip_norm = None
@@ -325,6 +327,12 @@ class Engine:
         self.ds.set_gradient_accumulation_boundary(is_boundary)
         # The train step already normalised the loss over the whole global batch.
         self.ds.backward(loss, scale_wrt_gas=False)
+        if self._bf16_lp_grads_kept:
+            # DeepSpeed's BF16_Optimizer has just added this micro-batch's bf16 gradients into its fp32
+            # accumulators; it clears the bf16 ones only from a backward hook on the engine's forward
+            # output, which the train step's loss (derived from it) does not reach. Left in place they
+            # would be added again after every later micro-batch (micro-batch i counted GAS - i times).
+            self.ds.optimizer.clear_lp_grads()
 
     def step(self, skip: bool = False) -> StepOutcome:
         """Optimiser step at the accumulation boundary, skipped (on every rank alike) if ``skip``
