@@ -95,7 +95,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        **fused_switches(model.normalization, on_gpu),
+        **fused_switches(model.normalization, on_gpu, activation=model.activation),
     )
 
 
