@@ -14,7 +14,7 @@ For each k, after a warm-up step, every stage times each of its ops over several
   backward (counted once per storage, via saved-tensor hooks), the schedule's peak number of held
   stage-pass activations, and their ratio (MiB per held stage-pass).
 
-Usage: python benchmarks/bench_pipeline.py [--layers 4 --hidden 256 --seq 128 --micro-batch 2
+Usage: python benchmarks/bench_pipeline.py [--search] | [--layers 4 --hidden 256 --seq 128 --micro-batch 2
        --micro-batches 8 --grad-mode all --steps 3]
 """
 
@@ -130,7 +130,20 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
     ap.add_argument("--passes", default="1,2,3")
+    ap.add_argument("--search", action="store_true",
+                    help="only time the schedule search (build_schedule, every rank runs it once per k)")
     args = ap.parse_args()
+    if args.search:
+        import time
+
+        print(f"{'P':>2} {'m':>3} {'k':>2} {'grad':>4} {'search s':>8} {'bubble':>7}")
+        for stages, m, k, mode in ((8, 32, 3, "all"), (8, 32, 3, "last"), (4, 64, 3, "all"), (4, 64, 3, "last"),
+                                   (8, 31, 3, "all"), (4, 63, 3, "all")):
+            t0 = time.perf_counter()
+            s = build_schedule(stages, m, k, grad_passes_for(k, mode, True))
+            print(f"{stages:>2} {m:>3} {k:>2} {mode:>4} {time.perf_counter() - t0:>8.2f} "
+                  f"{max(s.bubble(i) for i in range(stages)):>7.3f}")
+        return
 
     print(f"PP=2, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, "
           f"m={args.micro_batches} micro-batches, grad_mode={args.grad_mode}, {args.steps} timed steps "

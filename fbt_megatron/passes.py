@@ -13,6 +13,15 @@ import numpy as np
 from fbt_megatron.config import PassScheduleConfig
 
 
+def step_forwards(passes: int, grad_mode: str) -> float:
+    """Training FLOPs of a ``passes``-pass step in units of one forward F (backward = 2F): every pass
+    forward, and backward through every pass (``grad_mode: all``, 3k) or only the last (``last``, k + 2).
+    ``fbt plan`` and the MFU that training logs both count with this."""
+    if grad_mode not in ("all", "last"):
+        raise ValueError(f"grad_mode must be 'all' or 'last', got {grad_mode!r}")
+    return 3.0 * passes if grad_mode == "all" else passes + 2.0
+
+
 class PassSchedule:
     def __init__(self, config: PassScheduleConfig):
         self.config = config

@@ -60,7 +60,10 @@ def test_fused_switches_only_with_their_kernels(single_process):
 
     none = fused_switches("LayerNorm", on_gpu=True, available=lambda name: False)
     assert not none["persist_layer_norm"] and not none["masked_softmax_fusion"]
-    assert none["bias_activation_fusion"] and none["bias_dropout_fusion"]  # torch jit: any GPU
+    assert none["bias_dropout_fusion"]  # torch jit: any GPU
+    # activation fusion only for SwiGLU: Megatron's fused GELU is the tanh approximation
+    assert not none["bias_activation_fusion"]
+    assert fused_switches("LayerNorm", on_gpu=True, available=lambda name: False, activation="swiglu")["bias_activation_fusion"]
     every = fused_switches("LayerNorm", on_gpu=True, available=lambda name: True)
     assert every["persist_layer_norm"] and every["masked_softmax_fusion"]
     assert not fused_switches("RMSNorm", on_gpu=True, available=lambda name: True)["persist_layer_norm"]

@@ -15,7 +15,10 @@ size, g the key/value heads (query groups; g = a without GQA), f the MLP width, 
 - memory per GPU (mixed precision: bf16 weights, fp32 gradient accumulation, fp32 master + Adam m, v;
   ZeRO-1 shards the 12 optimiser bytes over DP, ZeRO-2 also the 4 gradient bytes, ZeRO-3 also the
   weights; TP and PP divide all of them), activations per layer and micro-batch s*b*h*(34 + 5as/h)
-  bytes for the GPT block (Korthikanti et al. 2022; without the 5as/h term with flash attention; 10 of
+  bytes for the GPT block (Korthikanti et al. 2022; the 5as/h term only where attention runs unfused —
+  ``model.attention.attention_backend``: Transformer Engine with a dense mask, i.e. ``document_causal``
+  under sequence parallelism — and for one layer only with ``recompute: selective``; packed documents
+  on TE, TE's causal flash and torch SDPA store no scores; 10 of
   the 34 replicated under TP without sequence parallelism), generalised: the TP-sharded 24 are
   Q, proj input (4) + K, V (4g/a) + the MLP's inner activations (4f/h for GELU: its input and fc2's;
   6f/h for SwiGLU: the 2f-wide [gate; up] and fc2's input), times the passes kept for backward (k with
@@ -97,8 +100,9 @@ class Shape:
 
 def pass_factor(mix: list[float], grad_mode: str) -> float:
     """Training FLOPs of the mix relative to a single-pass step (3F)."""
-    ek = sum((i + 1) * p for i, p in enumerate(mix))
-    return ek if grad_mode == "all" else (ek + 2.0) / 3.0
+    from fbt_megatron.passes import step_forwards
+
+    return sum(p * step_forwards(i + 1, grad_mode) for i, p in enumerate(mix)) / step_forwards(1, grad_mode)
 
 
 def max_passes(mix: list[float]) -> int:
@@ -135,9 +139,11 @@ class Memory:
 
 def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, weight_bytes: int = 2,
                    grad_bytes: int = 4, optimizer_bytes: int = 12, act_bytes: int = 2, flash: bool = True,
-                   reserve: float = 5 * GB) -> Memory:
+                   reserve: float = 5 * GB, scores_transient: bool = False) -> Memory:
     """Bytes per GPU. ``passes_kept``: passes whose activations are alive at the backward (k for
-    grad_mode all, 1 for last). CPU fp32: weight_bytes=4, act_bytes=4, flash=False, reserve=0."""
+    grad_mode all, 1 for last). CPU fp32: weight_bytes=4, act_bytes=4, reserve=0. ``flash=False``: the
+    attention stores 5as^2b bytes of scores per layer (unfused); ``scores_transient``: only one
+    layer's at a time (selective recompute of the core attention)."""
     n = shape.params() / (layout.tp * layout.pp)
     weights = n * weight_bytes / (dp if layout.zero >= 3 else 1)
     grads = n * grad_bytes / (dp if layout.zero >= 2 else 1)
@@ -150,14 +156,14 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     mlp_inner = (6.0 if shape.gated else 4.0) * shape.ffn / h
     sharded = (4.0 + 4.0 * shape.kv_width / h + mlp_inner) / t
     replicated = 10.0 / (t if layout.sequence_parallel else 1)
-    per_layer = s * b * h * (sharded + replicated) + (0 if flash else 5.0 * a * s * s * b / t)
-    per_layer *= act_bytes / 2.0
+    scores = 0.0 if flash else 5.0 * a * s * s * b / t * act_bytes / 2.0
+    per_layer = s * b * h * (sharded + replicated) * act_bytes / 2.0 + (0.0 if scores_transient else scores)
     layers_here = shape.layers / layout.pp
     p, k = layout.pp, passes_kept
     # Stage-pass activations the first stage holds at its peak (docs/pipeline.md, parallel/pipeline.py):
     # P at k = 1 (1F1B), 2(P-1) + (k-1)P + 1 with k kept passes; PP=1 keeps k passes of one micro-batch.
     held = k if p == 1 else (p if k == 1 else 2 * (p - 1) + (k - 1) * p + 1)
-    activations = per_layer * layers_here * held
+    activations = per_layer * layers_here * held + (scores if scores_transient else 0.0)
     logits = s * b * shape.vocab / t * (act_bytes + 4)  # logits + fp32 softmax for the loss
     return Memory(weights, grads, optimizer, activations, logits, reserve,
                   {"params_per_gpu": n, "per_layer_activation": per_layer})
@@ -178,16 +184,20 @@ class Plan:
     suggestion: tuple[Layout, Memory] | None
     tokens_per_s: float
     warnings: list[str]
+    attention: str = "packed"  # model.attention.attention_backend of the run
 
 
 def _divides(shape: Shape, tp: int) -> bool:
     return all(x % tp == 0 for x in (shape.hidden, shape.heads, shape.query_groups or shape.heads, shape.ffn))
 
 
-def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpus_per_node=8, allow_pp=False):
+def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpus_per_node=8, allow_pp=False,
+                   flash_for=None):
     """The cheapest layout that fits: ZeRO-3 only if nothing else fits (it all-gathers the weights for
     every micro-batch and every pass: 3x for a 3-pass step), then the smallest TP*PP (least
-    communication; TP stays within a node), then the lowest ZeRO stage, then the largest micro-batch."""
+    communication; TP stays within a node), then the lowest ZeRO stage, then the largest micro-batch.
+    ``flash_for(layout)``: whether the attention stores no scores in that layout (sequence parallelism
+    can change the backend)."""
     best = None
     pps = [p for p in (1, 2, 4, 8, 16) if shape.layers % p == 0] if allow_pp else [1]
     for tp, pp, zero in itertools.product((1, 2, 4, 8), pps, (1, 2, 3)):
@@ -200,7 +210,8 @@ def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpu
             if global_batch % (mb * dp):
                 continue
             lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1 and pp == 1)  # no SP with PP > 1
-            mem = memory_per_gpu(shape, lay, dp, passes_kept, **mem_kw)
+            kw = mem_kw if flash_for is None else {**mem_kw, "flash": flash_for(lay)}
+            mem = memory_per_gpu(shape, lay, dp, passes_kept, **kw)
             if mem.total <= capacity:
                 key = (zero == 3, tp * pp, pp, zero, -mb)
                 if best is None or key < best[0]:
@@ -211,7 +222,11 @@ def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpu
 
 def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, capacity: float | None = None,
          gpus_per_node: int = 8, layout: Layout | None = None, flash: bool | None = None,
-         reserve: float | None = None, fp32: bool = False) -> Plan:
+         reserve: float | None = None, fp32: bool = False, te: bool = True) -> Plan:
+    """``te``: the GPU run has transformer-engine (``pip install -e '.[gpu]'``), so its layers are TE's;
+    the attention backend follows (``model.attention.attention_backend``). ``flash`` overrides it."""
+    from fbt_megatron.model.attention import attention_backend
+
     shape = Shape.from_recipe(recipe)
     if gpu != "cpu":
         peak = peak or DEVICES[gpu][0]
@@ -230,17 +245,32 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
     passes_kept = kmax if grad_mode == "all" else 1
     if recipe.schedule.feedback_start_step >= recipe.train.steps:
         passes_kept = 1
+    backend = attention_backend(te and gpu != "cpu", recipe.model.attention_mask, layout.sequence_parallel)
     mem_kw = dict(weight_bytes=4 if fp32 else 2, act_bytes=4 if fp32 else 2,
-                  flash=(not fp32) if flash is None else flash,
+                  flash=backend != "unfused" if flash is None else flash,
+                  scores_transient=recipe.model.recompute == "selective",
                   reserve=(0.0 if fp32 else 5 * GB) if reserve is None else reserve)
     if fp32:  # fp32 training (CPU): the weights are the masters; no separate fp32 copy
         mem_kw.update(grad_bytes=4, optimizer_bytes=8 if layout.zero == 0 else 12)
     memory = memory_per_gpu(shape, layout, dp, passes_kept, **mem_kw)
     fits = capacity is None or memory.total <= capacity
+    if not fits and not mem_kw["flash"]:
+        flash_total = memory_per_gpu(shape, layout, dp, passes_kept, **{**mem_kw, "flash": True}).total
+        if flash_total <= capacity:
+            warnings.append(f"the layout does not fit because attention runs unfused ({backend}: TE with a dense "
+                            f"document mask, 5as/h bytes of scores per layer); with packed documents it needs "
+                            f"{flash_total / GB:.2f} GB: turn sequence parallelism off, or use "
+                            f"model.attention_mask: causal")
     suggestion = None
     if not fits:
-        suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node) \
-            or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True)
+        def flash_for(lay):
+            if flash is not None:
+                return flash
+            return attention_backend(te and gpu != "cpu", recipe.model.attention_mask, lay.sequence_parallel) != "unfused"
+
+        suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, flash_for=flash_for) \
+            or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True,
+                              flash_for=flash_for)
         if suggestion and suggestion[0].pp > 1:
             warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 and no "
                             "sequence parallelism there, docs/pipeline.md)")
@@ -259,7 +289,16 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
                        "gpu_hours": seconds * gpus / 3600, "tokens_per_s": tokens / seconds,
                        "step_seconds": seconds / steps, "flops_per_token": single * f})
     return Plan(shape, shape.params(recipe.feedback.bias), single, factor, phases, memory, layout, dp, fits,
-                capacity or float("inf"), suggestion, phases[0]["tokens_per_s"] if phases else 0.0, warnings)
+                capacity or float("inf"), suggestion, phases[0]["tokens_per_s"] if phases else 0.0, warnings,
+                backend)
+
+
+ATTENTION_WORDS = {
+    "packed": "packed documents (THD, cu_seqlens from doc_start; TE flash/fused): no S x S scores",
+    "flash": "causal (TE flash/fused): no S x S scores",
+    "sdpa": "torch SDPA with the dense mask (Megatron's local layers): no S x S scores stored",
+    "unfused": "TE unfused with a dense [B,1,S,S] mask: 5as/h bytes of scores per layer",
+}
 
 
 def _fmt_time(s: float) -> str:
@@ -290,6 +329,7 @@ def format_plan(pl: Plan, recipe, gpus: int, gpu: str, mfu: float, peak: float) 
         f"batch        {recipe.global_batch_size} seq x {s.seq} = {recipe.tokens_per_step:,} tokens/step, "
         f"{recipe.train.steps:,} steps = {tokens / 1e9:.4g} B tokens",
         f"layout       {pl.layout}, DP={pl.dp}, accumulation {recipe.global_batch_size // max(1, pl.layout.micro_batch * pl.dp)}",
+        f"attention    {recipe.model.attention_mask}: {ATTENTION_WORDS[pl.attention]}",
         f"memory/GPU   {_fmt_mem(pl.memory)}" + (f" of {pl.capacity / GB:.0f} GB" if pl.capacity < float("inf") else ""),
     ]
     if not pl.fits:
@@ -337,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak")
     ap.add_argument("--memory-gb", type=float, default=None, help="override the device's memory")
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--no-te", action="store_true",
+                    help="the GPUs run without transformer-engine (Megatron's local layers, torch SDPA)")
     a = ap.parse_intermixed_args(argv)
     from fbt_megatron.train.recipe import RecipeError, load_recipe
 
@@ -349,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     cap = a.memory_gb * GB if a.memory_gb else None
     try:
         pl = plan(recipe, a.gpus, a.gpu, a.mfu, peak=peak, capacity=cap, gpus_per_node=a.gpus_per_node,
-                  fp32=a.gpu == "cpu")
+                  fp32=a.gpu == "cpu", te=not a.no_te)
     except ValueError as e:
         print(f"fbt plan: {e}", file=sys.stderr)
         return 2

@@ -11,11 +11,26 @@ A training row packs several documents. ``ModelConfig.attention_mask`` chooses:
   with absolute positions 0..S-1 (Megatron's default pretraining layout). The recurrent state still
   restarts at each document; only attention crosses the boundary.
 
-The mask is a dense ``[B, 1, S, S]`` boolean (True = masked out, Megatron's convention). Megatron's
-fused/TE attention ignores a passed mask when the spec says ``causal``, so for ``document_causal``
-the spec's self-attention is switched to ``AttnMaskType.arbitrary`` (the mask is then honoured by
-the local softmax, its fused kernel and TE's unfused backend). A packed-sequence (THD, cu_seqlens)
-path for flash attention on GPU is a later optimisation; this one is exact everywhere.
+How attention runs (``attention_backend``):
+
+- ``packed`` (Transformer Engine layers, ``document_causal``, no sequence parallelism — what a GPU run
+  with ``pip install -e '.[gpu]'`` gets): the batch's rows are laid end to end as one packed sequence in
+  Megatron's THD layout, documents delimited by ``cu_seqlens`` derived from ``doc_start``
+  (:func:`packed_seq_params`, Megatron's ``PackedSeqParams``), and the spec's attention stays
+  ``causal``: TE runs it as ``padding_causal`` with its flash/fused backends, each document attending
+  only to itself, with no S x S mask. RoPE gets one frequency row per packed token (its position in
+  its document), which Megatron's THD RoPE maps exactly.
+- ``sdpa`` (Megatron's local layers: CPU, or a GPU without TE): Megatron's core attention is replaced by
+  :class:`SDPADotProductAttention`, which computes the same thing with ``torch.nn.functional.
+  scaled_dot_product_attention`` (fused kernels on CPU and GPU, no stored S x S probabilities) from a
+  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention). For
+  ``document_causal`` the spec's self-attention is switched to ``AttnMaskType.arbitrary`` so the mask
+  is honoured.
+- ``unfused`` (TE layers with a mask: ``document_causal`` under sequence parallelism): the dense mask
+  with ``arbitrary``, which TE runs with its unfused backend — 5·a·s²·b bytes of scores per layer.
+
+On CPU, :class:`SDPADotProductAttention` also runs the packed layout, one document at a time (each
+document attended alone): the emulation of the GPU path that the tests compare with the mask path.
 """
 
 from __future__ import annotations
@@ -23,6 +38,10 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 ATTENTION_MASKS = ("document_causal", "causal")
 
@@ -49,18 +68,127 @@ def rotary_for_positions(table: torch.Tensor, positions: torch.Tensor) -> torch.
     return table[:, 0, 0, :][positions.t()].unsqueeze(2)
 
 
-def adapt_layer_spec(spec, attention_mask: str, sequence_parallel: bool, num_layers: int):
-    """The layer spec with attention honouring an arbitrary mask (``document_causal``) and, under
-    sequence parallelism with Megatron's torch norms (no apex/TE), norms marked for it. Returns a
-    ModuleSpec, or TransformerBlockSubmodules when the block's final norm must change too."""
-    from megatron.core.transformer.enums import AttnMaskType
+def packed_rotary(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-token frequencies [B*S, 1, 1, D] for the packed layout (rows end to end). Megatron's THD
+    RoPE reads a table with one row per packed token at the token's offset (its "exact mapping")."""
+    return table[:, 0, 0, :][positions.reshape(-1)][:, None, None, :]
+
+
+def packed_seq_params(reset: torch.Tensor) -> PackedSeqParams:
+    """[S, B] document-start flags (row starts included) -> Megatron's ``PackedSeqParams`` for the B
+    rows laid end to end (row b's tokens at b*S .. b*S+S-1): a document split across two rows is two
+    sequences, each row starts one, tokens after a row's last start belong to that last document."""
+    seq, batch = reset.shape
+    starts = reset.t().reshape(-1).clone()
+    starts[::seq] = True  # every row starts a sequence, whatever the flags say
+    bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([seq * batch], device=reset.device)])
+    cu = bounds.to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def to_packed(x: torch.Tensor) -> torch.Tensor:
+    """[S, B, D] -> [B*S, 1, D]: the rows end to end (Megatron's THD hidden layout, batch 1)."""
+    seq, batch, hidden = x.shape
+    return x.transpose(0, 1).reshape(seq * batch, 1, hidden)
+
+
+def from_packed(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """[B*S, 1, D] -> [S, B, D], the inverse of :func:`to_packed`."""
+    return x.reshape(batch, -1, x.shape[-1]).transpose(0, 1).contiguous()
+
+
+def _uses_te_attention(spec) -> bool:
+    core = spec.submodules.self_attention.submodules.core_attention
+    return getattr(core, "__module__", "").startswith("megatron.core.extensions.transformer_engine")
+
+
+def attention_backend(te_layers: bool, attention_mask: str, sequence_parallel: bool) -> str:
+    """What runs attention (module doc): ``packed`` (TE, THD), ``flash`` (TE, causal), ``unfused``
+    (TE with a dense mask) or ``sdpa`` (Megatron's local layers). Only ``unfused`` stores the
+    5·a·s²·b bytes of scores per layer (``fbt plan`` counts them)."""
+    if not te_layers:
+        return "sdpa"
+    if attention_mask == "causal":
+        return "flash"
+    return "unfused" if sequence_parallel else "packed"
+
+
+def spec_backend(spec, attention_mask: str, sequence_parallel: bool) -> str:
+    return attention_backend(_uses_te_attention(spec), attention_mask, sequence_parallel)
+
+
+class SDPADotProductAttention(DotProductAttention):
+    """Megatron's local core attention computed by ``torch.nn.functional.scaled_dot_product_attention``
+    (same inputs, outputs and dropout RNG): ``[sq, b, np, hn]`` query, ``[sk, b, ng, hn]`` key/value,
+    a boolean mask (True = masked out) or none (then the spec's mask type: causal or none), output
+    ``[sq, b, np*hn]``. With ``packed_seq_params`` (THD: ``[t, np, hn]``) each document is attended
+    alone, causally: the reference for Transformer Engine's packed path. A fully masked query row
+    (padding) gives 0 where Megatron's softmax gives the mean value: both are discarded."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None or self.config.softmax_type != "vanilla" or self.scale_mask_softmax.window_size:
+            raise ValueError("SDPADotProductAttention supports neither attention bias, softmax offsets nor "
+                             "sliding windows (use Megatron's DotProductAttention or Transformer Engine)")
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        if dropout > 0 and not self.config.sequence_parallel:  # as Megatron: the model-parallel RNG
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self._attend(query, key, value, attention_mask, attn_mask_type, packed_seq_params,
+                                    scale, dropout, gqa)
+        return self._attend(query, key, value, attention_mask, attn_mask_type, packed_seq_params, scale,
+                            dropout, gqa)
+
+    def _attend(self, query, key, value, mask, mask_type, packed, scale, dropout, gqa):
+        def sdpa(q, k, v, **kw):  # [.., seq, heads, d] -> heads first and back
+            out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
+                                                 dropout_p=dropout, scale=scale, enable_gqa=gqa, **kw)
+            return out.transpose(-3, -2)
+
+        if packed is not None:
+            if packed.qkv_format != "thd" or packed.cu_seqlens_q_padded is not None:
+                raise ValueError("SDPADotProductAttention runs packed sequences in the thd format without padding")
+            cu = packed.cu_seqlens_q.tolist()
+            if cu != packed.cu_seqlens_kv.tolist():
+                raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+            out = torch.cat([sdpa(query[a:b][None], key[a:b][None], value[a:b][None], is_causal=True)[0]
+                             for a, b in zip(cu[:-1], cu[1:])])
+            return out.reshape(out.shape[0], -1)
+        sq, batch = query.shape[:2]
+        sk = key.shape[0]
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads, d]
+        kw = {}
+        if mask is not None:
+            kw["attn_mask"] = ~mask
+        elif (mask_type or self.attn_mask_type) == AttnMaskType.causal:
+            if sq == sk:
+                kw["is_causal"] = True
+            else:  # queries are the last sq of the sk positions
+                kw["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
+        out = sdpa(q, k, v, **kw)  # [b, sq, np, hn]
+        return out.transpose(0, 1).reshape(sq, batch, -1)
+
+
+def adapt_layer_spec(spec, attention_mask: str, sequence_parallel: bool, num_layers: int, packed: bool = False):
+    """The layer spec with SDPA for Megatron's local core attention, attention honouring an arbitrary
+    mask (``document_causal``, unless packed) and, under sequence parallelism with Megatron's torch
+    norms (no apex/TE), norms marked for it. Returns a ModuleSpec, or TransformerBlockSubmodules when
+    the block's final norm must change too. ``packed``: the model feeds packed sequences (THD), the
+    attention stays causal within each."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from fbt_megatron.model.norms import SequenceParallelTorchNorm, is_torch_norm
 
     spec = copy.deepcopy(spec)
     sub = spec.submodules
-    if attention_mask == "document_causal":
+    if sub.self_attention.submodules.core_attention is DotProductAttention:
+        sub.self_attention.submodules.core_attention = SDPADotProductAttention
+    if attention_mask == "document_causal" and not packed:
         sub.self_attention.params = dict(sub.self_attention.params, attn_mask_type=AttnMaskType.arbitrary)
     if sequence_parallel and any(is_torch_norm(getattr(sub, n)) for n in ("input_layernorm", "pre_mlp_layernorm")):
         for name in ("input_layernorm", "pre_mlp_layernorm"):

@@ -29,8 +29,9 @@ from megatron.core.transformer.module import MegatronModule
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.model import vocab
-from fbt_megatron.model.attention import (adapt_layer_spec, document_causal_mask, document_positions,
-                                          rotary_for_positions)
+from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
+                                          document_positions, from_packed, packed_rotary, packed_seq_params,
+                                          rotary_for_positions, spec_backend, to_packed)
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.kernels import fused_switches
 from fbt_megatron.model.recompute import recompute_layers
@@ -94,7 +95,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        **fused_switches(model.normalization, on_gpu),
+        **fused_switches(model.normalization, on_gpu, activation=model.activation),
     )
 
 
@@ -145,10 +146,13 @@ class FBTGPTModel(MegatronModule):
     (Megatron's layer offsets, so checkpoint keys carry global layer numbers), the embedding, the
     fusion weights and h_init on the first stage, final norm and LM head on the last. A stage is
     driven by :mod:`fbt_megatron.parallel.pipeline`; ``forward`` runs the whole model only.
-    ``spec`` overrides the layer spec (generation passes Megatron's local layers)."""
+    ``spec`` overrides the layer spec (generation passes Megatron's local layers). ``packed``: feed
+    packed sequences (THD, ``cu_seqlens`` from ``doc_start``) instead of a dense document mask; by
+    default when the layers are Transformer Engine's (``attention.py``); on Megatron's local layers it
+    is the per-document emulation of that path."""
 
     def __init__(self, model: ModelConfig, feedback: FeedbackConfig, config: TransformerConfig, spec=None,
-                 init_seed: int = 0):
+                 init_seed: int = 0, packed: bool | None = None):
         super().__init__(config)
         self.model_config, self.feedback_config = model, feedback
         self.pipelined = config.pipeline_model_parallel_size > 1
@@ -160,8 +164,20 @@ class FBTGPTModel(MegatronModule):
         config.embedding_init_method = vocab.logical_rows_init(
             model.vocab_size, self.padded_vocab_size, config.embedding_init_method_std or config.init_method_std)
         rng_before = torch.get_rng_state()
-        spec = adapt_layer_spec(spec if spec is not None else layer_spec(model), model.attention_mask,
-                                config.sequence_parallel, config.num_layers)
+        spec = spec if spec is not None else layer_spec(model)
+        self.attention_backend = spec_backend(spec, model.attention_mask, config.sequence_parallel)
+        if packed is None:
+            packed = self.attention_backend == "packed"
+        elif packed and (model.attention_mask != "document_causal" or config.sequence_parallel):
+            raise ValueError("packed sequences need model.attention_mask: document_causal and no sequence "
+                             f"parallelism (got {model.attention_mask}, sequence_parallel={config.sequence_parallel})")
+        self.packed = packed
+        if packed and self.attention_backend == "sdpa":
+            self.attention_backend = "packed-emulation"  # local layers: each document attended alone
+        elif not packed and self.attention_backend == "packed":
+            self.attention_backend = "unfused"  # TE layers asked for the dense mask
+        spec = adapt_layer_spec(spec, model.attention_mask, config.sequence_parallel, config.num_layers,
+                                packed=packed)
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,
@@ -198,7 +214,9 @@ class FBTGPTModel(MegatronModule):
         """Mask [.., S, S] and positions [B, S] for a packed row with document starts ``reset`` [S, B]
         (see ``attention.py``); explicit ``position_ids`` override the derived positions."""
         seq_len, batch = reset.shape
-        if self.model_config.attention_mask == "document_causal":
+        if self.packed:  # no mask: PackedSeqParams, which run_stack recognises
+            mask, positions = packed_seq_params(reset), document_positions(reset)
+        elif self.model_config.attention_mask == "document_causal":
             mask, positions = document_causal_mask(reset), document_positions(reset)
         else:
             mask = self.causal_mask(seq_len, reset.device)
@@ -211,10 +229,17 @@ class FBTGPTModel(MegatronModule):
         return t
 
     def run_stack(self, stack_input, mask, rotary) -> torch.Tensor:
-        """One pass through this stage's transformer layers (the final layernorm on the last stage)."""
+        """One pass through this stage's transformer layers (the final layernorm on the last stage).
+        ``mask`` is a dense mask, or PackedSeqParams (packed sequences: the [S, B, D] input runs as the
+        rows end to end, [B*S, 1, D], and comes back as [S, B, D])."""
+        packed = mask if isinstance(mask, PackedSeqParams) else None
+        x = stack_input if packed is None else to_packed(stack_input)
         if not self.gpt.pre_process:  # megatron's later stages read their input from set_input_tensor
-            self.gpt.decoder.set_input_tensor(stack_input)
-        return self.gpt.decoder(hidden_states=stack_input, attention_mask=mask, rotary_pos_emb=rotary)
+            self.gpt.decoder.set_input_tensor(x)
+        if packed is None:
+            return self.gpt.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
+        out = self.gpt.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=packed)
+        return from_packed(out, stack_input.shape[1])
 
     def embed(self, input_ids, position_ids, word_weight=None) -> torch.Tensor:
         """Token (+ position) embeddings [S, B, D]; ``word_weight`` stands in for the word-embedding
@@ -242,7 +267,7 @@ class FBTGPTModel(MegatronModule):
         if self.model_config.position_embedding_type != "rope":
             return None
         table = self.gpt.rotary_pos_emb(self.model_config.max_sequence_length)  # [P, 1, 1, D]
-        return rotary_for_positions(table, positions)
+        return packed_rotary(table, positions) if self.packed else rotary_for_positions(table, positions)
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
@@ -312,7 +337,7 @@ class FBTGPTModel(MegatronModule):
 
 
 def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parallel: bool = False,
-                dtype: torch.dtype | None = None) -> FBTGPTModel:
+                dtype: torch.dtype | None = None, packed: bool | None = None) -> FBTGPTModel:
     """Build on the current device for the current Megatron parallel state (one pipeline stage
     under pipeline parallelism). Initial values depend on torch's RNG state on entry, not on the
     layout: one seed is drawn from it, and construction runs on generators seeded from that."""
@@ -320,5 +345,5 @@ def build_model(model: ModelConfig, feedback: FeedbackConfig, *, sequence_parall
     init_seed = int(torch.randint(0, 2**40, ()))
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(init_seed)
-        fbt = FBTGPTModel(model, feedback, config, init_seed=init_seed + 1)
+        fbt = FBTGPTModel(model, feedback, config, init_seed=init_seed + 1, packed=packed)
     return fbt.to(runtime.device())

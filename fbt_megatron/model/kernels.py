@@ -4,7 +4,11 @@
 names a kernel that is not installed (``persist_layer_norm`` with the torch norm is an assertion in
 ``WrappedTorchNorm``). Which kernel each switch needs:
 
-- ``bias_activation_fusion``, ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU;
+- ``bias_activation_fusion``, ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU.
+  The activation fusion only for SwiGLU (``bias_swiglu``: exact SiLU): Megatron's fused GELU
+  (``bias_gelu``/``bias_geglu``) is the tanh approximation, while the CPU path, the HF export and
+  generation compute exact (erf) GELU — a GELU model trains with exact GELU on GPU too, so what the
+  GPU trains is what ``model.activation: gelu`` says and the export computes;
 - ``masked_softmax_fusion``: apex's ``scaled_masked_softmax_cuda`` kernels (local attention spec);
 - ``persist_layer_norm``: apex's ``FastLayerNormFN``, used by Megatron's ``FusedLayerNorm`` (local spec,
   LayerNorm only; RMSNorm is a torch norm there);
@@ -26,12 +30,12 @@ def module_available(name: str) -> bool:
         return False
 
 
-def fused_switches(normalization: str, on_gpu: bool, available=module_available) -> dict:
+def fused_switches(normalization: str, on_gpu: bool, available=module_available, activation: str = "gelu") -> dict:
     apex_softmax = all(available(m) for m in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
     apex_persist_norm = available("apex.contrib.layer_norm.layer_norm") and available("apex.normalization")
     return dict(
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and activation == "swiglu",
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu and apex_softmax,
         persist_layer_norm=on_gpu and apex_persist_norm and normalization == "LayerNorm",

@@ -24,9 +24,13 @@ schedule; its simulation is a witness that running each stage's list in order wi
 cannot deadlock. Bubble for uniform costs, ``grad_mode=all``, m a multiple of P: (P-1) / (m*k + P-1)
 of the step (see docs/pipeline.md).
 
-Communication: torch.distributed ``isend``/``irecv`` (gloo and NCCL alike). A receiver posts its
-receives in the order the sender sends (both know the whole schedule), so messages match without
-relying on tags; sends complete in the background and are awaited at the end of the step.
+Communication: ``torch.distributed.batch_isend_irecv`` (gloo and NCCL alike), one batch per
+*round* of the schedule's simulation (the time the sending op finishes), issued by both ends between
+the ops where that time falls and awaited at once (:func:`message_plan`). On NCCL all p2p ops of a
+rank run in issue order on one stream and a send waits for its receive, so receives posted ahead as
+lone ``irecv`` can deadlock; the round order cannot (the argument is in :func:`message_plan`, and
+``tests/test_pipeline_messages.py`` replays every schedule against a model of stream-ordered blocking
+p2p). A sent tensor is dropped as soon as its batch completes, right after the op that made it.
 
 Tied embeddings across the first and last stage: both stages hold a copy of the word-embedding
 weight (Megatron's embedding group). During the step both use a *detached* copy, so their
@@ -37,9 +41,11 @@ boundary): exactly one gradient accumulation and one optimiser update per step f
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,8 +53,7 @@ import torch.distributed as dist
 FORWARD, BACKWARD = "F", "B"
 
 
-@dataclass(frozen=True, order=True)
-class Op:
+class Op(NamedTuple):  # a tuple: hashing it is cheap, and the schedule search hashes it a lot
     kind: str  # "F" or "B"
     micro_batch: int
     pass_index: int
@@ -192,41 +197,59 @@ def _interleaved_1f1b(stages, micro_batches, passes, grad_passes):
 def _greedy(stages, micro_batches, passes, grad_passes, costs, max_in_flight, backward_first):
     """List scheduling: whenever a stage is free it runs the best-priority ready op — backward
     first (1F1B-like) or forward first (fills bubbles with forwards), then Megatron's ring order —
-    starting a new micro-batch only while fewer than ``max_in_flight`` are in flight on the stage."""
-    remaining = [set(_all_ops(stages, micro_batches, passes, grad_passes)) for _ in range(stages)]
+    starting a new micro-batch only while fewer than ``max_in_flight`` are in flight on the stage.
+    Ready ops are tracked incrementally (an op becomes ready when its last dependency finishes), so
+    one order costs O(ops x ready ops) instead of re-testing every remaining op at every step."""
+    ops = _all_ops(stages, micro_batches, passes, grad_passes)
     rank = {(b, j): i for i, (b, j) in enumerate(_ring_order(micro_batches, passes, stages))}
     done_kind = BACKWARD if grad_passes else FORWARD
     done_pass = min(grad_passes) if grad_passes else passes - 1
 
-    def priority(op):
+    def priority_of(op):
         key = rank[(op.micro_batch, op.pass_index)]
         return ((op.kind == FORWARD) == backward_first, key if op.kind == FORWARD else -key)
 
-    finish, clock = {}, [0.0] * stages
+    priority = {op: priority_of(op) for op in ops}
+
+    waiting, dependents, ready_at = {}, {}, {}  # (stage, op) -> deps left / who waits on it / deps' finish
+    ready = [{} for _ in range(stages)]  # stage -> {op: time its dependencies finished}
+    for s in range(stages):
+        for op in ops:
+            deps = list(_dependencies(stages, grad_passes, s, op))
+            waiting[(s, op)] = len(deps)
+            for d in deps:
+                dependents.setdefault(d, []).append((s, op))
+            if not deps:
+                ready[s][op] = 0.0
+    clock = [0.0] * stages
     in_flight, started = [set() for _ in range(stages)], [set() for _ in range(stages)]
     orders = [[] for _ in range(stages)]
-    while any(remaining):
+    left = stages * len(ops)
+    while left:
         best = None
         for s in range(stages):
-            candidates = []
-            for op in remaining[s]:
-                deps = list(_dependencies(stages, grad_passes, s, op))
-                if any(d not in finish for d in deps):
+            full = len(in_flight[s]) >= max_in_flight
+            t0, chosen = None, None
+            for op, t in ready[s].items():
+                if full and op.micro_batch not in started[s]:
                     continue
-                if op.micro_batch not in started[s] and len(in_flight[s]) >= max_in_flight:
-                    continue
-                candidates.append((max([clock[s]] + [finish[d] for d in deps]), op))
-            if candidates:
-                t0 = min(t for t, _ in candidates)
-                op = min((op for t, op in candidates if t <= t0), key=priority)
-                if best is None or t0 < best[0]:
-                    best = (t0, s, op)
+                t = max(clock[s], t)
+                if t0 is None or t < t0 or (t == t0 and priority[op] < priority[chosen]):
+                    t0, chosen = t, op
+            if chosen is not None and (best is None or t0 < best[0]):
+                best = (t0, s, chosen)
         if best is None:  # all stages wait on a cap: this cap cannot work
             return None
         t0, s, op = best
-        finish[(s, op)] = clock[s] = t0 + (costs[0] if op.kind == FORWARD else costs[1])
-        remaining[s].discard(op)
+        finish = clock[s] = t0 + (costs[0] if op.kind == FORWARD else costs[1])
+        del ready[s][op]
+        left -= 1
         orders[s].append(op)
+        for d in dependents.get((s, op), ()):
+            waiting[d] -= 1
+            ready_at[d] = max(ready_at.get(d, 0.0), finish)
+            if not waiting[d]:
+                ready[d[0]][d[1]] = ready_at[d]
         if op.micro_batch not in started[s]:
             started[s].add(op.micro_batch)
             in_flight[s].add(op.micro_batch)
@@ -302,6 +325,20 @@ def _sends(stages: int, passes: int, grad_passes, stage: int, op: Op):
         yield ("ringgrad", stage, b, j), stages - 1
 
 
+def _receives(stages: int, grad_passes, stage: int, op: Op):
+    """(kind, src_stage, micro_batch, pass) messages ``op`` on ``stage`` needs, with their source."""
+    b, j = op.micro_batch, op.pass_index
+    if op.kind == FORWARD:
+        if stage > 0:
+            yield ("act", stage - 1, b, j), stage - 1
+        elif j > 0:
+            yield ("ring", stages - 1, b, j - 1), stages - 1
+    elif stage < stages - 1:
+        yield ("grad", stage + 1, b, j), stage + 1
+    elif j + 1 in grad_passes:
+        yield ("ringgrad", 0, b, j + 1), 0
+
+
 def _message_orders(schedule: Schedule) -> dict:
     """(src, dst) -> the messages src sends to dst, in send order."""
     orders: dict = {}
@@ -312,64 +349,90 @@ def _message_orders(schedule: Schedule) -> dict:
     return orders
 
 
+SEND, RECV = "send", "recv"
+
+
+def message_plan(schedule: Schedule, stage: int) -> list[tuple[int, list]]:
+    """How ``stage`` issues its messages: ``[(slot, [(SEND|RECV, peer stage, msg), ...]), ...]``, one
+    ``batch_isend_irecv`` per entry, issued (and completed) before the stage's op number ``slot``.
+
+    Every message travels in a *round*: the simulated time its sender's op finishes. Both ends
+    put it in their batch of that round, and each stage issues its rounds in time order, placed between
+    its ops where the simulated time falls (after the ops that started before it): the sender after
+    the op that produced the message, the receiver before the op that needs it (which starts no earlier
+    than the message's round). Why this cannot deadlock when every stage runs one stream of blocking
+    batches (NCCL: p2p ops in issue order on one stream; a batch completes when all its ops have met
+    their peers'): take the earliest round not yet complete on some stage; every stage whose current
+    batch is not of that round has completed it already or takes no part in it, and every message of
+    that round is in both its ends' current batch, so it completes. The ops before a stage's batch
+    of round t need only messages of earlier rounds. (``tests/test_pipeline_messages.py`` replays every
+    plan against a model of stream-ordered blocking p2p.)"""
+    stages, grad = schedule.stages, schedule.grad_passes
+    starts = [schedule.start[(stage, op)] for op in schedule.ops[stage]]  # increasing: ops run in order
+    rounds: dict = {}
+    for s in range(stages):
+        for op in schedule.ops[s]:
+            for msg, dst in _sends(stages, schedule.passes, grad, s, op):
+                if stage in (s, dst):
+                    item = (SEND, dst, msg) if s == stage else (RECV, s, msg)
+                    rounds.setdefault(schedule.finish[(s, op)], []).append(item)
+    return [(bisect.bisect_left(starts, t), sorted(items)) for t, items in sorted(rounds.items())]
+
+
 class _Channel:
-    """Point-to-point messages of one step for this rank. Receives are posted in the sender's order,
-    ``RECV_AHEAD`` per sender ahead of use, so a message's transfer overlaps the compute before it is
-    needed instead of starting when the stage asks for it."""
+    """Point-to-point messages of one step for this rank, issued as :func:`message_plan` says: before
+    op ``i`` the runner calls :meth:`exchange` (``i``), which runs every batch planned before op ``i``
+    with ``torch.distributed.batch_isend_irecv`` (Megatron's p2p_communication does the same per
+    schedule step) and waits for it. A sent tensor is dropped when its batch completes, right after the
+    op that produced it; a received one is held until its op takes it (:meth:`recv`)."""
 
-    RECV_AHEAD = 2  # extra [S, B, D] buffers per sender
-
-    def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], shape, dtype, device):
-        self.stage, self.ranks = stage, stage_ranks
+    def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], group, shape, dtype, device):
+        self.stage, self.ranks, self.group = stage, stage_ranks, group
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.orders = _message_orders(schedule)
-        self.posted: dict = {}  # msg -> (work, buffer)
-        self.next_index: dict = {}  # src -> how many of its messages to me are posted
-        self.consumed: dict = {}  # src -> how many of its messages to me were received
-        self.sends: list = []
-        self.waited = 0.0  # seconds spent blocked in receives (benchmarks: idle, not work)
-        for src, dst in self.orders:
-            if dst == stage:
-                self._post_ahead(src)
+        self.plan = message_plan(schedule, stage)
+        self.tags = {msg: i for order in _message_orders(schedule).values() for i, msg in enumerate(order)}
+        self.next = 0  # the first batch of the plan not yet issued
+        self.outbox: dict = {}  # msg -> tensor the runner sent, awaiting its batch
+        self.inbox: dict = {}  # msg -> received tensor, awaiting its op
+        self.waited = 0.0  # seconds spent blocked in batches (benchmarks: idle, not work)
+        self.peak_held = 0  # most tensors held in the outbox and inbox at once
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach().contiguous()
-        tag = self.orders[(self.stage, dst)].index(msg)
-        self.sends.append((dist.isend(tensor, self.ranks[dst], tag=tag), tensor))
-
-    def _post_next(self, src: int) -> bool:
-        order = self.orders[(src, self.stage)]
-        i = self.next_index.get(src, 0)
-        if i >= len(order):
-            return False
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.posted[order[i]] = (dist.irecv(buffer, self.ranks[src], tag=i), buffer)
-        self.next_index[src] = i + 1
-        return True
-
-    def _post_ahead(self, src: int) -> None:
-        while self.next_index.get(src, 0) - self.consumed.get(src, 0) < self.RECV_AHEAD and self._post_next(src):
-            pass
+        self.outbox[msg] = tensor.detach().contiguous()
+        self.peak_held = max(self.peak_held, len(self.outbox) + len(self.inbox))
 
     def recv(self, msg) -> torch.Tensor:
-        src = msg[1]
-        while msg not in self.posted:
-            if not self._post_next(src):
-                raise RuntimeError(f"stage {self.stage} waits for {msg}, which stage {src} never sends")
-        work, buffer = self.posted.pop(msg)
-        self.consumed[src] = self.consumed.get(src, 0) + 1
-        self._post_ahead(src)
-        t0 = time.perf_counter()
-        work.wait()
-        self.waited += time.perf_counter() - t0
-        return buffer
+        if msg not in self.inbox:
+            raise RuntimeError(f"stage {self.stage} needs {msg}, which its message plan has not received")
+        return self.inbox.pop(msg)
+
+    def exchange(self, slot: float) -> None:
+        """Run the planned batches that come before op number ``slot``."""
+        while self.next < len(self.plan) and self.plan[self.next][0] <= slot:
+            ops, received = [], []
+            for kind, peer, msg in self.plan[self.next][1]:
+                if kind == SEND:
+                    if msg not in self.outbox:
+                        raise RuntimeError(f"stage {self.stage} must send {msg}, which its ops did not produce")
+                    ops.append(dist.P2POp(dist.isend, self.outbox.pop(msg), self.ranks[peer], self.group,
+                                          self.tags[msg]))
+                else:
+                    buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[peer], self.group, self.tags[msg]))
+                    received.append((msg, buffer))
+            t0 = time.perf_counter()
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            self.waited += time.perf_counter() - t0
+            self.inbox.update(received)
+            self.peak_held = max(self.peak_held, len(self.outbox) + len(self.inbox))
+            self.next += 1
 
     def finish(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
-        if self.posted:
-            raise RuntimeError(f"pipeline step ended with {len(self.posted)} unconsumed messages")
+        self.exchange(float("inf"))
+        if self.inbox or self.outbox:
+            raise RuntimeError(f"pipeline step ended with {len(self.inbox)} unconsumed and "
+                               f"{len(self.outbox)} unsent messages")
 
 
 # ---------------------------------------------------------------------- execution
@@ -421,6 +484,10 @@ class PipelineRunner:
         self.embedding_group = ps.get_embedding_group() if self.tied else None
         if model.config.sequence_parallel:
             raise ValueError("parallel.sequence_parallel with parallel.pipeline > 1 is not supported")
+        # A collective on the stage group before its first batch_isend_irecv: on NCCL, a batch that is
+        # the group's first collective must include every rank of the group (torch's documentation),
+        # and the first round of a schedule involves only the first two stages.
+        dist.all_reduce(torch.zeros(1, device=next(model.parameters()).device), group=self.pp_group)
 
     def shared_weight(self) -> torch.Tensor | None:
         """This stage's copy of the weight tied across the first and last stage (or None)."""
@@ -443,8 +510,8 @@ class PipelineRunner:
         batch, seq_len = micro_batches[0]["input_ids"].shape
         device = micro_batches[0]["input_ids"].device
         dtype = model.config.params_dtype
-        channel = _Channel(schedule, self.stage, self.stage_ranks, (seq_len, batch, model.config.hidden_size),
-                           dtype, device)
+        channel = _Channel(schedule, self.stage, self.stage_ranks, self.pp_group,
+                           (seq_len, batch, model.config.hidden_size), dtype, device)
         self._tied_leaf = None
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
@@ -456,8 +523,9 @@ class PipelineRunner:
         self._residuals = torch.zeros(max(k - 1, 0), dtype=torch.float64, device=device)
         self._residual_max = torch.full((), -1.0, dtype=torch.float64, device=device)
         seconds = []
-        for op in schedule.ops[self.stage]:
+        for i, op in enumerate(schedule.ops[self.stage]):
             t0, waited = time.perf_counter(), channel.waited
+            channel.exchange(i)  # the messages planned before this op (sends of the previous one)
             if op.kind == FORWARD:
                 self._forward(op, jitter_seeds[op.micro_batch] if jitter_seeds else None)
             else:

@@ -21,9 +21,14 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int, passes: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus attention scores, times the passes."""
-    return passes * (6.0 * num_params + 12.0 * num_layers * hidden * seq_len)
+def model_flops_per_token(matmul_params: int, num_layers: int, hidden: int, seq_len: int, passes: int,
+                          grad_mode: str = "all") -> float:
+    """Training FLOPs per token of a ``passes``-pass step, counted as ``fbt plan`` counts them: a
+    forward F = 2 N_mm + 4 L S h (matmul parameters; QK^T and AV over the full square), times
+    ``passes.step_forwards`` (3k with ``grad_mode: all``, k + 2 with ``last``)."""
+    from fbt_megatron.passes import step_forwards
+
+    return step_forwards(passes, grad_mode) * (2.0 * matmul_params + 4.0 * num_layers * hidden * seq_len)
 
 
 class ConsoleLogger(Callback):

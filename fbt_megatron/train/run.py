@@ -173,8 +173,12 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
 
     n_params = _count_params(model) * recipe.parallel.tensor  # approx (TP shards)
     m = recipe.model
-    flops_fn = lambda k: cb.model_flops_per_token(n_params, m.num_layers, m.hidden_size,  # noqa: E731
-                                                  recipe.data.seq_length, k)
+    # matmul parameters as fbt plan counts them: not the embedding lookups (the word embedding when the
+    # LM head has its own weight, learned positions)
+    lookups = (0 if m.tie_embeddings else m.padded_vocab_size(recipe.parallel.tensor) * m.hidden_size) + \
+        (m.max_sequence_length * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
+    flops_fn = lambda k: cb.model_flops_per_token(n_params - lookups, m.num_layers, m.hidden_size,  # noqa: E731
+                                                  recipe.data.seq_length, k, recipe.feedback.grad_mode)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
 
