@@ -3,6 +3,7 @@
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from fbt_megatron.model.attention import adapt_layer_spec
 from fbt_megatron.model.fbt_gpt import build_model, layer_spec
 from model_helpers import feedback, make_inputs, tiny_model_config
 
@@ -12,8 +13,10 @@ def test_fusion_off_is_plain_megatron_gpt(single_process):
     torch.manual_seed(0)
     fbt = build_model(cfg, feedback(fusion="off")).eval()
     assert fbt.feedback is None
+    # Megatron's GPTModel with the same layers (the local spec with the project's SDPA core attention)
+    spec = adapt_layer_spec(layer_spec(cfg), cfg.attention_mask, False, cfg.num_layers)
     plain = GPTModel(
-        config=fbt.config, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
+        config=fbt.config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length, position_embedding_type="rope",
         share_embeddings_and_output_weights=True,
     ).eval()
