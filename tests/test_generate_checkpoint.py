@@ -47,13 +47,13 @@ def test_text_api_and_cli(tmp_path, single_process, capsys):
     free = gen.generate(["x = 1"], SamplingParams(max_new_tokens=12))[0]
     assert free.finish_reason in ("length", "eos") and gen.decode(free.tokens).startswith(free.text)
     # a stop string that the free run produces ends generation there; the stream shows exactly the text
-    if len(free.text) > 3:
-        stop = free.text[2:4]
-        pieces = []
-        cut = gen.generate(["x = 1"], SamplingParams(max_new_tokens=12, stop=[stop]),
-                           stream=lambda b, delta: pieces.append(delta))[0]
-        assert cut.finish_reason == "stop" and cut.text == cut_at_stop(free.text, [stop])[0]
-        assert "".join(pieces) == cut.text
+    assert len(free.text) > 3, free  # the precondition of the stop-string check below
+    stop = free.text[2:4]
+    pieces = []
+    cut = gen.generate(["x = 1"], SamplingParams(max_new_tokens=12, stop=[stop]),
+                       stream=lambda b, delta: pieces.append(delta))[0]
+    assert cut.finish_reason == "stop" and cut.text == cut_at_stop(free.text, [stop])[0]
+    assert "".join(pieces) == cut.text
     assert cut_at_stop("abc\ndef\nxyz", ["\nx", "\nd"]) == ("abc", True)
 
     rc = main(["generate", str(tmp_path / "run"), "--prompt", "x = 1", "--max-new-tokens", "12", "--json"])

@@ -37,11 +37,11 @@ def test_resume_equals_straight_run(straight, tmp_path):
     got, ref = losses(a) + losses(b), losses(straight)
     assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-6, (got, ref)
     assert [h[1] for h in a["history"] + b["history"]] == [h[1] for h in straight["history"]]
-    state = json.loads((tmp_path / "checkpoints" / "step_00000005" / "state.json").read_text()) \
-        if (tmp_path / "checkpoints" / "step_00000005").exists() else None
-    if state is not None:
-        assert state["pass_schedule"]["position"] == 5
-        assert state["data_cursor"]["consumed_sequences"] == 5 * 8
+    saved = tmp_path / "checkpoints" / "step_00000005" / "state.json"  # the interrupted run's checkpoint (kept: keep_last=2)
+    assert saved.is_file(), sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    state = json.loads(saved.read_text())
+    assert state["pass_schedule"]["position"] == 5
+    assert state["data_cursor"]["consumed_sequences"] == 5 * 8
 
 
 # Resumes under other layouts (DP, TP, ZeRO in both directions): tests/test_checkpoint_layouts.py.
