@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbt_megatron.config import ModelConfig
 from fbt_megatron.hf.mapping import ConversionError
 from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.train.testing import tiny_recipe
@@ -40,11 +39,11 @@ VARIANTS = {
 }
 # The rope variant again, trained and saved at PP=2 (two pipeline stages, the tied embedding on both).
 VARIANTS["rope_pp2"] = {**VARIANTS["rope"], "parallel": {"tensor": 1, "pipeline": 2}}
-if "activation" in ModelConfig.model_fields:  # the Llama-class options (SwiGLU, GQA, no bias, RoPE base, padding)
-    VARIANTS["llama"] = {"model": {"vocab_size": VOCAB - 50, "init_method_std": 0.2, "activation": "swiglu",
-                                   "normalization": "RMSNorm", "num_query_groups": 2, "add_bias_linear": False,
-                                   "tie_embeddings": False, "rotary_base": 500000, "ffn_hidden_size": 96},
-                         "feedback": {}}
+# The Llama-class options (SwiGLU, GQA, no bias, RoPE base, padding).
+VARIANTS["llama"] = {"model": {"vocab_size": VOCAB - 50, "init_method_std": 0.2, "activation": "swiglu",
+                               "normalization": "RMSNorm", "num_query_groups": 2, "add_bias_linear": False,
+                               "tie_embeddings": False, "rotary_base": 500000, "ffn_hidden_size": 96},
+                     "feedback": {}}
 
 
 def _recipe(run_dir, variant):
