@@ -23,6 +23,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 
 from fbt_megatron import runtime  # noqa: E402
 from fbt_megatron.config import FeedbackConfig, ModelConfig  # noqa: E402
+from fbt_megatron.model.attention import adapt_layer_spec  # noqa: E402
 from fbt_megatron.model.fbt_gpt import build_model, layer_spec  # noqa: E402
 
 
@@ -54,7 +55,9 @@ def main():
     fbt_doc = build_model(cfg, FeedbackConfig())
     doc_rows = doc_start.clone()
     doc_rows[:, args.seq // 2] = True  # two documents per row
-    plain = GPTModel(config=fbt.config, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
+    # the same layers as the FBT model (the local spec with its SDPA core attention): like for like
+    spec = adapt_layer_spec(layer_spec(cfg), "causal", False, cfg.num_layers)
+    plain = GPTModel(config=fbt.config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_sequence_length, position_embedding_type="rope",
                      share_embeddings_and_output_weights=True).to(dev)
     opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (fbt, fbt_doc, plain)}

@@ -47,7 +47,8 @@ class FBTOutput:
 
 
 def reset_positions(doc_start, batch: int, seq_len: int, device) -> torch.Tensor:
-    """[S, B] bool: where the state restarts from h_init — position 0 and every document start."""
+    """[S, B] bool: positions with no previous state in their document — position 0 and every
+    document start (they read their embedding; under the state rule, fuse(h_init, e))."""
     if doc_start is None:
         reset = torch.zeros(seq_len, batch, dtype=torch.bool, device=device)
     else:

@@ -175,7 +175,7 @@ def is_embedding(name: str, param: torch.nn.Parameter | None = None) -> bool:
 
 def no_weight_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool) -> bool:
     """Norm weights/biases, linear biases and h_init are vectors: decaying them pulls norms' gains
-    and h_init (the glu input at every document start) toward zero. Embeddings by choice."""
+    and h_init (the prefix mixin's anchor) toward zero. Embeddings by choice."""
     return param.ndim < 2 or (is_embedding(name, param) and not decay_embeddings)
 
 

@@ -294,7 +294,7 @@ def adopt_checkpoint_rule(recipe: Recipe, saved: dict, where) -> str | None:
 
     trained = saved_feedback_section(saved.get("feedback"))["first_input"]
     asked = recipe.feedback.first_input
-    if trained == asked:
+    if trained == asked or recipe.feedback.fusion == "off":  # without a fusion the rule means nothing
         return None
     if "first_input" in recipe.feedback.model_fields_set:
         raise RecipeError(
