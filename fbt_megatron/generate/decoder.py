@@ -154,9 +154,7 @@ class DecodeSession:
         elif not self._feeds_back() or self.prev_top is None:
             x = fb.stateless_input(embedded, self._token_gate(embedded, 1))
         else:  # the latent feedback, fused with the new token's embedding where a state exists
-            h0 = fb.initial_state.to(self.prev_top.dtype)
-            state = torch.where(self.has_prev.view(1, -1, 1), fb.fed_back(self.prev_top), h0)
-            x = fb.stack_input(state, embedded, fb.token_gate(embedded), ~self.has_prev.view(1, -1))
+            x = fb.stack_input(fb.fed_back(self.prev_top), embedded, fb.token_gate(embedded), ~self.has_prev.view(1, -1))
         self.context.sequence_len_offset = slot
         top = self._stack(x, ~self.valid[:, None, None, : slot + 1], use_cache=True)
         real = self.valid[:, slot].view(1, -1, 1)

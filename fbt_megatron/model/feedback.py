@@ -104,8 +104,8 @@ class LatentFeedback(MegatronModule):
         """[S, B, D] top states of the previous pass -> the state each position receives.
 
         Position t gets the fed-back h_{t-1}; positions where ``reset`` [S, B] is True (position 0
-        and every document start) have no previous state: they get h_init here, which only the
-        ``state`` rule reads (:meth:`stack_input` gives them the embedding under the default rule).
+        and every document start) have no previous state: they get h_init here as a placeholder that
+        :meth:`stack_input` replaces with the rule's stateless input.
         """
         fed = self.fed_back(top_state, generator)
         shifted = torch.cat([self.initial_state.expand_as(fed[:1]), fed[:-1]], dim=0)
@@ -142,9 +142,8 @@ class LatentFeedback(MegatronModule):
         rule's stateless input. ``state`` is already the fed-back state of each position (the KV-cache
         decoder passes h_{t-1} of each sequence's one new position)."""
         fused = self.fuse(state, token_gate)
-        if not self.plain_first_pass:
-            return fused  # the state rule: shift_states put h_init at those positions already
-        return torch.where(self._stack_layout(no_state).unsqueeze(-1), embedded, fused)
+        return torch.where(self._stack_layout(no_state).unsqueeze(-1), self.stateless_input(embedded, token_gate),
+                           fused)
 
     def stateless_input(self, embedded: torch.Tensor, token_gate: torch.Tensor | None) -> torch.Tensor:
         """The input where no position has a state (pass 1, standard decoding): e_t, or under the
