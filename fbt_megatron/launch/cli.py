@@ -49,19 +49,24 @@ def _submit_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("submit", "status"):
-        print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in ("submit", "status"):
+        print(f"fbt slurm: error: unknown command {argv[0]!r} (choose from submit, status; fbt slurm --help)",
+              file=sys.stderr)
+        return 2
     if argv[0] == "status":
         from fbt_megatron.launch.status import format_status, status
 
-        if len(argv) != 2:
-            print("usage: fbt slurm status RUN_DIR", file=sys.stderr)
+        ap = argparse.ArgumentParser(prog="fbt slurm status",
+                                     description="The run's jobs, step, tokens, restarts and latest checkpoint.")
+        ap.add_argument("run_dir", type=Path)
+        a = ap.parse_args(argv[1:])
+        if not a.run_dir.is_dir():
+            print(f"fbt slurm status: {a.run_dir} is not a directory", file=sys.stderr)
             return 2
-        if not Path(argv[1]).is_dir():
-            print(f"fbt slurm status: {argv[1]} is not a directory", file=sys.stderr)
-            return 2
-        print(format_status(status(Path(argv[1]))))
+        print(format_status(status(a.run_dir)))
         return 0
     a = _submit_parser().parse_intermixed_args(argv[1:])
     spec = JobSpec(recipe=a.recipe, overrides=a.overrides, nodes=a.nodes, min_nodes=a.min_nodes,

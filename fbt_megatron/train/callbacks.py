@@ -4,6 +4,7 @@ a per-step metrics file and preemption signals."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -14,7 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fbt_megatron.logs import printer
 from fbt_megatron.train.trainer import Callback
+
+log_info = printer(logging.getLogger(__name__))
 
 
 def is_rank0() -> bool:
@@ -30,7 +34,7 @@ class ConsoleLogger(Callback):
     """Every N steps: loss, loss by pass count, lr, grad norm, tokens/s, MFU, pass mix so far."""
 
     def __init__(self, every: int, flops_fn=None, peak_flops: float | None = None, world_size: int = 1,
-                 print_fn=print):
+                 print_fn=log_info):
         self.every, self.flops_fn, self.peak_flops = every, flops_fn, peak_flops
         self.world_size, self.print = world_size, print_fn
         self._window: list = []
@@ -129,7 +133,7 @@ class WandbLogger(Callback):
 class Validation(Callback):
     """Validation loss every N steps with 1 pass and with the feedback depth."""
 
-    def __init__(self, every: int, evaluate_fn, passes: list[int], at_end: bool = True, print_fn=print):
+    def __init__(self, every: int, evaluate_fn, passes: list[int], at_end: bool = True, print_fn=log_info):
         self.every, self.evaluate_fn, self.passes = every, evaluate_fn, sorted(set(passes))
         self.at_end, self.print = at_end, print_fn
         self._last_step = None
@@ -171,7 +175,7 @@ class Preemption(Callback):
 
     SIGNALS = ("SIGUSR1", "SIGTERM")
 
-    def __init__(self, device=None, signals=SIGNALS, print_fn=print):
+    def __init__(self, device=None, signals=SIGNALS, print_fn=log_info):
         self.device, self.signals, self.print = device, [getattr(signal, s) for s in signals], print_fn
         self.received = 0
         self._previous: dict = {}
@@ -246,7 +250,7 @@ class Checkpointer(Callback):
     """Saves every N steps and at the end; ``poll_fn`` runs at every step end so that an async save is
     published as soon as its write has completed (not at the next save)."""
 
-    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print, async_save: bool = False,
+    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=log_info, async_save: bool = False,
                  poll_fn=None):
         self.save_fn, self.every, self.at_end, self.print = save_fn, every, at_end, print_fn
         self.async_save, self.poll_fn = async_save, poll_fn

@@ -20,8 +20,8 @@ USAGE = "usage: fbt train RECIPE.yaml [dotted.key=value ...]   (fbt train --help
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+    if not argv or "-h" in argv or "--help" in argv:
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = train(recipe)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
             print(format_summary(summary), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher
         # (slurm/ batch script) requeues. Other stops (non-finite losses) exit 3.

@@ -7,13 +7,16 @@ tests call :func:`train` directly on gloo processes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import torch.distributed as dist
 
 from fbt_megatron import runtime
+from fbt_megatron.logs import printer
 from fbt_megatron.train.recipe import Recipe, bf16_accumulation_warning, check_layout
 
+log_info = printer(logging.getLogger(__name__))
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
 
@@ -55,7 +58,7 @@ def _synthetic_cfg(recipe: Recipe):
     return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
 
 
-def prepare_data(recipe: Recipe, log=print) -> None:
+def prepare_data(recipe: Recipe, log=log_info) -> None:
     """Build the embedded token mix if the recipe uses it and it is missing (offline, idempotent):
     rank 0 builds, the others wait; then every rank reads the mix's ``data`` section."""
     d = recipe.data
@@ -100,7 +103,7 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None,
+def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
           probe=None) -> dict:
     """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
     called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``

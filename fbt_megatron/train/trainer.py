@@ -8,9 +8,12 @@ pass count, multi-pass forward, loss by pass count) lives in the step function i
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+
+from fbt_megatron.logs import printer
 
 
 @dataclass
@@ -46,7 +49,7 @@ class Trainer:
     def __init__(self, *, step_fn: Callable, batches: Iterator, micro_batches_per_step: int,
                  lr_fn: Callable[[int], float], total_steps: int, global_batch_size: int,
                  state: TrainState | None = None, callbacks: list[Callback] = (),
-                 max_nonfinite_in_row: int = 5, log=print):
+                 max_nonfinite_in_row: int = 5, log=printer(logging.getLogger(__name__))):
         self.step_fn, self.batches, self.mbs_per_step = step_fn, batches, micro_batches_per_step
         self.lr_fn, self.total_steps, self.global_batch_size = lr_fn, total_steps, global_batch_size
         self.state = state or TrainState()
