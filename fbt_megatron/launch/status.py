@@ -55,7 +55,9 @@ def status(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     jobs = _jsonl(run_dir / "slurm" / "jobs.jsonl")
     states = job_states([str(j["job_id"]) for j in jobs])
-    metrics = _jsonl(run_dir / "metrics.jsonl")
+    rows = _jsonl(run_dir / "metrics.jsonl")
+    metrics = [r for r in rows if "event" not in r]  # step rows (validation lines have "event")
+    validations = [r for r in rows if r.get("event") == "metrics" and any(k.startswith("val/") for k in r)]
     pointer = run_dir / "checkpoints" / "latest"
     latest = pointer.read_text().strip() if pointer.is_file() else None
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
@@ -69,6 +71,7 @@ def status(run_dir: Path) -> dict:
         "restarts": sorted({(m.get("slurm_job"), m.get("slurm_restart", "0"), m.get("elastic_restart", "0"))
                             for m in metrics if m.get("slurm_job")}),
         "latest_checkpoint": latest, "stop_reason": summary.get("stop_reason"),
+        "last_validation": validations[-1] if validations else None,
     }
 
 
@@ -85,6 +88,10 @@ def format_status(s: dict) -> str:
                      f"loss {s['last_loss']:.4f}{ago}")
     else:
         lines.append("  no steps logged yet")
+    if s.get("last_validation"):
+        v = s["last_validation"]
+        body = " ".join(f"{k.split('_k')[-1]}-pass {x:.4f}" for k, x in sorted(v.items()) if k.startswith("val/loss_k"))
+        lines.append(f"  validation @ step {v['step']}: {body}")
     if len(s["restarts"]) > 1:
         lines.append("  (re)starts: " + ", ".join(f"job {j} requeue {r} elastic {e}" for j, r, e in s["restarts"]))
     lines.append(f"  latest checkpoint: {s['latest_checkpoint'] or 'none'}")

@@ -72,6 +72,24 @@ class ConsoleLogger(Callback):
             self.print(line, flush=True)
 
 
+def step_metrics(trainer, r) -> dict[str, float]:
+    """The scalars of one step, under the names every logger uses (TensorBoard, W&B, metrics file)."""
+    out: dict[str, float] = {}
+    if not r.skipped:
+        out["train/loss"] = r.loss
+        out[f"train/loss_k{r.num_passes}"] = r.loss
+        if r.grad_norm is not None:
+            out["train/grad_norm"] = r.grad_norm
+        for i, v in enumerate(r.residuals):
+            out[f"feedback/residual_pass{i + 2}"] = v
+    out["train/lr"] = r.lr
+    out["train/num_passes"] = r.num_passes
+    out["train/skipped_steps"] = trainer.state.skipped_steps
+    if r.seconds > 0:
+        out["perf/tokens_per_s"] = r.tokens / r.seconds
+    return out
+
+
 class TensorBoardLogger(Callback):
     def __init__(self, log_dir: Path, every: int = 1):
         self.log_dir, self.every, self.writer = Path(log_dir), every, None
@@ -83,28 +101,15 @@ class TensorBoardLogger(Callback):
             self.writer = SummaryWriter(str(self.log_dir))
 
     def on_step_end(self, trainer, r) -> None:
-        if self.writer is None:
-            return
-        s = trainer.state.step
-        if not r.skipped:
-            self.writer.add_scalar("train/loss", r.loss, s)
-            self.writer.add_scalar(f"train/loss_k{r.num_passes}", r.loss, s)
-            if r.grad_norm is not None:
-                self.writer.add_scalar("train/grad_norm", r.grad_norm, s)
-            for i, v in enumerate(r.residuals):
-                self.writer.add_scalar(f"feedback/residual_pass{i + 2}", v, s)
-        self.writer.add_scalar("train/lr", r.lr, s)
-        self.writer.add_scalar("train/num_passes", r.num_passes, s)
-        self.writer.add_scalar("train/skipped_steps", trainer.state.skipped_steps, s)
-        if r.seconds > 0:
-            self.writer.add_scalar("perf/tokens_per_s", r.tokens / r.seconds, s)
-        for key, value in trainer.metrics.pop("_pending_scalars", {}).items():
-            self.writer.add_scalar(key, value, s)
+        self.on_metrics(trainer, step_metrics(trainer, r))
+
+    def on_metrics(self, trainer, metrics: dict) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, trainer.state.step)
 
     def on_train_end(self, trainer) -> None:
         if self.writer is not None:
-            for key, value in trainer.metrics.pop("_pending_scalars", {}).items():
-                self.writer.add_scalar(key, value, trainer.state.step)
             self.writer.close()
 
 
@@ -121,9 +126,11 @@ class WandbLogger(Callback):
             self.run = wandb.init(project=self.project, name=self.name, config=self.config)
 
     def on_step_end(self, trainer, r) -> None:
-        if self.run is not None and not r.skipped:
-            self.run.log({"loss": r.loss, f"loss_k{r.num_passes}": r.loss, "lr": r.lr,
-                          "grad_norm": r.grad_norm}, step=trainer.state.step)
+        self.on_metrics(trainer, step_metrics(trainer, r))
+
+    def on_metrics(self, trainer, metrics: dict) -> None:
+        if self.run is not None:
+            self.run.log(dict(metrics), step=trainer.state.step)
 
     def on_train_end(self, trainer) -> None:
         if self.run is not None:
@@ -144,8 +151,7 @@ class Validation(Callback):
         trainer.metrics["val_loss"] = losses
         trainer.metrics.setdefault("val_history", []).append(
             {"step": trainer.state.step, "tokens": trainer.state.tokens_seen, "loss": losses})
-        trainer.metrics.setdefault("_pending_scalars", {}).update(
-            {f"val/loss_k{k}": v for k, v in losses.items()})
+        trainer.log_metrics({f"val/loss_k{k}": v for k, v in losses.items()})  # to every logger
         if is_rank0():
             body = " ".join(f"{k}-pass {v:.4f}" for k, v in losses.items())
             self.print(f"validation @ step {trainer.state.step}: {body}", flush=True)
@@ -223,8 +229,11 @@ class Preemption(Callback):
 
 class MetricsFile(Callback):
     """One JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0): step, passes, loss, the global
-    batch's data checksum, counters, and which (re)start of the job wrote it. ``fbt slurm status``
-    reads it; the preemption and elastic tests compare its sample stream with an uninterrupted run's."""
+    batch's data checksum, counters, which (re)start of the job wrote it, and every scalar the other
+    loggers get (``train/...``, ``feedback/...``, ``perf/...``). Metrics logged outside a step (the
+    validation losses, ``val/loss_kK``) get a line of their own with ``"event": "metrics"``.
+    ``fbt slurm status`` reads it; the preemption and elastic tests compare its sample stream with an
+    uninterrupted run's."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -234,16 +243,24 @@ class MetricsFile(Callback):
                        if v in os.environ}
         self.launch["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
 
+    def _write(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def on_step_end(self, trainer, r) -> None:
         if not is_rank0():
             return
         s = trainer.state
-        row = {"step": s.step, "passes": r.num_passes, "loss": r.loss, "skipped": r.skipped,
-               "data_checksum": r.data_checksum, "consumed_sequences": s.consumed_sequences,
-               "tokens_seen": s.tokens_seen, "seconds": r.seconds, "time": time.time(), **self.launch}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._write({"step": s.step, "passes": r.num_passes, "loss": r.loss, "skipped": r.skipped,
+                     "data_checksum": r.data_checksum, "consumed_sequences": s.consumed_sequences,
+                     "tokens_seen": s.tokens_seen, "seconds": r.seconds, "time": time.time(), **self.launch,
+                     **step_metrics(trainer, r)})
+
+    def on_metrics(self, trainer, metrics: dict) -> None:
+        if is_rank0():
+            self._write({"event": "metrics", "step": trainer.state.step, "tokens_seen": trainer.state.tokens_seen,
+                         "time": time.time(), **metrics})
 
 
 class Checkpointer(Callback):

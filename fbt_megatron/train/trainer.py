@@ -38,6 +38,7 @@ class TrainState:
 class Callback:
     def on_train_start(self, trainer: "Trainer") -> None: ...
     def on_step_end(self, trainer: "Trainer", result) -> None: ...
+    def on_metrics(self, trainer: "Trainer", metrics: dict) -> None: ...  # scalars logged outside a step
     def on_train_end(self, trainer: "Trainer") -> None: ...
 
 
@@ -63,6 +64,10 @@ class Trainer:
     def _emit(self, hook: str, *args) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
+
+    def log_metrics(self, metrics: dict) -> None:
+        """Hand scalars (e.g. validation losses) to every callback's ``on_metrics``, at this step."""
+        self._emit("on_metrics", metrics)
 
     def fit(self) -> TrainState:
         self._emit("on_train_start")
