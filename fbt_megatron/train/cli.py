@@ -44,9 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     runtime.init_distributed()
     from fbt_megatron.train.run import format_summary, train
+    from fbt_megatron.train.run_lock import RunDirLocked
 
     try:
-        summary = train(recipe)
+        try:
+            summary = train(recipe)
+        except RunDirLocked as e:
+            print(f"fbt train: {e}", file=sys.stderr)
+            return 2
         if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
             print(format_summary(summary), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher

@@ -105,6 +105,32 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 # ---------------------------------------------------------------------- the run
 def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
           probe=None) -> dict:
+    """Train ``recipe`` in this process group, holding its run directory's lock (rank 0 takes it before
+    anything in the run directory is read or written; a second live run on it raises
+    :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank). See :func:`_train` for the rest."""
+    from fbt_megatron.train.run_lock import RunDirLocked, RunLock
+
+    lock = RunLock(recipe.resolved_run_dir())
+    refused = None
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except RunDirLocked as e:
+            refused = str(e)
+    box = [refused]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, device=runtime.device())
+    if box[0] is not None:
+        raise RunDirLocked(box[0])
+    try:
+        return _train(recipe, print_fn=print_fn, inject_nonfinite=inject_nonfinite,
+                      checkpoint_fault_hook=checkpoint_fault_hook, probe=probe)
+    finally:
+        lock.release()
+
+
+def _train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
+           probe=None) -> dict:
     """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
     called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
     ({step: fault}, see ``train_step.FAULT_KINDS``); ``probe``, a callable ``(engine) -> Callback``
