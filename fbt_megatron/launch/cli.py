@@ -6,8 +6,9 @@
                      [dotted.key=value ...]
     fbt slurm status RUN_DIR
 
-``submit`` validates the recipe for N x G processes, renders ``slurm/train.sbatch`` (one task per
-node -> srun -> torchrun with c10d rendezvous on the first node), keeps the rendered script and the
+``submit`` validates the recipe for N x G processes, renders the batch-script template
+(``fbt_megatron/launch/train.sbatch``, shipped with the package; one task per node -> srun ->
+torchrun with c10d rendezvous on the first node), keeps the rendered script and the
 job ids in RUN_DIR/slurm/ and submits it (``--dry-run`` prints the script instead). ``--phases``
 submits single-pass pre-training and the feedback phase as two jobs chained with afterok.
 ``status`` shows the jobs' states, the step, tokens and restarts, and the latest checkpoint.
@@ -27,7 +28,8 @@ def _submit_parser() -> argparse.ArgumentParser:
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--min-nodes", type=int, default=None, help="elastic: torchrun --nnodes MIN:NODES")
+    ap.add_argument("--min-nodes", type=int, default=None, help="elastic: start on MIN..NODES nodes (sbatch --nodes=MIN-NODES, torchrun --nnodes MIN:NODES); "
+                    "a node lost mid-job still ends the job (docs/slurm.md)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="processes per node (one per GPU)")
     ap.add_argument("--cpus-per-task", type=int, default=None)
     ap.add_argument("--time", default="24:00:00", help="time limit per job (a preempted job requeues)")

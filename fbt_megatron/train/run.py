@@ -108,8 +108,17 @@ def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoin
     """Train ``recipe`` in this process group, holding its run directory's lock (rank 0 takes it before
     anything in the run directory is read or written; a second live run on it raises
     :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank). See :func:`_train` for the rest."""
+    import os
+
+    from fbt_megatron.train import callbacks as cb
     from fbt_megatron.train.run_lock import RunDirLocked, RunLock
 
+    # Catch the preemption signals from the very start: one that arrives while the model is built
+    # stays pending and stops the run after its first step (the SLURM batch script's trap also writes
+    # $FBT_PREEMPT_FILE, which rank 0 reads at every step end; see callbacks.Preemption).
+    preemption = cb.Preemption(runtime.device(), print_fn=print_fn if dist.get_rank() == 0 else (lambda *a, **k: None),
+                               stop_file=os.environ.get("FBT_PREEMPT_FILE") or None)
+    preemption.arm()
     lock = RunLock(recipe.resolved_run_dir())
     refused = None
     if dist.get_rank() == 0:
@@ -120,16 +129,17 @@ def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoin
     box = [refused]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=runtime.device())
-    if box[0] is not None:
-        raise RunDirLocked(box[0])
     try:
-        return _train(recipe, print_fn=print_fn, inject_nonfinite=inject_nonfinite,
+        if box[0] is not None:
+            raise RunDirLocked(box[0])
+        return _train(recipe, preemption, print_fn=print_fn, inject_nonfinite=inject_nonfinite,
                       checkpoint_fault_hook=checkpoint_fault_hook, probe=probe)
     finally:
+        preemption.release()
         lock.release()
 
 
-def _train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
+def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
            probe=None) -> dict:
     """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
     called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
@@ -221,7 +231,6 @@ def _train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoi
     if recipe.logging.wandb:
         callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
     # Before the Checkpointer: a signal seen at this step's end makes the Checkpointer save it.
-    preemption = cb.Preemption(device, print_fn=log)
     callbacks.append(preemption)
     callbacks.append(cb.MetricsFile(run_dir / "metrics.jsonl"))
     callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
