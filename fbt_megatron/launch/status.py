@@ -8,6 +8,7 @@ stopped for a preemption signal (the batch script requeues only then, not after 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -26,8 +27,28 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _sacct_states(ids: list[str]) -> dict[str, str]:
+    """Finished jobs from the accounting database (``sacct``, one line per job allocation; its most
+    recent run for a requeued job). Empty where sacct is missing or accounting is disabled."""
+    if not ids or shutil.which("sacct") is None:
+        return {}
+    r = subprocess.run(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", ",".join(ids),
+                        "--format", "JobIDRaw,State,ExitCode,Elapsed,End"],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode:  # e.g. "Slurm accounting storage is disabled"
+        return {}
+    states = {}
+    for line in r.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 5 and parts[0] in ids:
+            jid, state, exit_code, elapsed, end = parts
+            states[jid] = f"{state} (exit {exit_code}, elapsed {elapsed}, ended {end}; sacct)"
+    return states
+
+
 def job_states(job_ids: list[str]) -> dict[str, str]:
-    """State per job id: squeue for queued/running jobs, scontrol for recently finished ones."""
+    """State per job id: squeue for queued/running jobs; for finished ones sacct where accounting is
+    enabled (it keeps them), else scontrol (which forgets them after MinJobAge, 300 s by default)."""
     states: dict[str, str] = {}
     ids = [j for j in job_ids if j.isdigit()]
     if not ids:
@@ -38,13 +59,15 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
         for line in r.stdout.splitlines():
             jid, state, used, limit, reason = line.split("|")
             states[jid] = f"{state} (elapsed {used} of {limit}; {reason})"
+        states.update(_sacct_states([j for j in ids if j not in states]))
         for jid in ids:
             if jid in states:
                 continue
             r = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True, timeout=30)
             fields = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
             states[jid] = (f"{fields['JobState']} (exit {fields.get('ExitCode', '?')}, restarts "
-                           f"{fields.get('Restarts', '0')})" if "JobState" in fields else "gone from the scheduler")
+                           f"{fields.get('Restarts', '0')})" if "JobState" in fields else
+                           "gone from the scheduler (finished; no accounting database to ask: sacct)")
     except (OSError, subprocess.TimeoutExpired) as e:
         for jid in ids:
             states.setdefault(jid, f"unknown ({e})")
