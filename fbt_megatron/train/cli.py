@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if not runtime.use_cuda():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    runtime.init_distributed()
+    runtime.init_distributed(timeout_s=recipe.train.collective_timeout_s)
     from fbt_megatron.train.run import format_summary, train
     from fbt_megatron.train.run_lock import RunDirLocked
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -161,7 +162,8 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     world = dist.get_world_size()
     dp_size = check_layout(recipe, world)
     runtime.init_parallel_state(runtime.ParallelLayout(tensor=recipe.parallel.tensor,
-                                                       pipeline=recipe.parallel.pipeline), seed=recipe.seed)
+                                                       pipeline=recipe.parallel.pipeline), seed=recipe.seed,
+                                timeout_s=recipe.train.collective_timeout_s)
     dp_rank = ps.get_data_parallel_rank()
     device = runtime.device()
     run_dir = recipe.resolved_run_dir()
@@ -213,12 +215,17 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
 
+    # The run's tokenizer travels with every checkpoint (as with an HF export): `fbt generate`/`fbt eval`
+    # work from anywhere, also when the recipe named it by a path relative to where training ran.
+    tokenizer_file = ({"tokenizer.model": Path(_pipeline_config(recipe).tokenizer)}
+                      if recipe.data.source == "pipeline" else None)
+
     def save(st: TrainState):
         payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,
                    "pass_schedule": {"position": st.step, **recipe.schedule.model_dump()},
                    "data_cursor": {"consumed_sequences": st.consumed_sequences, "loader": loader.state_dict()},
                    "recipe": recipe.model_dump(mode="json")}
-        return ckpt.save(st.step, zero, payload)
+        return ckpt.save(st.step, zero, payload, files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device, pipeline).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
