@@ -85,3 +85,23 @@ def test_training_progress_is_logged_and_summary_is_on_stdout(tmp_path, capsys, 
     assert main(["-q", *args[:-1], f"run_dir={tmp_path / 'b'}"]) == 0
     cap = capsys.readouterr()
     assert "loss" not in cap.err and "== summary: tiny ==" in cap.out
+
+
+def test_ckpt_verify_shows_progress_over_the_bytes(tmp_path, capsys):
+    """`fbt ckpt verify` reads every byte: a progress bar (stderr) counts them; results stay on stdout."""
+    from fbt_megatron.checkpoint.cli import verify
+    from fbt_megatron.checkpoint.manager import file_crc32
+
+    (tmp_path / "weights").mkdir()
+    good, bad = tmp_path / "weights" / "a.distcp", tmp_path / "weights" / "b.distcp"
+    good.write_bytes(b"x" * 3000)
+    bad.write_bytes(b"y" * 2000)
+    files = {"weights/a.distcp": {"bytes": 3000, "crc32": file_crc32(good)},
+             "weights/b.distcp": {"bytes": 2000, "crc32": "00000000"}}
+    import json
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
+    problems = verify(tmp_path, check_model=False, progress=True)
+    assert len(problems) == 1 and "b.distcp" in problems[0]
+    err = capsys.readouterr().err
+    assert f"verify {tmp_path.name}" in err and "5.00kB" in err, err
