@@ -1,7 +1,15 @@
-"""The ``fbt`` command. Each sub-command lives with its concern and is imported lazily."""
+"""The ``fbt`` command. Each sub-command lives with its concern and is imported lazily.
+
+    fbt [--version] [-q | -v | --log-level LEVEL] [--log-all-ranks] COMMAND [args]   (fbt COMMAND --help)
+
+Progress and diagnostics are logged to stderr (rank 0 only unless ``--log-all-ranks``); results meant
+for pipes stay on stdout. ``FBT_LOG_LEVEL`` sets the default level (e.g. for jobs started by torchrun).
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 COMMANDS = {
@@ -17,17 +25,57 @@ COMMANDS = {
 }
 
 
+def _parser() -> argparse.ArgumentParser:
+    from fbt_megatron import __version__
+    from fbt_megatron.logs import LEVELS
+
+    ap = argparse.ArgumentParser(
+        prog="fbt", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="full-bandwidth transformers (latent feedback) on Megatron-Core and DeepSpeed",
+        epilog="commands:\n" + "\n".join(f"  {name:8s} {help_}" for name, (_, help_) in COMMANDS.items())
+        + "\n\n`fbt COMMAND --help` describes each command.")
+    ap.add_argument("--version", action="version", version=f"fbt_megatron {__version__}")
+    level = ap.add_mutually_exclusive_group()
+    level.add_argument("--log-level", type=str.upper, choices=LEVELS, default=None,
+                       help="logging level (default INFO, or $FBT_LOG_LEVEL)")
+    level.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    level.add_argument("-v", "--verbose", action="store_true", help="debug messages, with time and source")
+    ap.add_argument("--log-all-ranks", action="store_true", help="every rank reports (prefixed), not rank 0 only")
+    ap.add_argument("command", nargs="?", metavar="COMMAND", help=", ".join(COMMANDS))
+    ap.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: fbt COMMAND [args]\n\ncommands:")
-        for name, (_, help_) in COMMANDS.items():
-            print(f"  {name:8s} {help_}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    ap = _parser()
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:  # --help, --version, a bad option: argparse has printed what it means
+        return int(e.code or 0)
+    if a.command is None:
+        ap.print_help(sys.stderr)
+        return 2
+    if a.command not in COMMANDS:
+        print(f"fbt: error: unknown command {a.command!r} (choose from {', '.join(COMMANDS)}; fbt --help)",
+              file=sys.stderr)
+        return 2
+    from fbt_megatron import logs
+
+    level = ("WARNING" if a.quiet else "DEBUG" if a.verbose else a.log_level
+             or os.environ.get("FBT_LOG_LEVEL", "INFO"))
+    try:
+        logs.setup(level, all_ranks=a.log_all_ranks)
+    except ValueError as e:  # a bad $FBT_LOG_LEVEL
+        print(f"fbt: error: {e}", file=sys.stderr)
+        return 2
     import importlib
 
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    module = importlib.import_module(COMMANDS[a.command][0])
+    try:
+        return int(module.main(a.args) or 0)
+    except SystemExit as e:  # argparse inside a command (--help: 0, a usage error: 2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 if __name__ == "__main__":

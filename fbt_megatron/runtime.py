@@ -157,11 +157,12 @@ class ParallelLayout:
         return world_size // model
 
 
-def init_distributed(timeout_minutes: int = 10) -> None:
-    """Start torch.distributed from torchrun's env (RANK/WORLD_SIZE/MASTER_*), single-process if absent."""
+def init_distributed(timeout_minutes: float = 10, *, timeout_s: float | None = None) -> None:
+    """Start torch.distributed from torchrun's env (RANK/WORLD_SIZE/MASTER_*), single-process if absent.
+    ``timeout_s`` (or ``timeout_minutes``): how long a collective waits for a peer before it fails."""
     if dist.is_initialized():
         return
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else datetime.timedelta(minutes=timeout_minutes)
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
@@ -186,8 +187,9 @@ def _elastic_store(timeout) -> dict:
     return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
 
 
-def init_parallel_state(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Megatron parallel groups + seeds. Call after init_distributed."""
+def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None) -> None:
+    """Megatron parallel groups + seeds. Call after init_distributed. ``timeout_s``: the collective
+    timeout of Megatron's groups (TP, PP, DP, ...; megatron's default is 30 minutes)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -200,6 +202,7 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234) -> None:
         pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context,
         create_gloo_process_groups=not use_cuda(),
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60.0}),
     )
     set_seed(seed)
     if use_cuda():

@@ -35,7 +35,7 @@ def _torchrun(run_dir: Path, zero: int, stop: int) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), FBT_DEVICE="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    return proc.stderr + proc.stdout  # progress is logged to stderr, the summary printed to stdout
 
 
 @pytest.fixture(scope="module")

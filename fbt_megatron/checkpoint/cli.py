@@ -58,8 +58,11 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def verify(path: Path, check_model: bool = True) -> list[str]:
-    """Problems found (empty list: the checkpoint is sound)."""
+def verify(path: Path, check_model: bool = True, progress: bool | None = None) -> list[str]:
+    """Problems found (empty list: the checkpoint is sound). ``progress``: a bar over the bytes read
+    (stderr; None = only on a terminal)."""
+    from tqdm import tqdm
+
     from fbt_megatron.checkpoint.manager import file_crc32, read_tensor_metadata
 
     problems = []
@@ -67,6 +70,8 @@ def verify(path: Path, check_model: bool = True) -> list[str]:
     if not manifest_file.exists():
         return [f"{manifest_file} is missing"]
     files = json.loads(manifest_file.read_text())["files"]
+    bar = tqdm(total=sum(info["bytes"] for info in files.values()), unit="B", unit_scale=True,
+               desc=f"verify {path.name}", disable=None if progress is None else not progress, file=sys.stderr)
     for rel, info in sorted(files.items()):
         f = path / rel
         if not f.exists():
@@ -77,8 +82,10 @@ def verify(path: Path, check_model: bool = True) -> list[str]:
             problems.append(f"{f}: {size} bytes, expected {info['bytes']}")
             continue
         crc = file_crc32(f)
+        bar.update(size)
         if crc != info["crc32"]:
             problems.append(f"{f}: CRC-32 {crc}, expected {info['crc32']} (corrupted)")
+    bar.close()
     if problems:
         return problems
     meta = read_tensor_metadata(path)

@@ -9,6 +9,7 @@ Layout of ``<run>/checkpoints``::
       rng/rank_00000.json   each rank's RNG states (JSON)
       manifest.json         every file's size and CRC-32 (each rank checksums the files it wrote)
       state.json            step, optimiser step count, layout, data cursor, pass schedule, recipe
+      tokenizer.model       the run's tokenizer (runs on tokenized data): the checkpoint is self-contained
     latest                  the name of the newest complete checkpoint (replaced atomically, last)
 
 What each rank writes and reads is described in :mod:`fbt_megatron.checkpoint.shards`: its ZeRO
@@ -274,9 +275,10 @@ class CheckpointManager:
         return (self.root / LATEST).exists() or bool(step_dirs(self.root))
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, zero: ZeroState, state: dict) -> Path:
+    def save(self, step: int, zero: ZeroState, state: dict, files: dict[str, Path] | None = None) -> Path:
         """Write this rank's fragments; publish when every rank's write is complete (at once, or for an
-        async save at the first :meth:`poll` that finds it done). Collective."""
+        async save at the first :meth:`poll` that finds it done). ``files``: {name: source} copied into
+        the checkpoint by rank 0 (e.g. the tokenizer), listed in the manifest. Collective."""
         from megatron.core import dist_checkpointing
 
         self.wait()  # one save in flight at a time
@@ -288,6 +290,8 @@ class CheckpointManager:
             self._clean_leftovers()
             (tmp / "weights").mkdir(parents=True)
             (tmp / "rng").mkdir()
+            for name, source in (files or {}).items():
+                shutil.copyfile(source, tmp / name)
         dist.barrier()
 
         from megatron.core import parallel_state as ps
@@ -337,7 +341,8 @@ class CheckpointManager:
         dist.all_gather_object(gathered, mine)
         if rank == 0:
             files = {k: v for part in gathered for k, v in part.items()}
-            for f in sorted(p for p in (tmp / "weights").iterdir() if p.is_file()):
+            extra = [p for p in tmp.iterdir() if p.is_file() and p.name not in ("manifest.json", "state.json")]
+            for f in sorted(p for p in (tmp / "weights").iterdir() if p.is_file()) + sorted(extra):
                 rel = str(f.relative_to(tmp))
                 if rel not in files:  # .metadata, common.pt, metadata.json (rank 0's)
                     files[rel] = {"bytes": f.stat().st_size, "crc32": file_crc32(f)}

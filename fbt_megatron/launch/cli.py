@@ -6,8 +6,9 @@
                      [dotted.key=value ...]
     fbt slurm status RUN_DIR
 
-``submit`` validates the recipe for N x G processes, renders ``slurm/train.sbatch`` (one task per
-node -> srun -> torchrun with c10d rendezvous on the first node), keeps the rendered script and the
+``submit`` validates the recipe for N x G processes, renders the batch-script template
+(``fbt_megatron/launch/train.sbatch``, shipped with the package; one task per node -> srun ->
+torchrun with c10d rendezvous on the first node), keeps the rendered script and the
 job ids in RUN_DIR/slurm/ and submits it (``--dry-run`` prints the script instead). ``--phases``
 submits single-pass pre-training and the feedback phase as two jobs chained with afterok.
 ``status`` shows the jobs' states, the step, tokens and restarts, and the latest checkpoint.
@@ -27,7 +28,8 @@ def _submit_parser() -> argparse.ArgumentParser:
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--min-nodes", type=int, default=None, help="elastic: torchrun --nnodes MIN:NODES")
+    ap.add_argument("--min-nodes", type=int, default=None, help="elastic: start on MIN..NODES nodes (sbatch --nodes=MIN-NODES, torchrun --nnodes MIN:NODES); "
+                    "a node lost mid-job still ends the job (docs/slurm.md)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="processes per node (one per GPU)")
     ap.add_argument("--cpus-per-task", type=int, default=None)
     ap.add_argument("--time", default="24:00:00", help="time limit per job (a preempted job requeues)")
@@ -49,19 +51,24 @@ def _submit_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("submit", "status"):
-        print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in ("submit", "status"):
+        print(f"fbt slurm: error: unknown command {argv[0]!r} (choose from submit, status; fbt slurm --help)",
+              file=sys.stderr)
+        return 2
     if argv[0] == "status":
         from fbt_megatron.launch.status import format_status, status
 
-        if len(argv) != 2:
-            print("usage: fbt slurm status RUN_DIR", file=sys.stderr)
+        ap = argparse.ArgumentParser(prog="fbt slurm status",
+                                     description="The run's jobs, step, tokens, restarts and latest checkpoint.")
+        ap.add_argument("run_dir", type=Path)
+        a = ap.parse_args(argv[1:])
+        if not a.run_dir.is_dir():
+            print(f"fbt slurm status: {a.run_dir} is not a directory", file=sys.stderr)
             return 2
-        if not Path(argv[1]).is_dir():
-            print(f"fbt slurm status: {argv[1]} is not a directory", file=sys.stderr)
-            return 2
-        print(format_status(status(Path(argv[1]))))
+        print(format_status(status(a.run_dir)))
         return 0
     a = _submit_parser().parse_intermixed_args(argv[1:])
     spec = JobSpec(recipe=a.recipe, overrides=a.overrides, nodes=a.nodes, min_nodes=a.min_nodes,

@@ -8,6 +8,7 @@ stopped for a preemption signal (the batch script requeues only then, not after 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -26,8 +27,28 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _sacct_states(ids: list[str]) -> dict[str, str]:
+    """Finished jobs from the accounting database (``sacct``, one line per job allocation; its most
+    recent run for a requeued job). Empty where sacct is missing or accounting is disabled."""
+    if not ids or shutil.which("sacct") is None:
+        return {}
+    r = subprocess.run(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", ",".join(ids),
+                        "--format", "JobIDRaw,State,ExitCode,Elapsed,End"],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode:  # e.g. "Slurm accounting storage is disabled"
+        return {}
+    states = {}
+    for line in r.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 5 and parts[0] in ids:
+            jid, state, exit_code, elapsed, end = parts
+            states[jid] = f"{state} (exit {exit_code}, elapsed {elapsed}, ended {end}; sacct)"
+    return states
+
+
 def job_states(job_ids: list[str]) -> dict[str, str]:
-    """State per job id: squeue for queued/running jobs, scontrol for recently finished ones."""
+    """State per job id: squeue for queued/running jobs; for finished ones sacct where accounting is
+    enabled (it keeps them), else scontrol (which forgets them after MinJobAge, 300 s by default)."""
     states: dict[str, str] = {}
     ids = [j for j in job_ids if j.isdigit()]
     if not ids:
@@ -38,13 +59,15 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
         for line in r.stdout.splitlines():
             jid, state, used, limit, reason = line.split("|")
             states[jid] = f"{state} (elapsed {used} of {limit}; {reason})"
+        states.update(_sacct_states([j for j in ids if j not in states]))
         for jid in ids:
             if jid in states:
                 continue
             r = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True, timeout=30)
             fields = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
             states[jid] = (f"{fields['JobState']} (exit {fields.get('ExitCode', '?')}, restarts "
-                           f"{fields.get('Restarts', '0')})" if "JobState" in fields else "gone from the scheduler")
+                           f"{fields.get('Restarts', '0')})" if "JobState" in fields else
+                           "gone from the scheduler (finished; no accounting database to ask: sacct)")
     except (OSError, subprocess.TimeoutExpired) as e:
         for jid in ids:
             states.setdefault(jid, f"unknown ({e})")
@@ -55,7 +78,9 @@ def status(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     jobs = _jsonl(run_dir / "slurm" / "jobs.jsonl")
     states = job_states([str(j["job_id"]) for j in jobs])
-    metrics = _jsonl(run_dir / "metrics.jsonl")
+    rows = _jsonl(run_dir / "metrics.jsonl")
+    metrics = [r for r in rows if "event" not in r]  # step rows (validation lines have "event")
+    validations = [r for r in rows if r.get("event") == "metrics" and any(k.startswith("val/") for k in r)]
     pointer = run_dir / "checkpoints" / "latest"
     latest = pointer.read_text().strip() if pointer.is_file() else None
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
@@ -69,6 +94,7 @@ def status(run_dir: Path) -> dict:
         "restarts": sorted({(m.get("slurm_job"), m.get("slurm_restart", "0"), m.get("elastic_restart", "0"))
                             for m in metrics if m.get("slurm_job")}),
         "latest_checkpoint": latest, "stop_reason": summary.get("stop_reason"),
+        "last_validation": validations[-1] if validations else None,
     }
 
 
@@ -85,6 +111,10 @@ def format_status(s: dict) -> str:
                      f"loss {s['last_loss']:.4f}{ago}")
     else:
         lines.append("  no steps logged yet")
+    if s.get("last_validation"):
+        v = s["last_validation"]
+        body = " ".join(f"{k.split('_k')[-1]}-pass {x:.4f}" for k, x in sorted(v.items()) if k.startswith("val/loss_k"))
+        lines.append(f"  validation @ step {v['step']}: {body}")
     if len(s["restarts"]) > 1:
         lines.append("  (re)starts: " + ", ".join(f"job {j} requeue {r} elastic {e}" for j, r, e in s["restarts"]))
     lines.append(f"  latest checkpoint: {s['latest_checkpoint'] or 'none'}")

@@ -1,4 +1,5 @@
-"""Render ``slurm/train.sbatch`` for a recipe and submit it (``fbt slurm submit``).
+"""Render the batch-script template (``fbt_megatron/launch/train.sbatch``, package data; ``slurm/train.sbatch``
+in the repository links to it) for a recipe and submit it (``fbt slurm submit``).
 
 The recipe is validated against the job's process count before anything is submitted. Every
 submission appends to ``RUN_DIR/slurm/jobs.jsonl`` (what ``fbt slurm status`` reads) and keeps the
@@ -22,8 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "train.sbatch"
+DEFAULT_TEMPLATE = Path(__file__).with_name("train.sbatch")  # shipped in the wheel (package data)
 
 
 class SubmitError(RuntimeError):
@@ -60,7 +60,12 @@ def _q(x) -> str:
 def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
     if not spec.template.is_file():
         raise SubmitError(f"sbatch template {spec.template} not found (--template PATH)")
-    nnodes = f"{spec.min_nodes}:{spec.nodes}" if spec.min_nodes and spec.min_nodes != spec.nodes else str(spec.nodes)
+    elastic = bool(spec.min_nodes) and spec.min_nodes != spec.nodes
+    if spec.min_nodes is not None and not 1 <= spec.min_nodes <= spec.nodes:
+        raise SubmitError(f"--min-nodes {spec.min_nodes} must lie in [1, --nodes {spec.nodes}]")
+    # Elastic: the scheduler may start the job on any node count in [MIN, MAX] (sbatch --nodes=MIN-MAX),
+    # torchrun's rendezvous accepts that many agents (--nnodes MIN:MAX).
+    nnodes = f"{spec.min_nodes}:{spec.nodes}" if elastic else str(spec.nodes)
     cpus = spec.cpus_per_task or ((os.cpu_count() or 1) if spec.cpu else 8 * spec.gpus_per_node)
     torchrun = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                 f"--nproc-per-node={spec.gpus_per_node}", "--rdzv-backend=c10d",
@@ -80,7 +85,8 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
     extra += [f"#SBATCH {a}" for a in spec.sbatch_args]
     env = ["export FBT_DEVICE=cpu DS_ACCELERATOR=cpu"] if spec.cpu else []
     fields = {
-        "job_name": job_name, "nodes": spec.nodes, "cpus_per_task": cpus, "time": spec.time,
+        "job_name": job_name, "nodes": f"{spec.min_nodes}-{spec.nodes}" if elastic else spec.nodes,
+        "cpus_per_task": cpus, "time": spec.time,
         "signal_seconds": spec.signal_seconds, "log_dir": run_dir / "slurm" / "logs",
         "sbatch_extra": "\n".join(extra), "workdir": _q(spec.workdir), "run_dir": _q(run_dir),
         "omp_threads": max(1, cpus // spec.gpus_per_node), "env_extra": "\n".join(env),

@@ -4,6 +4,7 @@ a per-step metrics file and preemption signals."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -14,7 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fbt_megatron.logs import printer
 from fbt_megatron.train.trainer import Callback
+
+log_info = printer(logging.getLogger(__name__))
 
 
 def is_rank0() -> bool:
@@ -35,7 +39,7 @@ class ConsoleLogger(Callback):
     """Every N steps: loss, loss by pass count, lr, grad norm, tokens/s, MFU, pass mix so far."""
 
     def __init__(self, every: int, flops_fn=None, peak_flops: float | None = None, world_size: int = 1,
-                 print_fn=print):
+                 print_fn=log_info):
         self.every, self.flops_fn, self.peak_flops = every, flops_fn, peak_flops
         self.world_size, self.print = world_size, print_fn
         self._window: list = []
@@ -73,6 +77,24 @@ class ConsoleLogger(Callback):
             self.print(line, flush=True)
 
 
+def step_metrics(trainer, r) -> dict[str, float]:
+    """The scalars of one step, under the names every logger uses (TensorBoard, W&B, metrics file)."""
+    out: dict[str, float] = {}
+    if not r.skipped:
+        out["train/loss"] = r.loss
+        out[f"train/loss_k{r.num_passes}"] = r.loss
+        if r.grad_norm is not None:
+            out["train/grad_norm"] = r.grad_norm
+        for i, v in enumerate(r.residuals):
+            out[f"feedback/residual_pass{i + 2}"] = v
+    out["train/lr"] = r.lr
+    out["train/num_passes"] = r.num_passes
+    out["train/skipped_steps"] = trainer.state.skipped_steps
+    if r.seconds > 0:
+        out["perf/tokens_per_s"] = r.tokens / r.seconds
+    return out
+
+
 class TensorBoardLogger(Callback):
     def __init__(self, log_dir: Path, every: int = 1):
         self.log_dir, self.every, self.writer = Path(log_dir), every, None
@@ -84,28 +106,15 @@ class TensorBoardLogger(Callback):
             self.writer = SummaryWriter(str(self.log_dir))
 
     def on_step_end(self, trainer, r) -> None:
-        if self.writer is None:
-            return
-        s = trainer.state.step
-        if not r.skipped:
-            self.writer.add_scalar("train/loss", r.loss, s)
-            self.writer.add_scalar(f"train/loss_k{r.num_passes}", r.loss, s)
-            if r.grad_norm is not None:
-                self.writer.add_scalar("train/grad_norm", r.grad_norm, s)
-            for i, v in enumerate(r.residuals):
-                self.writer.add_scalar(f"feedback/residual_pass{i + 2}", v, s)
-        self.writer.add_scalar("train/lr", r.lr, s)
-        self.writer.add_scalar("train/num_passes", r.num_passes, s)
-        self.writer.add_scalar("train/skipped_steps", trainer.state.skipped_steps, s)
-        if r.seconds > 0:
-            self.writer.add_scalar("perf/tokens_per_s", r.tokens / r.seconds, s)
-        for key, value in trainer.metrics.pop("_pending_scalars", {}).items():
-            self.writer.add_scalar(key, value, s)
+        self.on_metrics(trainer, step_metrics(trainer, r))
+
+    def on_metrics(self, trainer, metrics: dict) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, trainer.state.step)
 
     def on_train_end(self, trainer) -> None:
         if self.writer is not None:
-            for key, value in trainer.metrics.pop("_pending_scalars", {}).items():
-                self.writer.add_scalar(key, value, trainer.state.step)
             self.writer.close()
 
 
@@ -122,9 +131,11 @@ class WandbLogger(Callback):
             self.run = wandb.init(project=self.project, name=self.name, config=self.config)
 
     def on_step_end(self, trainer, r) -> None:
-        if self.run is not None and not r.skipped:
-            self.run.log({"loss": r.loss, f"loss_k{r.num_passes}": r.loss, "lr": r.lr,
-                          "grad_norm": r.grad_norm}, step=trainer.state.step)
+        self.on_metrics(trainer, step_metrics(trainer, r))
+
+    def on_metrics(self, trainer, metrics: dict) -> None:
+        if self.run is not None:
+            self.run.log(dict(metrics), step=trainer.state.step)
 
     def on_train_end(self, trainer) -> None:
         if self.run is not None:
@@ -134,7 +145,7 @@ class WandbLogger(Callback):
 class Validation(Callback):
     """Validation loss every N steps with 1 pass and with the feedback depth."""
 
-    def __init__(self, every: int, evaluate_fn, passes: list[int], at_end: bool = True, print_fn=print):
+    def __init__(self, every: int, evaluate_fn, passes: list[int], at_end: bool = True, print_fn=log_info):
         self.every, self.evaluate_fn, self.passes = every, evaluate_fn, sorted(set(passes))
         self.at_end, self.print = at_end, print_fn
         self._last_step = None
@@ -145,8 +156,7 @@ class Validation(Callback):
         trainer.metrics["val_loss"] = losses
         trainer.metrics.setdefault("val_history", []).append(
             {"step": trainer.state.step, "tokens": trainer.state.tokens_seen, "loss": losses})
-        trainer.metrics.setdefault("_pending_scalars", {}).update(
-            {f"val/loss_k{k}": v for k, v in losses.items()})
+        trainer.log_metrics({f"val/loss_k{k}": v for k, v in losses.items()})  # to every logger
         if is_rank0():
             body = " ".join(f"{k}-pass {v:.4f}" for k, v in losses.items())
             self.print(f"validation @ step {trainer.state.step}: {body}", flush=True)
@@ -168,33 +178,49 @@ class Preemption(Callback):
     because ``stop_reason`` is set. All ranks agree on the stop step (max-reduce of the flag every
     step), so a signal that reaches the ranks a few milliseconds apart stops them after the same step.
 
-    The signals are *blocked* in the training thread and polled with ``sigpending`` at each step end
-    (a Python handler also catches one that lands on another thread). Why blocked: SLURM delivers a
-    step signal to every process of the step, and helper processes forked by the trainer (megatron's
-    checkpoint writers) inherit the mask; with a handler alone they would reset to the default action
-    and die on USR1 in the middle of the save this signal asks for."""
+    Two ways in, so that the warning does not depend on how the cluster delivers signals:
+    - ``stop_file``: the batch script's USR1 trap writes it (``$FBT_PREEMPT_FILE``); rank 0 looks for
+      it at every step end. torchrun starts its workers in new sessions, so where the process tracker
+      signals only the step's process group (``proctrack/pgid``) the signal never reaches them, and a
+      worker that inherited an ignored USR1 (the batch script's torchrun ignores it) would drop one;
+      the file is seen either way, also when it was written before training started.
+    - the signals themselves, *blocked* in the training thread and polled with ``sigpending`` at each
+      step end (a Python handler also catches one that lands on another thread). :meth:`arm` is called
+      as early as the run starts (before the model is built), so a signal that arrives before the first
+      step stays pending instead of killing the process or being lost. Why blocked: SLURM delivers a
+      step signal to every process of the step, and helper processes forked by the trainer (megatron's
+      checkpoint writers) inherit the mask; with a handler alone they would reset to the default action
+      and die on USR1 in the middle of the save this signal asks for."""
 
     SIGNALS = ("SIGUSR1", "SIGTERM")
 
-    def __init__(self, device=None, signals=SIGNALS, print_fn=print):
+    def __init__(self, device=None, signals=SIGNALS, print_fn=log_info, stop_file: str | Path | None = None):
         self.device, self.signals, self.print = device, [getattr(signal, s) for s in signals], print_fn
+        self.stop_file = Path(stop_file) if stop_file else None
         self.received = 0
+        self.source = ""
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
         self.received = self.received or signum
 
-    def on_train_start(self, trainer) -> None:
-        if threading.current_thread() is threading.main_thread():
+    def arm(self) -> None:
+        """Start catching the signals (idempotent; from the main thread only)."""
+        if not self._previous and threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
             signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+
+    def on_train_start(self, trainer) -> None:
+        self.arm()
 
     def _poll(self) -> int:
         if not self.received and self._previous:
             pending = signal.sigpending() & set(self.signals)
             if pending:
                 self.received = min(pending)  # stays pending (blocked) until on_train_end
+        if not self.received and self.stop_file is not None and is_rank0() and self.stop_file.exists():
+            self.received, self.source = signal.SIGUSR1, f" (preemption file {self.stop_file})"
         return self.received
 
     def on_step_end(self, trainer, r) -> None:
@@ -206,7 +232,7 @@ class Preemption(Callback):
         if flag and trainer.stop_reason is None:
             name = signal.Signals(flag).name
             trainer.metrics["preempted"] = name
-            trainer.stop_reason = (f"preempted: {name} received; stopped after step {trainer.state.step} "
+            trainer.stop_reason = (f"preempted: {name} received{self.source}; stopped after step {trainer.state.step} "
                                    "with a checkpoint (a relaunch resumes from it)")
             if is_rank0():
                 self.print(trainer.stop_reason, flush=True)
@@ -224,8 +250,11 @@ class Preemption(Callback):
 
 class MetricsFile(Callback):
     """One JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0): step, passes, loss, the global
-    batch's data checksum, counters, and which (re)start of the job wrote it. ``fbt slurm status``
-    reads it; the preemption and elastic tests compare its sample stream with an uninterrupted run's."""
+    batch's data checksum, counters, which (re)start of the job wrote it, and every scalar the other
+    loggers get (``train/...``, ``feedback/...``, ``perf/...``). Metrics logged outside a step (the
+    validation losses, ``val/loss_kK``) get a line of their own with ``"event": "metrics"``.
+    ``fbt slurm status`` reads it; the preemption and elastic tests compare its sample stream with an
+    uninterrupted run's."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -235,23 +264,31 @@ class MetricsFile(Callback):
                        if v in os.environ}
         self.launch["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
 
+    def _write(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def on_step_end(self, trainer, r) -> None:
         if not is_rank0():
             return
         s = trainer.state
-        row = {"step": s.step, "passes": r.num_passes, "loss": r.loss, "skipped": r.skipped,
-               "data_checksum": r.data_checksum, "consumed_sequences": s.consumed_sequences,
-               "tokens_seen": s.tokens_seen, "seconds": r.seconds, "time": time.time(), **self.launch}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._write({"step": s.step, "passes": r.num_passes, "loss": r.loss, "skipped": r.skipped,
+                     "data_checksum": r.data_checksum, "consumed_sequences": s.consumed_sequences,
+                     "tokens_seen": s.tokens_seen, "seconds": r.seconds, "time": time.time(), **self.launch,
+                     **step_metrics(trainer, r)})
+
+    def on_metrics(self, trainer, metrics: dict) -> None:
+        if is_rank0():
+            self._write({"event": "metrics", "step": trainer.state.step, "tokens_seen": trainer.state.tokens_seen,
+                         "time": time.time(), **metrics})
 
 
 class Checkpointer(Callback):
     """Saves every N steps and at the end; ``poll_fn`` runs at every step end so that an async save is
     published as soon as its write has completed (not at the next save)."""
 
-    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=print, async_save: bool = False,
+    def __init__(self, save_fn, every: int, at_end: bool = True, print_fn=log_info, async_save: bool = False,
                  poll_fn=None):
         self.save_fn, self.every, self.at_end, self.print = save_fn, every, at_end, print_fn
         self.async_save, self.poll_fn = async_save, poll_fn

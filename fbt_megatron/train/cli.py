@@ -20,8 +20,8 @@ USAGE = "usage: fbt train RECIPE.yaml [dotted.key=value ...]   (fbt train --help
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+    if not argv or "-h" in argv or "--help" in argv:
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
 
@@ -42,12 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if not runtime.use_cuda():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    runtime.init_distributed()
+    runtime.init_distributed(timeout_s=recipe.train.collective_timeout_s)
     from fbt_megatron.train.run import format_summary, train
+    from fbt_megatron.train.run_lock import RunDirLocked
 
     try:
-        summary = train(recipe)
-        if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            summary = train(recipe)
+        except RunDirLocked as e:
+            print(f"fbt train: {e}", file=sys.stderr)
+            return 2
+        if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
             print(format_summary(summary), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher
         # (slurm/ batch script) requeues. Other stops (non-finite losses) exit 3.

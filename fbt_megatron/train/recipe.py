@@ -78,6 +78,13 @@ class TrainLoopConfig(Section):
     steps: int = Field(100, ge=1)  # the schedule's length (LR decay, feedback switch)
     stop_at_step: int | None = Field(None, ge=1)  # end this invocation early (budgets, tests)
     max_nonfinite_in_row: int = Field(5, ge=1)
+    # A rank that stops responding (a hung collective, a stopped or wedged process) fails every process
+    # group's collectives after this many seconds (gloo's timeout; NCCL's watchdog with
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING=1): the worker exits with an error and torchrun restarts the group
+    # from `latest` instead of the job hanging until its time limit. Keep it above the longest wait of a
+    # healthy run (rank 0 building the embedded data or writing a checkpoint while the others wait) and
+    # above the start-up skew between ranks (gloo's connect at init waits this long for the last rank).
+    collective_timeout_s: float = Field(600.0, gt=0)
 
 
 class LoggingConfig(Section):

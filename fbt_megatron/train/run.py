@@ -7,13 +7,17 @@ tests call :func:`train` directly on gloo processes.
 from __future__ import annotations
 
 import json
+import logging
 import math
+from pathlib import Path
 
 import torch.distributed as dist
 
 from fbt_megatron import runtime
+from fbt_megatron.logs import printer
 from fbt_megatron.train.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
 
+log_info = printer(logging.getLogger(__name__))
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
 
@@ -55,7 +59,7 @@ def _synthetic_cfg(recipe: Recipe):
     return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
 
 
-def prepare_data(recipe: Recipe, log=print) -> None:
+def prepare_data(recipe: Recipe, log=log_info) -> None:
     """Build the embedded token mix if the recipe uses it and it is missing (offline, idempotent):
     rank 0 builds, the others wait; then every rank reads the mix's ``data`` section."""
     d = recipe.data
@@ -100,8 +104,44 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_fault_hook=None,
+def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
           probe=None) -> dict:
+    """Train ``recipe`` in this process group, holding its run directory's lock (rank 0 takes it before
+    anything in the run directory is read or written; a second live run on it raises
+    :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank). See :func:`_train` for the rest."""
+    import os
+
+    from fbt_megatron.train import callbacks as cb
+    from fbt_megatron.train.run_lock import RunDirLocked, RunLock
+
+    # Catch the preemption signals from the very start: one that arrives while the model is built
+    # stays pending and stops the run after its first step (the SLURM batch script's trap also writes
+    # $FBT_PREEMPT_FILE, which rank 0 reads at every step end; see callbacks.Preemption).
+    preemption = cb.Preemption(runtime.device(), print_fn=print_fn if dist.get_rank() == 0 else (lambda *a, **k: None),
+                               stop_file=os.environ.get("FBT_PREEMPT_FILE") or None)
+    preemption.arm()
+    lock = RunLock(recipe.resolved_run_dir())
+    refused = None
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except RunDirLocked as e:
+            refused = str(e)
+    box = [refused]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, device=runtime.device())
+    try:
+        if box[0] is not None:
+            raise RunDirLocked(box[0])
+        return _train(recipe, preemption, print_fn=print_fn, inject_nonfinite=inject_nonfinite,
+                      checkpoint_fault_hook=checkpoint_fault_hook, probe=probe)
+    finally:
+        preemption.release()
+        lock.release()
+
+
+def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
+           probe=None) -> dict:
     """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
     called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
     ({step: fault}, see ``train_step.FAULT_KINDS``); ``probe``, a callable ``(engine) -> Callback``
@@ -122,7 +162,8 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
     world = dist.get_world_size()
     dp_size = check_layout(recipe, world)
     runtime.init_parallel_state(runtime.ParallelLayout(tensor=recipe.parallel.tensor,
-                                                       pipeline=recipe.parallel.pipeline), seed=recipe.seed)
+                                                       pipeline=recipe.parallel.pipeline), seed=recipe.seed,
+                                timeout_s=recipe.train.collective_timeout_s)
     dp_rank = ps.get_data_parallel_rank()
     device = runtime.device()
     run_dir = recipe.resolved_run_dir()
@@ -182,12 +223,17 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
 
+    # The run's tokenizer travels with every checkpoint (as with an HF export): `fbt generate`/`fbt eval`
+    # work from anywhere, also when the recipe named it by a path relative to where training ran.
+    tokenizer_file = ({"tokenizer.model": Path(_pipeline_config(recipe).tokenizer)}
+                      if recipe.data.source == "pipeline" else None)
+
     def save(st: TrainState):
         payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,
                    "pass_schedule": {"position": st.step, **recipe.schedule.model_dump()},
                    "data_cursor": {"consumed_sequences": st.consumed_sequences, "loader": loader.state_dict()},
                    "recipe": recipe.model_dump(mode="json")}
-        return ckpt.save(st.step, zero, payload)
+        return ckpt.save(st.step, zero, payload, files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device, pipeline).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
@@ -200,7 +246,6 @@ def train(recipe: Recipe, *, print_fn=print, inject_nonfinite=None, checkpoint_f
     if recipe.logging.wandb:
         callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
     # Before the Checkpointer: a signal seen at this step's end makes the Checkpointer save it.
-    preemption = cb.Preemption(device, print_fn=log)
     callbacks.append(preemption)
     callbacks.append(cb.MetricsFile(run_dir / "metrics.jsonl"))
     callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,

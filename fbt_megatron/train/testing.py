@@ -92,12 +92,14 @@ def losses(summary: dict) -> list[float]:
 
 
 def read_metrics(run_dir) -> list[dict]:
-    """The rows of ``<run_dir>/metrics.jsonl`` (one per trained step, in the order they were written)."""
+    """The step rows of ``<run_dir>/metrics.jsonl`` (one per trained step, in the order they were
+    written; the validation lines, ``"event": "metrics"``, left out)."""
     import json
     from pathlib import Path
 
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if "event" not in r]
 
 
 def effective_stream(rows: list[dict]) -> dict[int, tuple[int, float]]:

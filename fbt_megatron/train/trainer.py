@@ -8,9 +8,12 @@ pass count, multi-pass forward, loss by pass count) lives in the step function i
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+
+from fbt_megatron.logs import printer
 
 
 @dataclass
@@ -35,6 +38,7 @@ class TrainState:
 class Callback:
     def on_train_start(self, trainer: "Trainer") -> None: ...
     def on_step_end(self, trainer: "Trainer", result) -> None: ...
+    def on_metrics(self, trainer: "Trainer", metrics: dict) -> None: ...  # scalars logged outside a step
     def on_train_end(self, trainer: "Trainer") -> None: ...
 
 
@@ -46,7 +50,7 @@ class Trainer:
     def __init__(self, *, step_fn: Callable, batches: Iterator, micro_batches_per_step: int,
                  lr_fn: Callable[[int], float], total_steps: int, global_batch_size: int,
                  state: TrainState | None = None, callbacks: list[Callback] = (),
-                 max_nonfinite_in_row: int = 5, log=print):
+                 max_nonfinite_in_row: int = 5, log=printer(logging.getLogger(__name__))):
         self.step_fn, self.batches, self.mbs_per_step = step_fn, batches, micro_batches_per_step
         self.lr_fn, self.total_steps, self.global_batch_size = lr_fn, total_steps, global_batch_size
         self.state = state or TrainState()
@@ -60,6 +64,10 @@ class Trainer:
     def _emit(self, hook: str, *args) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
+
+    def log_metrics(self, metrics: dict) -> None:
+        """Hand scalars (e.g. validation losses) to every callback's ``on_metrics``, at this step."""
+        self._emit("on_metrics", metrics)
 
     def fit(self) -> TrainState:
         self._emit("on_train_start")

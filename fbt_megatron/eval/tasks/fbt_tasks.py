@@ -70,12 +70,18 @@ def mbpp_predictions(resps, docs):
 
 def pass_at_1(references, predictions, **_kw):
     """Per problem: the fraction of its samples whose program passes the tests (= pass@1 with
-    n samples). Runs code only when the user opted in (fbt eval --allow-code-execution)."""
+    n samples).
+
+    Runs code only after an explicit opt-in, and lm-eval's own counts: the code tasks are marked
+    ``unsafe_code: true``, and lm-eval evaluates such a task only with ``confirm_run_unsafe_code``
+    (``lm_eval --confirm_run_unsafe_code``, or ``fbt eval --allow-code-execution``, which passes it);
+    without it lm-eval refuses the task before any metric runs. So reaching this metric through lm-eval
+    means the user opted in. (``sandbox.run_program`` called directly still needs ``allow=True``.)"""
     results = []
     for test, samples in zip(references, predictions):
         if isinstance(samples, str):
             samples = [samples]
-        passed = [sandbox.run_program(f"{program}\n\n{test}\n", allow=sandbox.code_execution_allowed(),
+        passed = [sandbox.run_program(f"{program}\n\n{test}\n", allow=True,
                                       timeout_s=sandbox.DEFAULT_TIMEOUT_S).passed for program in samples]
         results.append(_pass_at_k(len(passed), sum(passed), 1))
     return sum(results) / len(results)

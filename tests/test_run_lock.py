@@ -1,0 +1,107 @@
+"""One run per run directory: a second live run refuses before touching anything; a stale lock (its
+process gone, an earlier start of the same job) is taken over with a warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fbt_megatron.train.run_lock import LOCK_NAME, RunDirLocked, RunLock, stale_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["data.source=synthetic", "train.steps=2", "checkpoint.every=1000", "eval.at_end=false",
+         "logging.tensorboard=false"]
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that takes the lock and keeps it."""
+    code = ("import sys, time; from fbt_megatron.train.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "print('locked', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_second_live_run_refuses_and_loses_nothing(tmp_path, single_process):
+    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.train.run import train
+
+    run_dir = tmp_path / "run"
+    holder = _holder(run_dir)
+    try:
+        # the first run's state: a published step and a save in flight
+        ckpts = run_dir / "checkpoints"
+        (ckpts / "step_00000006").mkdir(parents=True)
+        (ckpts / "step_00000008.tmp" / "weights").mkdir(parents=True)
+        (ckpts / "latest").write_text("step_00000006\n")
+        before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+        recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*SHORT, f"run_dir={run_dir}"])
+        with pytest.raises(RunDirLocked) as e:
+            train(recipe)
+        msg = str(e.value)
+        assert f"host {socket.gethostname()}" in msg and f"pid {holder.pid}" in msg and str(run_dir / LOCK_NAME) in msg
+        assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+        assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+    # the holder is gone: its lock is stale, taken over with a warning, and released at the end
+    records = _Records()
+    logging.getLogger("fbt_megatron.train.run_lock").addHandler(records)
+    try:
+        fresh = tmp_path / "fresh"
+        dead = _holder(fresh)
+        dead.kill()
+        dead.wait()
+        summary = train(load_recipe(ROOT / "recipes" / "tiny.yaml", [*SHORT, f"run_dir={fresh}"]))
+    finally:
+        logging.getLogger("fbt_megatron.train.run_lock").removeHandler(records)
+    assert summary["step"] == 2
+    assert any(f"process {dead.pid} on {socket.gethostname()} no longer exists" in m for m in records.messages), records.messages
+    assert not (fresh / LOCK_NAME).exists()
+
+
+def test_stale_rules():
+    me = {"host": "node-b", "pid": 10, "slurm_job": "77", "torchrun_id": "abc"}
+    # another host: the process cannot be checked; the same job id means an earlier start of this job
+    assert "earlier start of this SLURM job" in stale_reason({"host": "node-a", "pid": 5, "slurm_job": "77"}, me)
+    assert "earlier attempt of this torchrun run" in stale_reason({"host": "node-a", "pid": 5, "torchrun_id": "abc"}, me)
+    assert stale_reason({"host": "node-a", "pid": 5, "torchrun_id": "none"}, dict(me, torchrun_id="none")) is None
+    assert stale_reason({"host": "node-a", "pid": 5}, me) is None  # unknown: kept
+    # this host: a live process keeps it (even with the same torchrun id "none"), a reused pid does not
+    here = {"host": socket.gethostname(), "pid": -1, "torchrun_id": "none"}
+    from fbt_megatron.train.run_lock import _start_time
+
+    parent = os.getppid()
+    live = {"host": socket.gethostname(), "pid": parent, "pid_started": _start_time(parent), "torchrun_id": "none"}
+    assert stale_reason(live, here) is None
+    assert "now belongs to another process" in stale_reason(dict(live, pid_started=live["pid_started"] - 100), here)
+
+
+def test_unreadable_fresh_lock_is_waited_for_then_taken_when_old(tmp_path):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text("{\"host\": ")  # cut while being written
+    old = time.time() - 60
+    os.utime(lock_file, (old, old))
+    with RunLock(tmp_path) as lock:
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid() and lock.held
+    assert not lock_file.exists()
