@@ -104,4 +104,4 @@ def test_ckpt_verify_shows_progress_over_the_bytes(tmp_path, capsys):
     problems = verify(tmp_path, check_model=False, progress=True)
     assert len(problems) == 1 and "b.distcp" in problems[0]
     err = capsys.readouterr().err
-    assert f"verify {tmp_path.name}" in err and "5.00kB" in err, err
+    assert f"verify {tmp_path.name}" in err and "5.00k/5.00k" in err, err  # every byte counted
