@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
+from fbt_megatron.config import LEGACY_FIRST_INPUT
 from fbt_megatron.train.optim_step import chunked_adamw_step
 
 
@@ -179,14 +180,58 @@ def no_weight_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool
     return param.ndim < 2 or (is_embedding(name, param) and not decay_embeddings)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:
-    """AdamW parameter groups; the ``group`` key names each one (kept by DeepSpeed and torch)."""
-    decay, plain = [], []
+def is_fusion(param: torch.nn.Parameter) -> bool:
+    """W_U and W_G of the latent-feedback fusion (marked by ``model/feedback.py``)."""
+    return bool(getattr(param, "latent_feedback_fusion", False))
+
+
+def fusion_decay_start(recipe) -> int | None:
+    """The first step at which the fusion's weights decay: the first step that may run feedback.
+
+    Under the ordinary first pass a 1-pass step leaves the fusion out of the forward, so its gradient
+    is zero (DeepSpeed zero-fills a missing one in every layout); decaying it anyway would shrink
+    W_U and W_G towards zero before they are ever used, undoing their initialisation over a long
+    single-pass phase (at lr 3e-4, wd 0.1: to 5 % of it in 100k steps). None: the fusion never runs."""
+    fb, schedule = recipe.feedback, recipe.schedule
+    if fb.fusion == "off":
+        return None
+    if fb.first_input == LEGACY_FIRST_INPUT:
+        return 0  # the fusion feeds every pass
+    if not any(p > 0 for p in schedule.mix[1:]):
+        return None
+    return schedule.feedback_start_step
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool,
+                 fusion_decay_from: int | None = 0, fusion_in_model: bool = False) -> list[dict]:
+    """AdamW parameter groups; the ``group`` key names each one (kept by DeepSpeed and torch). The
+    fusion's matrices get their own group, decayed from step ``fusion_decay_from`` (None: never);
+    see :meth:`Engine.set_step`.
+
+    ``fusion_in_model``: the model has a fusion, possibly on another pipeline stage. ZeRO >= 1
+    all-reduces one gradient norm per group over the model-parallel group, so every stage must hand
+    DeepSpeed the same number of groups: a stage without the fusion splits its no-decay group in two
+    (the same settings; the total norm is the same)."""
+    decay, plain, fusion = [], [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            (plain if no_weight_decay(name, p, decay_embeddings) else decay).append(p)
+        if not p.requires_grad:
+            continue
+        if no_weight_decay(name, p, decay_embeddings):
+            plain.append(p)
+        elif is_fusion(p):
+            fusion.append(p)
+        else:
+            decay.append(p)
+    fusion_wd = weight_decay if fusion_decay_from == 0 else 0.0
     groups = [{"params": decay, "weight_decay": weight_decay, "group": "decay"},
-              {"params": plain, "weight_decay": 0.0, "group": "no_decay"}]
+              {"params": plain, "weight_decay": 0.0, "group": "no_decay"},
+              {"params": fusion, "weight_decay": fusion_wd, "group": "fusion",
+               "decay_from_step": -1 if fusion_decay_from is None else fusion_decay_from,
+               "full_weight_decay": weight_decay}]
+    if fusion_in_model and not fusion and len(plain) >= 2:
+        half = len(plain) // 2
+        groups[1:] = [{"params": plain[:half], "weight_decay": 0.0, "group": "no_decay"},
+                      {"params": plain[half:], "weight_decay": 0.0, "group": "no_decay_2"}]
     return [g for g in groups if g["params"]]  # ZeRO cannot partition an empty group
 
 
@@ -261,7 +306,8 @@ class Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.sequence_parallel:
             self._hook_sequence_parallel_grads(params)
-        groups = param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.decay_embeddings)
+        groups = param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.decay_embeddings,
+                              fusion_decay_start(recipe), fusion_in_model=recipe.feedback.fusion != "off")
         self.mpu = MegatronMPU()
         # DeepSpeed reports no gradient norm (and checks none) at ZeRO-0 in fp32: compute it here.
         self._own_grad_norm = self.zero_stage == 0 and "bf16" not in self.config
@@ -322,6 +368,14 @@ class Engine:
     def set_lr(self, lr: float) -> None:
         for group in self.torch_optimizer.param_groups:
             group["lr"] = lr
+
+    def set_step(self, step: int) -> None:
+        """Per-step optimiser settings other than the learning rate: the fusion group's weight decay
+        is on from its ``decay_from_step`` (-1: never; see :func:`fusion_decay_start`)."""
+        for group in self.torch_optimizer.param_groups:
+            if "decay_from_step" in group:
+                start = group["decay_from_step"]
+                group["weight_decay"] = group["full_weight_decay"] if 0 <= start <= step else 0.0
 
     def backward(self, loss: torch.Tensor, is_boundary: bool) -> None:
         self.ds.set_gradient_accumulation_boundary(is_boundary)

@@ -99,6 +99,7 @@ class FBTTrainStep:
         k = self.schedule.num_passes(step)
         engine.train()
         engine.set_lr(lr)
+        engine.set_step(step)
         micro_batches = [_to_device(b, self.device) for b in micro_batches]
         local_tokens = sum(b["loss_mask"].sum() for b in micro_batches).to(torch.float64)
         total_tokens = local_tokens.clone()
