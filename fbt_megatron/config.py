@@ -152,6 +152,14 @@ class FeedbackConfig(StrictModel):
         return v
 
     @model_validator(mode="after")
+    def _init_options_that_apply(self):
+        if self.value_init_scale is not None and self.value_init != "identity":
+            raise ValueError(f"feedback.value_init_scale={self.value_init_scale} applies to value_init='identity' only "
+                             f"(value_init={self.value_init!r} draws W_U from N(0, init_method_std), depth-scaled "
+                             "with depth_scaling); remove it or set value_init: identity")
+        return self
+
+    @model_validator(mode="after")
     def _loss_reachable_by_gradient(self):
         # grad_mode="last" runs passes 1..k-1 without gradient, so a mean over passes would report
         # the mean but backpropagate only (1/k) * grad of the last pass's loss.

@@ -88,6 +88,10 @@ def test_wrong_type_names_key():
     with pytest.raises(RecipeError) as e:
         load_recipe(data={"feedback": {"grad_mode": "last", "loss_on": "mean"}})
     assert "loss_on='mean' needs feedback.grad_mode='all'" in str(e.value)
+    with pytest.raises(RecipeError) as e:  # an option the chosen initialisation would silently ignore
+        load_recipe(data={"feedback": {"value_init": "normal", "value_init_scale": 0.1}})
+    assert "value_init_scale=0.1 applies to value_init='identity' only" in str(e.value)
+    load_recipe(data={"feedback": {"value_init": "identity", "value_init_scale": 0.1}})
 
 
 def test_overrides_apply_and_parse_yaml_scalars():
