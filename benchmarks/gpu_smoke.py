@@ -76,13 +76,18 @@ def packed_batch(batch: int, seq: int, vocab: int, generator, device):
             "loss_mask": torch.ones(batch, seq, device=device), "doc_start": doc_start.to(device)}
 
 
+def fusion_params(recipe) -> int:
+    return 0 if recipe.feedback.fusion == "off" else 2 * recipe.model.hidden_size ** 2  # W_U, W_G
+
+
 def matmul_params(recipe, model) -> int:
-    """Matmul parameters as `fbt plan` counts them (the embedding lookups left out)."""
+    """The stack's matmul parameters as `fbt plan` counts them (the embedding lookups and the fusion
+    left out; the fusion is counted in the passes that run it)."""
     m = recipe.model
     n = sum(p.numel() for p in model.parameters())
     lookups = (0 if m.tie_embeddings else m.padded_vocab_size(1) * m.hidden_size) + \
         (m.max_sequence_length * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
-    return n - lookups
+    return n - lookups - fusion_params(recipe)
 
 
 def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str) -> dict:
@@ -115,7 +120,8 @@ def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str) -> 
     step = sorted(times)[len(times) // 2]
     tokens_s = micro_batch * seq / step
     flops = model_flops_per_token(matmul_params(recipe, model), recipe.model.num_layers, recipe.model.hidden_size,
-                                  seq, passes, recipe.feedback.grad_mode)
+                                  seq, passes, recipe.feedback.grad_mode, fusion_params(recipe),
+                                  recipe.feedback.first_input == "state")
     kept = passes if recipe.feedback.grad_mode == "all" else 1
     predicted = memory_per_gpu(Shape.from_recipe(recipe), Layout(1, 1, 0, micro_batch), 1, kept, weight_bytes=2,
                                grad_bytes=2, optimizer_bytes=4, act_bytes=2,

@@ -15,11 +15,29 @@ from fbt_megatron.config import PassScheduleConfig
 
 def step_forwards(passes: int, grad_mode: str) -> float:
     """Training FLOPs of a ``passes``-pass step in units of one forward F (backward = 2F): every pass
-    forward, and backward through every pass (``grad_mode: all``, 3k) or only the last (``last``, k + 2).
-    ``fbt plan`` and the MFU that training logs both count with this."""
+    forward, and backward through every pass (``grad_mode: all``, 3k) or only the last (``last``, k + 2)."""
     if grad_mode not in ("all", "last"):
         raise ValueError(f"grad_mode must be 'all' or 'last', got {grad_mode!r}")
     return 3.0 * passes if grad_mode == "all" else passes + 2.0
+
+
+def fusion_forwards(passes: int, grad_mode: str, fused_first_pass: bool = False) -> float:
+    """The fusion's share of a ``passes``-pass step, in units of one fusion forward (backward = 2x): it
+    runs in every pass that reads a state — passes 2..k under the ordinary first pass, every pass under
+    ``feedback.first_input: state`` (``fused_first_pass``) — and is backpropagated with its pass."""
+    step_forwards(passes, grad_mode)  # checks grad_mode
+    fused = passes if fused_first_pass else passes - 1
+    if grad_mode == "all":
+        return 3.0 * fused
+    return fused + (2.0 if fused else 0.0)  # the last pass is fused whenever any is
+
+
+def step_flops(passes: int, grad_mode: str, stack_flops: float, fusion_flops: float,
+               fused_first_pass: bool = False) -> float:
+    """Training FLOPs (per token) of a ``passes``-pass step from one forward of the stack (embedding to
+    logits) and one of the fusion. ``fbt plan`` and the MFU that training logs both count with this."""
+    return (step_forwards(passes, grad_mode) * stack_flops
+            + fusion_forwards(passes, grad_mode, fused_first_pass) * fusion_flops)
 
 
 class PassSchedule:

@@ -13,10 +13,18 @@ def test_tiny_recipe_counts_by_hand():
     # two LayerNorms 4h = 512  -> 198,272; x4 = 793,088; final norm 256; embedding 524,288;
     # fusion W_U, W_G 32,768 + h_init 128  -> 1,350,528 (what the built model has, see the docs' check)
     assert s.params() == 1_350_528
-    # forward FLOPs/token: 2 * (4 * 196,608 + 32,768 + 524,288) + 4 * L * S * h = 2,686,976 + 262,144
-    assert s.forward_flops_per_token() == 2_949_120
-    assert pass_factor([0.75, 0.22, 0.03], "all") == pytest.approx(1.28)
+    # forward FLOPs/token of the stack: 2 * (4 * 196,608 + 524,288) + 4 * L * S * h = 2,621,440 + 262,144;
+    # of the fusion 2 * 2h^2 = 65,536, only in passes that read a state (2..k)
+    F, PHI = 2_883_584, 65_536
+    assert s.forward_flops_per_token() == F
+    assert s.step_flops_per_token(1) == 3 * F  # the ordinary first pass: no fusion
+    assert s.step_flops_per_token(3) == 3 * (3 * F + 2 * PHI)
+    assert s.step_flops_per_token(3, "last") == 3 * F + 2 * PHI + 2 * (F + PHI)  # backward: the last pass
+    assert pass_factor([0.75, 0.22, 0.03], "all") == pytest.approx(1.28)  # the stack's share
     assert pass_factor([0.75, 0.22, 0.03], "last") == pytest.approx(3.28 / 3)
+    assert pass_factor([0.75, 0.22, 0.03], "all", s) == pytest.approx(1.28 + (0.22 + 0.03 * 2) * PHI / F)
+    state = Shape.from_recipe(load_recipe("recipes/tiny.yaml", ["feedback.first_input=state"]))
+    assert state.step_flops_per_token(1) == 3 * (F + PHI)  # the ablation fuses in every pass
 
     # CPU fp32, TP=1 ZeRO-0, micro-batch 8, DP=1, 3 passes kept (grad_mode all), eager attention
     m = memory_per_gpu(s, Layout(1, 1, 0, 8), 1, 3, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,
@@ -47,7 +55,11 @@ def test_plan_1b_on_64_h100_and_a_layout_that_does_not_fit():
     tokens = sum(p["tokens"] for p in pl.phases)
     assert 399e9 < tokens < 401e9
     feedback = pl.phases[1]
-    assert feedback["flops_per_token"] == pytest.approx(pl.flops_per_token_single * 1.28)
+    # E[k] = 1.28 stack forwards-and-backwards, plus the fusion in 0.22 x 1 + 0.03 x 2 passes per step
+    s = pl.shape
+    F, PHI = s.forward_flops_per_token(), 4 * s.hidden ** 2
+    assert pl.flops_per_token_single == 3 * F
+    assert feedback["flops_per_token"] == pytest.approx(3 * (1.28 * F + 0.28 * PHI))
     # wall time = tokens * FLOPs/token / (MFU * peak * GPUs)
     assert feedback["seconds"] == pytest.approx(feedback["tokens"] * feedback["flops_per_token"] / (0.4 * 989e12 * 64))
 
@@ -66,8 +78,8 @@ def test_llama_recipe_counts_by_hand():
     # two RMSNorms 2h = 256 -> 184,576; x4 = 738,304; final norm 128; embedding + output 2 x 524,288;
     # fusion W_U, W_G 32,768 + h_init 128 -> 1,819,904
     assert s.params() == 1_819_904
-    # forward: 2 * (4 * 184,320 + 32,768 + 524,288) + 4 * L * S * h
-    assert s.forward_flops_per_token() == 2_588_672 + 262_144
+    # forward of the stack: 2 * (4 * 184,320 + 524,288) + 4 * L * S * h (the fusion apart)
+    assert s.forward_flops_per_token() == 2_523_136 + 262_144
     m = memory_per_gpu(s, Layout(1, 1, 0, 8), 1, 1, flash=True, reserve=0)
     # activations: s*b*h*(4 + 4g/a + 6f/h + 10) per layer at 2 bytes: 4 + 2 + 16.5 + 10 = 32.5
     assert m.activations == 128 * 8 * 128 * 32.5 * 4

@@ -23,6 +23,12 @@ def test_training_flops_count_passes_by_grad_mode():
     assert model_flops_per_token(1000, 2, 8, 16, 3, "all") == 9 * forward  # 3 forwards + 3 backwards (2F)
     assert model_flops_per_token(1000, 2, 8, 16, 3, "last") == 5 * forward  # 3 forwards + 1 backward
     assert step_forwards(2, "last") == 4
+    # the fusion (2 x 2h^2 = 256 FLOPs forward at h=8) runs only in the passes that read a state
+    phi = 2 * 128
+    assert model_flops_per_token(1000, 2, 8, 16, 1, "all", 128) == 3 * forward  # the ordinary first pass
+    assert model_flops_per_token(1000, 2, 8, 16, 3, "all", 128) == 9 * forward + 3 * 2 * phi
+    assert model_flops_per_token(1000, 2, 8, 16, 3, "last", 128) == 5 * forward + 2 * phi + 2 * phi
+    assert model_flops_per_token(1000, 2, 8, 16, 1, "all", 128, fused_first_pass=True) == 3 * (forward + phi)
     with pytest.raises(ValueError, match="grad_mode"):
         step_forwards(2, "some")
 

@@ -7,11 +7,14 @@ size, g the key/value heads (query groups; g = a without GQA), f the MLP width, 
   h(h + 2gd) + h^2 attention weights + (m + 1)hf MLP weights, biases (if add_bias_linear)
   h + 2gd + h + mf + h, norm weights 2 x (2h LayerNorm, h RMSNorm); final norm; feedback fusion
   W_U, W_G (2h^2) and h_init (h);
-- forward FLOPs F = 2*N_mm + 4*L*S*h (QK^T and AV, full square as in Megatron's MFU convention), with
-  N_mm = L(h(h + 2gd) + h^2 + (m + 1)hf) + 2h^2 (fusion) + V*h (output layer);
-- a step with k passes costs k*F forward; backward 2F per pass with ``grad_mode: all`` (3kF in all),
-  or only for the last pass with ``grad_mode: last`` ((k+2)F). The 75/22/3 mix has E[k] = 1.28: 1.28x
-  a single-pass step with ``all``, (1.28+2)/3 = 1.09x with ``last``;
+- forward FLOPs of the stack F = 2*N_mm + 4*L*S*h (QK^T and AV, full square as in Megatron's MFU
+  convention), with N_mm = L(h(h + 2gd) + h^2 + (m + 1)hf) + V*h (output layer); of the fusion
+  Phi = 2 * 2h^2 (W_U, W_G), in the passes that read a state (2..k; every pass under
+  ``feedback.first_input: state``);
+- a step with k passes costs k*F + (k-1)*Phi forward; backward twice its forward per pass with
+  ``grad_mode: all`` (3(kF + (k-1)Phi) in all), or only for the last pass with ``grad_mode: last``.
+  The 75/22/3 mix has E[k] = 1.28: about 1.28x a single-pass step with ``all`` (a little more with
+  the fusion counted), (1.28+2)/3 = 1.09x with ``last``;
 - memory per GPU (mixed precision: bf16 weights, fp32 gradient accumulation, fp32 master + Adam m, v;
   ZeRO-1 shards the 12 optimiser bytes over DP, ZeRO-2 also the 4 gradient bytes, ZeRO-3 also the
   weights; TP and PP divide all of them), activations per layer and micro-batch s*b*h*(34 + 5as/h)
@@ -56,6 +59,7 @@ class Shape:
     tied: bool = True
     learned_positions: bool = False
     fusion: bool = True  # feedback fusion weights exist (fusion != off)
+    fused_first_pass: bool = False  # feedback.first_input: state (the fusion runs in pass 1 too)
     norm_params: int = 2  # LayerNorm: weight + bias; RMSNorm: weight
     query_groups: int | None = None  # key/value heads (GQA); None: one per head
     gated: bool = False  # SwiGLU: fc1 is [gate; up], 2f wide
@@ -67,7 +71,8 @@ class Shape:
         return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                    ffn=m.ffn_size, vocab=m.padded_vocab_size(r.parallel.tensor), seq=r.data.seq_length,
                    tied=m.tie_embeddings, learned_positions=m.position_embedding_type == "learned_absolute",
-                   fusion=r.feedback.fusion != "off", norm_params=2 if m.normalization == "LayerNorm" else 1,
+                   fusion=r.feedback.fusion != "off", fused_first_pass=r.feedback.first_input == "state",
+                   norm_params=2 if m.normalization == "LayerNorm" else 1,
                    query_groups=m.num_query_groups, gated=m.activation == "swiglu", bias=m.add_bias_linear)
 
     @property
@@ -91,18 +96,33 @@ class Shape:
         return n
 
     def matmul_params(self) -> int:
-        h = self.hidden
-        return self.layers * self.layer_matmul_params() + (2 * h * h if self.fusion else 0) + self.vocab * h
+        """The stack's matmul parameters (layers and output layer; the fusion is counted apart)."""
+        return self.layers * self.layer_matmul_params() + self.vocab * self.hidden
+
+    def fusion_params(self) -> int:
+        return 2 * self.hidden * self.hidden if self.fusion else 0  # W_U, W_G
 
     def forward_flops_per_token(self) -> float:
+        """One forward of the stack (embedding to logits), without the fusion."""
         return 2.0 * self.matmul_params() + 4.0 * self.layers * self.seq * self.hidden
 
+    def step_flops_per_token(self, passes: int, grad_mode: str = "all") -> float:
+        """Training FLOPs per token of a ``passes``-pass step, the fusion only where a pass reads a state."""
+        from fbt_megatron.passes import step_flops
 
-def pass_factor(mix: list[float], grad_mode: str) -> float:
-    """Training FLOPs of the mix relative to a single-pass step (3F)."""
+        return step_flops(passes, grad_mode, self.forward_flops_per_token(), 2.0 * self.fusion_params(),
+                          self.fused_first_pass)
+
+
+def pass_factor(mix: list[float], grad_mode: str, shape: Shape | None = None) -> float:
+    """Training FLOPs of the mix relative to a single-pass step; without ``shape`` the stack's share
+    alone (3kF or (k+2)F over 3F), with it the fusion counted too."""
     from fbt_megatron.passes import step_forwards
 
-    return sum(p * step_forwards(i + 1, grad_mode) for i, p in enumerate(mix)) / step_forwards(1, grad_mode)
+    if shape is None:
+        return sum(p * step_forwards(i + 1, grad_mode) for i, p in enumerate(mix)) / step_forwards(1, grad_mode)
+    return sum(p * shape.step_flops_per_token(i + 1, grad_mode) for i, p in enumerate(mix)) / \
+        shape.step_flops_per_token(1, grad_mode)
 
 
 def max_passes(mix: list[float]) -> int:
@@ -274,8 +294,8 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
         if suggestion and suggestion[0].pp > 1:
             warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 and no "
                             "sequence parallelism there, docs/pipeline.md)")
-    single = 3.0 * shape.forward_flops_per_token()
-    factor = pass_factor(mix, grad_mode) if recipe.feedback.fusion != "off" else 1.0
+    single = shape.step_flops_per_token(1, grad_mode)
+    factor = pass_factor(mix, grad_mode, shape) if recipe.feedback.fusion != "off" else 1.0
     tokens_per_step = recipe.tokens_per_step
     start = min(recipe.schedule.feedback_start_step, recipe.train.steps)
     phases = []
@@ -324,7 +344,8 @@ def format_plan(pl: Plan, recipe, gpus: int, gpu: str, mfu: float, peak: float) 
         + (f"kv-heads={s.query_groups} " if s.query_groups else "")
         + f"ffn={s.ffn}{' (SwiGLU)' if s.gated else ''} V={s.vocab} seq={s.seq}"
         + ("" if s.tied else " untied"),
-        f"FLOPs/token  {pl.flops_per_token_single:.4g} single-pass training (3 x forward {s.forward_flops_per_token():.4g}); "
+        f"FLOPs/token  {pl.flops_per_token_single:.4g} single-pass training (3 x forward {s.forward_flops_per_token():.4g}"
+        f"{'' if s.fused_first_pass or not s.fusion else '; the fusion runs from pass 2'}); "
         f"feedback mix x{pl.factor_feedback:.3f} ({recipe.feedback.grad_mode} passes backpropagated)",
         f"batch        {recipe.global_batch_size} seq x {s.seq} = {recipe.tokens_per_step:,} tokens/step, "
         f"{recipe.train.steps:,} steps = {tokens / 1e9:.4g} B tokens",

@@ -26,13 +26,15 @@ def is_rank0() -> bool:
 
 
 def model_flops_per_token(matmul_params: int, num_layers: int, hidden: int, seq_len: int, passes: int,
-                          grad_mode: str = "all") -> float:
+                          grad_mode: str = "all", fusion_params: int = 0, fused_first_pass: bool = False) -> float:
     """Training FLOPs per token of a ``passes``-pass step, counted as ``fbt plan`` counts them: a
-    forward F = 2 N_mm + 4 L S h (matmul parameters; QK^T and AV over the full square), times
-    ``passes.step_forwards`` (3k with ``grad_mode: all``, k + 2 with ``last``)."""
-    from fbt_megatron.passes import step_forwards
+    forward of the stack F = 2 N_mm + 4 L S h (matmul parameters without the fusion; QK^T and AV over
+    the full square) and of the fusion 2 x ``fusion_params`` (W_U, W_G), combined by
+    ``passes.step_flops`` (the fusion only in the passes that read a state)."""
+    from fbt_megatron.passes import step_flops
 
-    return step_forwards(passes, grad_mode) * (2.0 * matmul_params + 4.0 * num_layers * hidden * seq_len)
+    stack = 2.0 * matmul_params + 4.0 * num_layers * hidden * seq_len
+    return step_flops(passes, grad_mode, stack, 2.0 * fusion_params, fused_first_pass)
 
 
 class ConsoleLogger(Callback):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fbt_megatron import runtime
+from fbt_megatron.config import LEGACY_FIRST_INPUT
 from fbt_megatron.logs import printer
 from fbt_megatron.train.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
 
@@ -218,8 +219,11 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     # LM head has its own weight, learned positions)
     lookups = (0 if m.tie_embeddings else m.padded_vocab_size(recipe.parallel.tensor) * m.hidden_size) + \
         (m.max_sequence_length * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
-    flops_fn = lambda k: cb.model_flops_per_token(n_params - lookups, m.num_layers, m.hidden_size,  # noqa: E731
-                                                  recipe.data.seq_length, k, recipe.feedback.grad_mode)
+    fusion = 0 if recipe.feedback.fusion == "off" else 2 * m.hidden_size * m.hidden_size  # W_U, W_G
+    flops_fn = lambda k: cb.model_flops_per_token(  # noqa: E731
+        n_params - lookups - fusion, m.num_layers, m.hidden_size, recipe.data.seq_length, k,
+        recipe.feedback.grad_mode, fusion_params=fusion,
+        fused_first_pass=recipe.feedback.first_input == LEGACY_FIRST_INPUT)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
 
