@@ -10,12 +10,19 @@ table in ``mapping.py`` and appended to the current safetensors shard, which is 
 soon as it is full. Shards are planned from the checkpoint's metadata before any tensor is read, so
 names (``model-00001-of-00003.safetensors``) and the index are known up front; peak memory is about
 one layer's tensors plus one shard (``max_shard_bytes``).
+
+Atomic: the inputs (checkpoint, recipe, tokenizer) are checked before anything is written, the
+directory is built as ``.OUT_DIR.partial-PID`` next to ``OUT_DIR`` and renamed to ``OUT_DIR`` at the end;
+a failure removes it, so a failed export leaves no directory that looks complete. An existing
+non-empty ``OUT_DIR`` is refused (nothing is overwritten).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +33,7 @@ from fbt_megatron.hf.mapping import ConversionError
 
 MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 IMPORT_DIR = "hf_import"  # in a run made by `from-hf`: the source's tokenizer and provenance
@@ -83,8 +91,19 @@ def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
     return None
 
 
-def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int | None = None) -> dict:
-    """Tokenizer files AutoTokenizer loads; returns the special token ids for the config."""
+def given_tokenizer(tokenizer: str | Path) -> tuple[str, Path]:
+    """``--tokenizer PATH``: a sentencepiece model file, checked before anything is written."""
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise ConversionError(f"--tokenizer {tokenizer}: no such file (a sentencepiece .model is expected)")
+    return "sp", path
+
+
+def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int | None = None,
+                    max_length: int | None = None) -> dict:
+    """Tokenizer files that ``AutoTokenizer`` loads without remote code; returns the special token ids
+    for the config. The tokenizer gets a pad token (the source's, else EOS) and pads on the left (for
+    batched generation), and ``model_max_length`` is ``max_length`` (the recipe's sequence length)."""
     if source is None:
         return {}
     kind, where = source
@@ -100,7 +119,36 @@ def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int 
     if vocab_size is not None and len(tok) > vocab_size:
         raise ConversionError(f"tokenizer {where} has {len(tok)} tokens, more than the model's vocab_size="
                               f"{vocab_size}")
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    pad = tok.pad_token or tok.eos_token or tok.unk_token
+    _finish_tokenizer_config(out, pad, max_length)
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.convert_tokens_to_ids(pad) if pad is not None else None}
+
+
+def _finish_tokenizer_config(out: Path, pad: str | None, max_length: int | None) -> None:
+    """A stock class every transformers in the supported range has (``PreTrainedTokenizerFast``: it loads
+    tokenizer.json as written, so the ids stay the sentencepiece model's; transformers 5 writes its own
+    ``TokenizersBackend``, which 4.x lacks and which sends ``AutoTokenizer`` to the remote code), a pad
+    token, left padding, ``model_max_length``; machine-local loading flags dropped."""
+    cfg_file = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    for key in ("is_local", "local_files_only", "backend"):
+        cfg.pop(key, None)
+    if cfg.get("tokenizer_class") in (None, "TokenizersBackend"):
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.get("extra_special_tokens")
+    if isinstance(extra, list):  # 5.x lists the named special tokens again; 4.x expects a dict here
+        named = {cfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        extra = [t for t in extra if t not in named]
+        if extra:
+            cfg["additional_special_tokens"] = extra
+        cfg.pop("extra_special_tokens")
+    if pad is not None:
+        cfg["pad_token"] = pad
+    cfg["padding_side"] = "left"
+    if max_length:
+        cfg["model_max_length"] = int(max_length)
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _convert_sentencepiece(model: Path, out: Path) -> None:
@@ -121,11 +169,6 @@ def _convert_sentencepiece(model: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
     shutil.rmtree(staging)
     shutil.copyfile(model, out / "tokenizer.model")
-    cfg_file = out / "tokenizer_config.json"  # drop machine-local loading flags from the shipped config
-    cfg = json.loads(cfg_file.read_text())
-    for key in ("is_local", "local_files_only"):
-        cfg.pop(key, None)
-    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------------- config
@@ -135,7 +178,7 @@ def standard_hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
     for name in mapping.FBT_ONLY_FIELDS:
         fields.pop(name)
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "use_cache": True,
-            "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+            "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype],  # (4.x reads torch_dtype)
             "bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
             "pad_token_id": tokens.get("pad_token_id"), "fbt": dict(prov, exported_as="standard")}
 
@@ -152,7 +195,8 @@ def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
         "feedback_decoding": "feedback",
         "prefill_passes": 2,  # the paper's FUSED prefill, as `fbt generate` (issue 11) defaults to
         "use_cache": True,
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        "dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],  # the name transformers 4.x reads
         "bos_token_id": tokens.get("bos_token_id"),
         "eos_token_id": tokens.get("eos_token_id"),
         "pad_token_id": tokens.get("pad_token_id"),
@@ -183,29 +227,55 @@ def _out_shapes(row: mapping.Row, stored: tuple) -> list[tuple]:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str | Path | None = None,
-                      standard: bool = False, log=print) -> Path:
+                      standard: bool = False, log=print, progress: bool | None = None) -> Path:
     """Write the HF directory; returns it. Call inside a (world-of-one) process group. ``standard``:
-    a plain Llama checkpoint (see the module docstring)."""
-    from safetensors.torch import save_file
-
+    a plain Llama checkpoint (see the module docstring). ``progress``: a bar over the weight bytes
+    written (stderr; None = only on a terminal). Atomic (see the module docstring)."""
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}")
     from fbt_megatron.checkpoint import read_checkpoint_state
 
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR "
+                              "(nothing is overwritten)")
     path = resolve_checkpoint(checkpoint)
     state = read_checkpoint_state(path)
     recipe = _recipe(state)
-    model_cfg, num_layers = recipe.model, recipe.model.num_layers
     if standard:
-        mapping.check_llama_class(model_cfg, recipe.feedback)
-    rows = mapping.weight_rows(model_cfg, recipe.feedback)
+        mapping.check_llama_class(recipe.model, recipe.feedback)
+    tok_source = given_tokenizer(tokenizer) if tokenizer else tokenizer_source(path, recipe)
+    rows = mapping.weight_rows(recipe.model, recipe.feedback)
     reader = CheckpointTensors(path)
-    reader.verify(rows, num_layers)
+    reader.verify(rows, recipe.model.num_layers)
     if standard:  # the plain model: the fusion's weights stay behind
         rows = [r for r in rows if not r.key.startswith("feedback.")]
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        summary = _write_export(path, state, recipe, rows, reader, partial, dtype=dtype,
+                                max_shard_bytes=max_shard_bytes, tok_source=tok_source, standard=standard,
+                                progress=progress, label=out.name)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log(f"exported {path} -> {out} ({summary})")
+    return out
+
+
+def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTensors, out: Path, *, dtype: str,
+                  max_shard_bytes: int, tok_source, standard: bool, progress: bool | None, label: str) -> str:
+    """Every file of the export into ``out``; returns a one-line summary."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    num_layers = recipe.model.num_layers
     # Units of reading: each non-layer row alone, then every layer's rows together.
     units = [[(r, None)] for r in rows if not r.per_layer and r.key.startswith("gpt.embedding")]
     units += [[(r, i) for r in rows if r.per_layer] for i in range(num_layers)]
@@ -216,21 +286,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
         for row, layer in unit:
             for name, shape in zip(mapping.hf_names(row, layer), _out_shapes(row, reader.shapes[row.key])):
                 entries.append((name, elem * int(torch.Size(shape).numel())))
+    nbytes = dict(entries)
     shards = plan_shards(entries, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
     shard_of = {name: n for n, names in enumerate(shards) for name in names}
 
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc=f"to-hf {label}", disable=None if progress is None else not progress, file=sys.stderr)
     pending: dict[str, torch.Tensor] = {}
     next_shard = 0
-    for unit in units:
-        for (row, layer), tensor in zip(unit, reader.read(unit, num_layers)):
-            for name, t in zip(mapping.hf_names(row, layer), mapping.to_hf(row, tensor)):
-                pending[name] = t.to(DTYPES[dtype]).contiguous().clone()  # own storage: no views into `tensor`
-        while next_shard < len(shards) and all(n in pending for n in shards[next_shard]):
-            save_file({n: pending.pop(n) for n in shards[next_shard]}, str(out / files[next_shard]),
-                      metadata={"format": "pt"})
-            next_shard += 1
+    with bar:
+        for unit in units:
+            for (row, layer), tensor in zip(unit, reader.read(unit, num_layers)):
+                for name, t in zip(mapping.hf_names(row, layer), mapping.to_hf(row, tensor)):
+                    pending[name] = t.to(DTYPES[dtype]).contiguous().clone()  # own storage: no views into `tensor`
+            while next_shard < len(shards) and all(n in pending for n in shards[next_shard]):
+                save_file({n: pending.pop(n) for n in shards[next_shard]}, str(out / files[next_shard]),
+                          metadata={"format": "pt"})
+                bar.update(sum(nbytes[n] for n in shards[next_shard]))
+                next_shard += 1
     if next_shard != len(shards) or pending:
         raise RuntimeError(f"export wrote {next_shard} of {len(shards)} shards ({len(pending)} tensors left)")
     if len(shards) > 1:
@@ -238,8 +312,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
                  "weight_map": {name: files[shard_of[name]] for name, _ in entries}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    tok_source = ("sp", Path(tokenizer)) if tokenizer else tokenizer_source(path, recipe)
-    tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size)
+    tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size, max_length=recipe.data.seq_length)
     prov = provenance(path, state, recipe)
     config = (standard_hf_config if standard else hf_config)(recipe, prov, tokens, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -251,5 +324,4 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     from fbt_megatron.hf.model_card import model_card
 
     (out / "README.md").write_text(model_card(config, has_tokenizer=tok_source is not None))
-    log(f"exported {path} -> {out} ({len(entries)} tensors in {len(shards)} shard(s), {dtype})")
-    return out
+    return f"{len(entries)} tensors in {len(shards)} shard(s), {dtype}"

@@ -48,14 +48,24 @@ def _same(hf: str, stock=None):
 
 
 def _rope(v, m):
-    return {"rope_parameters": {"rope_type": "default", "rope_theta": float(v)}}
+    """transformers 5 reads ``rope_parameters``, 4.x ``rope_theta``: both are written."""
+    return {"rope_theta": float(v), "rope_parameters": {"rope_type": "default", "rope_theta": float(v)}}
 
 
 def _rope_from(c):
+    """The RoPE base; scaled RoPE (Llama 3's ``llama3``, ``linear``, ``dynamic``, ``yarn``, ...) is refused by
+    name: fbt_megatron's rotary embedding has no scaling, and keeping only the base would change the
+    model. transformers 4.x writes it as ``rope_scaling``, 5.x as ``rope_parameters``."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = c.get(key) or {}
+        if not isinstance(rope, dict):
+            raise ConversionError(f"{key}={rope!r}: only plain RoPE converts (a dict with rope_type 'default')")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ConversionError(f"{key}.rope_type={kind!r} ({key}={rope}): scaled RoPE has no fbt_megatron "
+                                  "equivalent (its rotary embedding is plain RoPE), so the model would change; "
+                                  "allowed: 'default'")
     rope = c.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConversionError(f"rope_parameters.rope_type={rope['rope_type']!r}: only plain RoPE converts; "
-                              "allowed: 'default'")
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     return int(theta) if float(theta).is_integer() else theta
 

@@ -46,7 +46,7 @@ def model_card(config: dict, *, has_tokenizer: bool) -> str:
             f"{config.get('norm_type')}, {config.get('position_embedding_type')} positions, "
             f"vocabulary {config['vocab_size']}, {'tied' if config.get('tie_word_embeddings') else 'untied'} "
             "embeddings")
-    tok_line = ("tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # (it reads config.json)\nids = tok(\"def add(a, b):\", return_tensors=\"pt\")"
+    tok_line = ("tok = AutoTokenizer.from_pretrained(path)  # a stock tokenizer: no remote code\nids = tok(\"def add(a, b):\", return_tensors=\"pt\")"
                 ".input_ids" if has_tokenizer else "ids = torch.tensor([[1, 2, 3]])  # no tokenizer was exported")
     decode = ("print(tok.decode(out[0]))" if has_tokenizer else "print(out[0].tolist())")
     return f"""---
@@ -82,7 +82,7 @@ logits = model(ids, num_passes=3).logits                               # 3 fused
 ```
 
 `prefill_passes=K` runs K fused passes over the prompt (default {config.get('prefill_passes')}, the
-paper's FUSED prefill); `"exact"` runs it token by token through the recurrence. Greedy and sampling are supported, beam search is not.
+paper's FUSED prefill); `"exact"` runs it token by token through the recurrence. Greedy and sampling are supported, with or without `use_cache`; beam search is refused (`num_beams > 1` raises). Batched generation pads on the left (the tokenizer's pad token is EOS unless the source had one). Works with transformers 4.57 to 5.x.
 
 ## Notes
 

@@ -28,12 +28,19 @@ Generation (``model.generate(...)``) keyword options, defaults from the config:
 - ``prefill_passes``: an integer K runs K fused passes over the whole prompt (K=2 is the paper's
   FUSED prefill, the exporter's default; the cache then holds the last pass's keys and values);
   ``"exact"`` runs the prompt token by token through the cache (the exact recurrence).
-Greedy search and sampling are supported; beam search is not (the fed-back state is not reordered).
+Greedy search and sampling are supported, with or without the KV cache (``use_cache=False`` recomputes
+the same prefill and recurrence from scratch at every step: the same tokens, slower); beam search is
+refused (``num_beams > 1`` raises: the fed-back state is not reordered with the beams).
+
+Works with transformers 4.57 and every 5.x: the cache is named ``past_key_values`` up to 5.23 and
+``cache`` from 5.24 on, in model inputs and outputs alike; both are accepted, and the output carries
+the name the running transformers uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -47,6 +54,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaPreTrainedModel,
     LlamaRMSNorm,
 )
+
+# The KV cache's name in this transformers (``cache`` from 5.24, ``past_key_values`` before).
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+STACK_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 FUSIONS = ("glu", "additive", "off")
 FIRST_INPUTS = ("embedding", "state")
@@ -75,6 +86,7 @@ class FBTConfig(LlamaConfig):
 class FBTCausalLMOutput(CausalLMOutputWithPast):
     feedback_state: torch.Tensor | None = None  # [B, D] top state at the last position
     pass_residuals: list | None = None  # ||h^k - h^{k-1}|| / ||h^{k-1}|| for k = 2..passes
+    feedback_prompt_length: int | None = None  # generate() without a cache: where the prompt ends
 
 
 # ---------------------------------------------------------------------- layer variants
@@ -189,14 +201,19 @@ class FBTForCausalLM(LlamaForCausalLM):
         self.post_init()
 
     def _init_weights(self, module):
+        """Fresh values for the modules LlamaPreTrainedModel does not know. A tensor loaded from the
+        checkpoint is left alone: transformers 5.x calls this after loading and marks loaded tensors
+        ``_is_hf_initialized`` (its own init functions skip them; 5.0 re-initialised h_init without this)."""
         super()._init_weights(module)
-        if isinstance(module, LatentFeedback):  # unit scale, like a final-norm output
-            with torch.no_grad():
+        fresh = lambda t: not getattr(t, "_is_hf_initialized", False)  # noqa: E731
+        with torch.no_grad():
+            if isinstance(module, LatentFeedback) and fresh(module.initial_state):  # unit scale, like a norm output
                 module.initial_state.normal_(0.0, 1.0)
-        elif isinstance(module, nn.LayerNorm):
-            with torch.no_grad():
-                module.weight.fill_(1.0)
-                module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                if fresh(module.weight):
+                    module.weight.fill_(1.0)
+                if module.bias is not None and fresh(module.bias):
+                    module.bias.zero_()
 
     # ------------------------------------------------------------------ the recurrence's pieces
     @staticmethod
@@ -220,8 +237,9 @@ class FBTForCausalLM(LlamaForCausalLM):
         return torch.arange(past, past + seq, device=device).expand(batch, -1)
 
     def _stack(self, x, attention_mask, position_ids, cache, **kwargs):
+        kwargs[STACK_CACHE_ARG] = cache
         out = self.model(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, use_cache=cache is not None, **kwargs)
+                         use_cache=cache is not None, **kwargs)
         return out.last_hidden_state
 
     def _jacobi(self, emb, gate, reset, attention_mask, position_ids, cache, passes: int, **kwargs):
@@ -260,17 +278,21 @@ class FBTForCausalLM(LlamaForCausalLM):
         return torch.cat(tops, dim=1)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep=0, num_passes: int | None = None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, num_passes: int | None = None,
                 feedback_state: torch.Tensor | None = None, feedback_decoding: str | None = None,
-                prefill_passes: int | str | None = None, **kwargs) -> FBTCausalLMOutput:
-        """``num_passes``: fused passes over the sequence (teacher forcing). Inside ``generate``:
-        ``feedback_state`` is the previous token's top state, ``feedback_decoding`` and
-        ``prefill_passes`` choose the decoding (see the module docstring)."""
+                prefill_passes: int | str | None = None, feedback_prompt_length: int | None = None,
+                fbt_generating: bool = False, **kwargs) -> FBTCausalLMOutput:
+        """``num_passes``: fused passes over the sequence (teacher forcing; default
+        ``config.forward_passes``, with or without ``use_cache``). Inside ``generate``
+        (``fbt_generating``, set by ``prepare_inputs_for_generation``): ``feedback_state`` is the previous
+        token's top state, ``feedback_decoding`` and ``prefill_passes`` choose the decoding (see the
+        module docstring), ``feedback_prompt_length`` is where the prompt ends (used without a cache).
+        ``cache`` / ``past_key_values``: the KV cache under either transformers name."""
         if input_ids is None:
             raise ValueError("FBTForCausalLM needs input_ids (the fusion gates on token embeddings)")
-        legacy = kwargs.pop("past_key_values", None)  # the pre-5.x name of `cache`
-        cache = legacy if cache is None else cache
+        cache = past_key_values if cache is None else cache
+        kwargs.pop("cache_position", None)  # (transformers < 5.24) the stack derives it from the cache
         batch, seq = input_ids.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None and not self.training:
@@ -284,8 +306,16 @@ class FBTForCausalLM(LlamaForCausalLM):
         decoding = feedback_decoding or self.config.feedback_decoding
         if decoding not in DECODINGS:
             raise ValueError(f"feedback_decoding={decoding!r} is not one of {DECODINGS}")
+        # A fresh sequence runs `num_passes`, else `prefill_passes` when generating (the prompt's
+        # prefill), else `forward_passes` (the documented forward, whatever use_cache is).
+        if num_passes is not None:
+            spec = num_passes
+        elif fbt_generating:
+            spec = prefill_passes or self.config.prefill_passes
+        else:
+            spec = self.config.forward_passes
 
-        residuals = []
+        residuals, prompt_length = [], None
         if self.feedback is None or (decoding == "standard" and self.feedback.plain_first_pass):
             top = self._stack(emb, attention_mask, position_ids, cache, **kwargs)  # the plain Llama / GPT
         else:
@@ -294,6 +324,19 @@ class FBTForCausalLM(LlamaForCausalLM):
             if decoding == "standard":  # the state rule's 1-pass behaviour: every state is h_init
                 top = self._stack(self.feedback.stateless(emb, gate), attention_mask, position_ids, cache,
                                   **kwargs)
+            elif fbt_generating and cache is None:
+                # generate(use_cache=False): the whole sequence again, computed as the cached path does
+                # (the prompt's prefill, then the recurrence token by token) in a cache of this call's own.
+                prompt_length = feedback_prompt_length or seq
+                scratch = DynamicCache(config=self.config)
+                p = prompt_length
+                top, residuals = self._fresh(emb[:, :p], gate[:, :p], reset[:, :p],
+                                             attention_mask[:, :p] if attention_mask is not None else None,
+                                             position_ids[:, :p], scratch, spec, **kwargs)
+                if seq > p:
+                    rest = self._recurrent(emb[:, p:], gate[:, p:], reset[:, p:], attention_mask,
+                                           position_ids[:, p:], scratch, top[:, -1], p, **kwargs)
+                    top = torch.cat([top, rest], dim=1)
             elif past > 0 or feedback_state is not None:  # continuing: the recurrence, step by step
                 if feedback_state is None:
                     raise ValueError("feedback decoding past a cached prefix needs feedback_state (the "
@@ -301,30 +344,48 @@ class FBTForCausalLM(LlamaForCausalLM):
                 top = self._recurrent(emb, gate, reset, attention_mask, position_ids, cache, feedback_state, past,
                                       **kwargs)
             else:  # a fresh sequence: fused passes (teacher forcing / FUSED prefill) or exact prefill
-                spec = num_passes if num_passes is not None else (
-                    prefill_passes or self.config.prefill_passes if cache is not None else self.config.forward_passes)
-                if spec == "exact":
-                    top = self._recurrent(emb, gate, reset, attention_mask, position_ids, cache, None, 0, **kwargs)
-                else:
-                    if not isinstance(spec, int) or spec < 1:
-                        raise ValueError(f"passes={spec!r} is invalid; allowed: an integer >= 1 or 'exact'")
-                    top, residuals = self._jacobi(emb, gate, reset, attention_mask, position_ids, cache, spec,
-                                                  **kwargs)
+                top, residuals = self._fresh(emb, gate, reset, attention_mask, position_ids, cache, spec, **kwargs)
 
         hidden = top[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep else top
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return FBTCausalLMOutput(loss=loss, logits=logits, cache=cache, feedback_state=top[:, -1],
-                                 pass_residuals=residuals)
+        return FBTCausalLMOutput(loss=loss, logits=logits, feedback_state=top[:, -1], pass_residuals=residuals,
+                                 feedback_prompt_length=prompt_length, **{CACHE_FIELD: cache})
+
+    def _fresh(self, emb, gate, reset, attention_mask, position_ids, cache, spec, **kwargs):
+        """A sequence from its start: ``spec`` fused passes, or ``"exact"`` (the recurrence)."""
+        if spec == "exact":
+            return self._recurrent(emb, gate, reset, attention_mask, position_ids, cache, None, 0, **kwargs), []
+        if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+            raise ValueError(f"passes={spec!r} is invalid; allowed: an integer >= 1 or 'exact'")
+        return self._jacobi(emb, gate, reset, attention_mask, position_ids, cache, spec, **kwargs)
 
     # ------------------------------------------------------------------ generation
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate``; refuses beam search (the fed-back state is not reordered)."""
+        config = kwargs.get("generation_config") or self.generation_config
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        if beams > 1:
+            raise ValueError(f"num_beams={beams}: beam search is not supported by FBTForCausalLM (the fed-back "
+                             "top state is not reordered with the beams); use num_beams=1 (greedy or sampling)")
+        return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        inputs["fbt_generating"] = True  # a fresh sequence is the prompt: prefill_passes, not forward_passes
+        if not inputs.get("use_cache", True) or kwargs.get("use_cache") is False:
+            inputs["input_ids"] = input_ids  # without a cache every step sees the whole sequence
+        return inputs
+
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False,
                                             num_new_tokens=1):
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
                                                                   num_new_tokens)
         model_kwargs["feedback_state"] = outputs.feedback_state  # h_{t-1} for the next token's fusion
+        if outputs.feedback_prompt_length is not None:
+            model_kwargs["feedback_prompt_length"] = outputs.feedback_prompt_length
         return model_kwargs
 
 

@@ -1,0 +1,256 @@
+"""What users hit first with a Hugging Face export (issue 21): transformers versions across the supported
+range, generate with and without the KV cache, the forward's documented passes, batched pipelines, the
+stock tokenizer, beam search refused, scaled RoPE refused on import, atomic export with a progress bar,
+and the --standard export's config.
+
+The model: a stock transformers Llama (tied embeddings, RoPE base 500000, large init so greedy tokens
+vary) imported with a fresh GLU fusion, so the feedback path is live, and exported with a sentencepiece
+tokenizer. Its recipe's pass mix has 3 entries: forward_passes=3, prefill_passes=2 (they differ, so a
+forward that ran the prefill's passes would show).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformers_envs
+from fbt_megatron.hf.mapping import ConversionError
+
+SIDE = Path(__file__).with_name("hf_versions_side.py")
+VOCAB = 384
+TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits"]
+
+
+def _llama(path: Path, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               initializer_range=0.3, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    model = LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """(run dir of the imported checkpoint, FBT export dir, sentencepiece model)."""
+    from fbt_megatron import runtime
+    from fbt_megatron.hf.export import export_checkpoint
+    from fbt_megatron.hf.importer import import_hf
+    from test_hf_convert import _sp_tokenizer
+
+    root = tmp_path_factory.mktemp("first_use")
+    _llama(root / "llama")
+    sp = _sp_tokenizer(root / "tok" / "tokenizer.model")
+    runtime.init_distributed()
+    try:
+        import_hf(root / "llama", root / "run", log=lambda *a: None)
+        export_checkpoint(root / "run", root / "hf", tokenizer=sp, log=lambda *a: None)
+    finally:
+        runtime.shutdown()
+    return root / "run", root / "hf", sp
+
+
+def _request(tmp: Path) -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"ids": torch.randint(3, VOCAB - 64, (2, 12), generator=g),
+            "prompt": torch.randint(3, VOCAB - 64, (1, 5), generator=g), "new_tokens": 6, "texts": TEXTS,
+            "pipeline_prompts": ["def value", "class total count index result = 37", "x"]}
+
+
+def run_side(python: str, export: Path, tmp: Path) -> dict:
+    torch.save(_request(tmp), tmp / "request.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp / "hf_home"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([python, str(SIDE), str(export), str(tmp / "request.pt"), str(tmp / "result.pt")],
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(tmp / "result.pt", weights_only=False)
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def check_side(res: dict, run: Path, sp: Path, version: str) -> None:
+    """One transformers version's results against the documented behaviour."""
+    from data_pipeline.tokenizer import load_tokenizer
+
+    assert res["version"] == version and res["fbt_megatron_imported"] == []
+    t = res["tokenizer"]
+    assert t["class"] in ("PreTrainedTokenizerFast", "TokenizersBackend"), t  # stock, no remote code
+    assert t["pad_token"] == "</s>" and t["pad_token_id"] == 2 and t["padding_side"] == "left", t
+    assert t["model_max_length"] == 64, t  # the recipe's sequence length
+    assert t["encodings"] == [load_tokenizer(sp).encode(x) for x in TEXTS]
+    # The forward runs forward_passes (3) whatever use_cache says: same logits and loss both ways.
+    fwd = res["forward"]
+    assert torch.equal(fwd[True]["logits"], fwd[False]["logits"]) and torch.equal(fwd[True]["loss"], fwd[False]["loss"])
+    assert rel(fwd[True]["logits"], res["forward_passes"]) < 1e-6
+    # Without the KV cache generate gives the cached path's tokens, in every decoding mode.
+    gen = res["generate"]
+    for mode in ("fused2", "exact", "standard"):
+        assert torch.equal(gen[mode, True], gen[mode, False]), (version, mode, gen[mode, True], gen[mode, False])
+    assert len(set(torch.cat([gen[m, True] for m in ("fused2", "exact", "standard")]).tolist())) > 2, gen
+    assert "num_beams=2" in res["beams"] and "not supported" in res["beams"], res["beams"]
+    # A batch of prompts of different lengths (left padded) gives each prompt's text alone.
+    assert res["pipeline_batch"] == res["pipeline_alone"], res
+    assert len(set(res["pipeline_alone"])) > 1, res["pipeline_alone"]
+
+
+@pytest.fixture(scope="module")
+def newest(export, tmp_path_factory):
+    """The results under the running environment's transformers (the newest of the range)."""
+    import transformers
+
+    run, hf, sp = export
+    res = run_side(sys.executable, hf, tmp_path_factory.mktemp("newest"))
+    return res, transformers.__version__
+
+
+def test_export_under_newest_transformers(export, newest, single_process):
+    """The running transformers (newest of the supported range): tokenizer, forward, generate with and
+    without the cache, beams refused, batched pipeline; the forward is the framework's 3-pass forward."""
+    from fbt_megatron.hf.checkpoint_io import load_framework_model
+
+    run, hf, sp = export
+    res, version = newest
+    check_side(res, run, sp, version)
+    config = json.loads((hf / "config.json").read_text())
+    assert (config["forward_passes"], config["prefill_passes"]) == (3, 2)
+    model = load_framework_model(run)
+    ids = _request(hf)["ids"]
+    with torch.no_grad():
+        ours = model(ids, num_passes=3).logits[..., :VOCAB]
+        assert rel(res["forward"][True]["logits"], ours) < 1e-4
+        assert rel(model(ids, num_passes=2).logits[..., :VOCAB], ours) > 1e-3  # 2 and 3 passes differ
+
+
+@pytest.mark.parametrize("version", list(transformers_envs.VERSIONS))
+def test_export_under_other_transformers(export, newest, version, tmp_path):
+    """The same export under the oldest supported transformers (4.57), the first 5.x and 5.23 (the last
+    that calls the cache `past_key_values`): everything works and gives the newest version's tokens and
+    logits (the RoPE base reaches 4.x through rope_theta)."""
+    try:
+        python = transformers_envs.ensure(version)
+    except transformers_envs.Unavailable as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # CI must test the whole range
+            pytest.fail(f"transformers {version}: {e}")
+        pytest.skip(str(e))
+    run, hf, sp = export
+    res = run_side(str(python), hf, tmp_path)
+    check_side(res, run, sp, version)
+    ref, _ = newest
+    assert rel(res["forward"][True]["logits"], ref["forward"][True]["logits"]) < 1e-5
+    for key, tokens in ref["generate"].items():
+        assert torch.equal(res["generate"][key], tokens), key
+    assert res["pipeline_batch"] == ref["pipeline_batch"]
+
+
+def test_standard_export_config_and_tied_embeddings(export, tmp_path, single_process):
+    """--standard of a tied-embedding recipe: config.json names rope_theta and torch_dtype (what
+    transformers 4.x reads) and ties the embeddings; transformers' LlamaForCausalLM on it gives the FBT
+    model's standard-mode (1-pass) logits."""
+    from transformers import LlamaForCausalLM
+
+    from fbt_megatron.hf.checkpoint_io import load_framework_model
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _, _ = export
+    export_checkpoint(run, tmp_path / "std", standard=True, dtype="fp32", log=lambda *a: None)
+    config = json.loads((tmp_path / "std" / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0 and config["rope_parameters"]["rope_theta"] == 500000.0
+    assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is True
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "std").eval()
+    assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # tied
+    model = load_framework_model(run)
+    assert "tie_embeddings: true" in (run / "recipe.yaml").read_text()
+    ids = _request(tmp_path)["ids"]
+    with torch.no_grad():
+        assert rel(plain(ids).logits, model(ids, num_passes=1).logits[..., :VOCAB]) < 1e-5
+
+
+def test_scaled_rope_is_refused_on_import(tmp_path, single_process):
+    """A Llama-3 config with scaled RoPE (rope_type llama3), as transformers 4.x writes it (rope_scaling)
+    or 5.x (rope_parameters), is refused naming the field and the type; nothing is written."""
+    from fbt_megatron.hf.importer import import_hf
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+    _llama(tmp_path / "llama", rope_parameters=llama3)
+    cfg_file = tmp_path / "llama" / "config.json"
+    v5 = json.loads(cfg_file.read_text())
+    assert v5["rope_parameters"]["rope_type"] == "llama3"
+    with pytest.raises(ConversionError, match=r"rope_parameters.rope_type='llama3'.*scaled RoPE"):
+        import_hf(tmp_path / "llama", tmp_path / "out5", log=lambda *a: None)
+    assert not (tmp_path / "out5").exists()
+
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}  # transformers 4.x's spelling
+    v4.update(rope_theta=500000.0, rope_scaling={k: v for k, v in llama3.items() if k != "rope_theta"})
+    cfg_file.write_text(json.dumps(v4))
+    with pytest.raises(ConversionError, match=r"rope_scaling.rope_type='llama3'.*scaled RoPE"):
+        import_hf(tmp_path / "llama", tmp_path / "out4", log=lambda *a: None)
+    assert not (tmp_path / "out4").exists()
+
+
+def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_process, monkeypatch, capsys):
+    """`fbt convert to-hf` with a missing --tokenizer: a clear error before anything is written; a failure
+    in the middle of writing the weights leaves no OUT_DIR (nor its temporary directory); an existing
+    non-empty OUT_DIR is refused and kept as it was."""
+    from fbt_megatron.hf import cli, export as export_mod
+
+    run, _, _ = export
+    target = tmp_path / "hf"
+    assert cli.main(["to-hf", str(run), str(target), "--tokenizer", str(tmp_path / "missing.model")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.model: no such file" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+    calls = []
+
+    def failing_save(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device (injected)")
+        from safetensors.torch import save_file
+
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr("safetensors.torch.save_file", failing_save)
+    with pytest.raises(OSError, match="injected"):
+        export_mod.export_checkpoint(run, target, max_shard_bytes=100_000, log=lambda *a: None)
+    assert len(calls) == 2 and not target.exists() and list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    monkeypatch.undo()
+
+    target.mkdir()
+    (target / "mine.txt").write_text("keep")
+    with pytest.raises(ConversionError, match="already exists and is not an empty directory"):
+        export_mod.export_checkpoint(run, target, log=lambda *a: None)
+    assert [p.name for p in target.iterdir()] == ["mine.txt"]
+
+
+def test_to_hf_shows_progress_over_the_weight_bytes(export, tmp_path, single_process, capsys):
+    """`fbt convert to-hf` writes a progress bar (stderr) that counts every weight byte written."""
+    from safetensors import safe_open
+
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _, _ = export
+    export_checkpoint(run, tmp_path / "hf", max_shard_bytes=100_000, progress=True, log=lambda *a: None)
+    total = 0
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            total += sum(st.get_tensor(k).numel() * st.get_tensor(k).element_size() for k in st.keys())
+    from tqdm import tqdm
+
+    err = capsys.readouterr().err
+    size = tqdm.format_sizeof(total)
+    assert "to-hf hf" in err and f"{size}/{size}" in err, (total, err[-500:])
