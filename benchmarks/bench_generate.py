@@ -1,6 +1,7 @@
 """Decode speed with latent feedback over standard decode, and prompt prefill time for K = 1, 2.
 
-Same model, same run, measured side by side (rounds interleave the modes; medians reported):
+Same model, same run, measured side by side (rounds interleave the modes, in a rotating order; medians
+reported):
 - decode tokens/s with feedback / decode tokens/s standard (goal >= 0.98). Feedback decoding adds
   the fusion of the previous top state to each step (two D x D matmuls per token); standard decoding
   of the same FBT model is the plain transformer (no fusion computed).
@@ -88,9 +89,12 @@ def main():
             decode_seconds(d, prompts, 4)
         decode = {name: [] for name in decoders}
         fill = {name: [] for name in prefill}
-        for _ in range(args.rounds):
-            for name, d in decoders.items():
-                decode[name].append(args.batch * args.tokens / decode_seconds(d, prompts, args.tokens))
+        names = list(decoders)
+        for r in range(args.rounds):
+            # rotate the order each round: whichever mode ran first after the prefill timings measured
+            # slower (2026-12-01, hidden 1024: fixed order 0.895, alternating 1.02)
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                decode[name].append(args.batch * args.tokens / decode_seconds(decoders[name], prompts, args.tokens))
             for name, d in prefill.items():
                 fill[name].append(prefill_seconds(d, prompts))
     med = {k: statistics.median(v) for k, v in decode.items()}
