@@ -105,3 +105,60 @@ def test_unreadable_fresh_lock_is_waited_for_then_taken_when_old(tmp_path):
     with RunLock(tmp_path) as lock:
         assert json.loads(lock_file.read_text())["pid"] == os.getpid() and lock.held
     assert not lock_file.exists()
+
+
+def test_two_takers_of_one_stale_lock_cannot_both_win(tmp_path, monkeypatch):
+    """B judged a dead run's lock stale; before B removes it, A takes it over and holds it. B must not
+    remove A's fresh lock: it re-reads the holder under the takers' guard and refuses."""
+    import fbt_megatron.train.run_lock as run_lock
+
+    lock_file = tmp_path / LOCK_NAME
+    dead = {"host": socket.gethostname(), "pid": 2 ** 22 + 7, "pid_started": 1.0, "locked_at": time.time()}
+    lock_file.write_text(json.dumps(dead))
+    a_holder = None
+    real = run_lock.RunLock._remove_if_unchanged
+
+    def a_takes_it_first(self, stale):
+        nonlocal a_holder
+        if a_holder is None:  # A runs its whole takeover between B's judgement and B's removal
+            a_holder = _holder(tmp_path)
+        return real(self, stale)
+
+    monkeypatch.setattr(run_lock.RunLock, "_remove_if_unchanged", a_takes_it_first)
+    try:
+        with pytest.raises(RunDirLocked, match="in use by another run"):
+            RunLock(tmp_path).acquire()
+        assert json.loads(lock_file.read_text())["pid"] == a_holder.pid  # A's lock survived
+    finally:
+        if a_holder is not None:
+            a_holder.kill()
+            a_holder.wait()
+
+
+def _train_when_rank0_cannot_lock(recipe_data: dict) -> str:
+    import fbt_megatron.train.run_lock as run_lock
+    from fbt_megatron.train.testing import train_fn
+
+    def fail(self):
+        raise PermissionError(13, "Permission denied", str(self.path))
+
+    run_lock.RunLock.acquire = fail
+    t0 = time.time()
+    try:
+        train_fn(recipe_data)
+    except RunDirLocked as e:
+        return f"{time.time() - t0:.1f}s {e}"
+    return "trained"
+
+
+def test_a_lock_error_on_rank0_reaches_every_rank_at_once(tmp_path):
+    """Not only a held lock: any failure to take it (here a permission error) is broadcast, so the
+    other ranks report the cause instead of waiting in a collective until its timeout."""
+    from fbt_megatron.testing.distributed import run_distributed
+    from fbt_megatron.train.testing import tiny_recipe
+
+    out = run_distributed(_train_when_rank0_cannot_lock, 2, tiny_recipe(tmp_path / "run"), timeout=300)
+    for rank in (0, 1):
+        seconds, message = out[rank].split(" ", 1)
+        assert "cannot take the run-directory lock" in message and "PermissionError" in message, out[rank]
+        assert float(seconds.rstrip("s")) < 60, out[rank]

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.config import LEGACY_FIRST_INPUT
 from fbt_megatron.logs import printer
 from fbt_megatron.train.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
 
@@ -128,6 +127,8 @@ def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoin
             lock.acquire()
         except RunDirLocked as e:
             refused = str(e)
+        except Exception as e:  # e.g. the run directory cannot be written: every rank reports it, now
+            refused = f"cannot take the run-directory lock {lock.path}: {type(e).__name__}: {e}"
     box = [refused]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=runtime.device())
@@ -223,7 +224,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     flops_fn = lambda k: cb.model_flops_per_token(  # noqa: E731
         n_params - lookups - fusion, m.num_layers, m.hidden_size, recipe.data.seq_length, k,
         recipe.feedback.grad_mode, fusion_params=fusion,
-        fused_first_pass=recipe.feedback.first_input == LEGACY_FIRST_INPUT)
+        fused_first_pass=recipe.feedback.fused_first_pass)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
 

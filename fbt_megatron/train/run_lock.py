@@ -137,14 +137,9 @@ class RunLock:
                         f"{self.path.parent} is in use by another run ({_describe(holder)}): two runs on one "
                         f"run_dir would delete each other's checkpoints. Choose another run_dir, or wait for "
                         f"that run to end; if it has ended, remove {self.path}")
-                aside = self.path.with_name(f"{LOCK_NAME}.stale.{me['pid']}")
-                try:
-                    os.replace(self.path, aside)  # only one taker wins the stale lock
-                except FileNotFoundError:
-                    continue
-                log.warning("taking over the lock %s of %s: %s", self.path,
-                            _describe(holder) if not holder.get("unreadable") else "an unknown run", reason)
-                aside.unlink(missing_ok=True)
+                if self._remove_if_unchanged(holder):
+                    log.warning("taking over the lock %s of %s: %s", self.path,
+                                _describe(holder) if not holder.get("unreadable") else "an unknown run", reason)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
@@ -153,6 +148,26 @@ class RunLock:
             self.held = True
             return self
         raise RunDirLocked(f"could not take the lock {self.path}: it keeps changing hands")
+
+    def _remove_if_unchanged(self, stale: dict) -> bool:
+        """Remove the lock judged stale, unless it changed hands meanwhile. Takers serialise on an
+        flock of a side file, so two runs that both judged the same lock stale cannot both remove it
+        (the second re-reads the first's fresh lock and refuses)."""
+        import fcntl
+
+        with open(self.path.with_name(LOCK_NAME + ".guard"), "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            try:
+                now = self._read()
+                if now is None:
+                    return False  # released meanwhile: try to create it
+                same = (now.get("unreadable") and stale.get("unreadable")) or now == stale
+                if not same:
+                    return False  # another taker won: the caller re-reads and judges the new holder
+                self.path.unlink(missing_ok=True)
+                return True
+            finally:
+                fcntl.flock(guard, fcntl.LOCK_UN)
 
     def release(self) -> None:
         if not self.held:
