@@ -38,3 +38,11 @@ def test_checkpoint_keeps_the_tokenizer(tmp_path, monkeypatch, single_process):
     loaded = load_for_inference(run_dir)
     text = "def add(a, b): return a + b"
     assert loaded.tokenizer.encode(text) == load_tokenizer(fx["tokenizer"]).encode(text)
+
+    # `fbt convert to-hf` from elsewhere exports the tokenizer the checkpoint keeps
+    from fbt_megatron.hf.export import export_checkpoint
+    from transformers import AutoTokenizer
+
+    out = export_checkpoint(run_dir, elsewhere / "hf", log=lambda *a, **k: None, progress=False)
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    assert hf_tok(text)["input_ids"][-len(loaded.tokenizer.encode(text)):] == loaded.tokenizer.encode(text)

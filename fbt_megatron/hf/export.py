@@ -77,10 +77,13 @@ def provenance(path: Path, state: dict, recipe) -> dict:
 # ---------------------------------------------------------------------- tokenizer
 def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
     """("hf", dir) for an imported checkpoint's HF tokenizer, ("sp", model) for the run's sentencepiece
-    model, or None (synthetic data: no tokenizer)."""
+    model — the copy every save keeps in the checkpoint, else (checkpoints from before that) the
+    recipe's path — or None (synthetic data: no tokenizer)."""
     imported = import_dir(path)
     if (imported / "tokenizer.json").is_file():
         return "hf", imported
+    if (path / "tokenizer.model").is_file():
+        return "sp", path / "tokenizer.model"
     pipeline = recipe.data.pipeline or {}
     sp = pipeline.get("tokenizer")
     if recipe.data.source == "pipeline" and sp:
