@@ -121,7 +121,7 @@ def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str) -> 
     tokens_s = micro_batch * seq / step
     flops = model_flops_per_token(matmul_params(recipe, model), recipe.model.num_layers, recipe.model.hidden_size,
                                   seq, passes, recipe.feedback.grad_mode, fusion_params(recipe),
-                                  recipe.feedback.first_input == "state")
+                                  recipe.feedback.fused_first_pass)
     kept = passes if recipe.feedback.grad_mode == "all" else 1
     predicted = memory_per_gpu(Shape.from_recipe(recipe), Layout(1, 1, 0, micro_batch), 1, kept, weight_bytes=2,
                                grad_bytes=2, optimizer_bytes=4, act_bytes=2,

@@ -151,6 +151,11 @@ class FeedbackConfig(StrictModel):
             raise ValueError(f"feedback.grad_mode={v!r} is not one of {GRAD_MODES}")
         return v
 
+    @property
+    def fused_first_pass(self) -> bool:
+        """The ``state`` ablation: the fusion (of h_init) feeds pass 1 too."""
+        return self.fusion != "off" and self.first_input == "state"
+
     @model_validator(mode="after")
     def _init_options_that_apply(self):
         if self.value_init_scale is not None and self.value_init != "identity":

@@ -71,7 +71,7 @@ class Shape:
         return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                    ffn=m.ffn_size, vocab=m.padded_vocab_size(r.parallel.tensor), seq=r.data.seq_length,
                    tied=m.tie_embeddings, learned_positions=m.position_embedding_type == "learned_absolute",
-                   fusion=r.feedback.fusion != "off", fused_first_pass=r.feedback.first_input == "state",
+                   fusion=r.feedback.fusion != "off", fused_first_pass=r.feedback.fused_first_pass,
                    norm_params=2 if m.normalization == "LayerNorm" else 1,
                    query_groups=m.num_query_groups, gated=m.activation == "swiglu", bias=m.add_bias_linear)
 

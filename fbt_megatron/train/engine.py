@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.config import LEGACY_FIRST_INPUT
 from fbt_megatron.train.optim_step import chunked_adamw_step
 
 
@@ -195,7 +194,7 @@ def fusion_decay_start(recipe) -> int | None:
     fb, schedule = recipe.feedback, recipe.schedule
     if fb.fusion == "off":
         return None
-    if fb.first_input == LEGACY_FIRST_INPUT:
+    if fb.fused_first_pass:
         return 0  # the fusion feeds every pass
     if not any(p > 0 for p in schedule.mix[1:]):
         return None
@@ -228,7 +227,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
               {"params": fusion, "weight_decay": fusion_wd, "group": "fusion",
                "decay_from_step": -1 if fusion_decay_from is None else fusion_decay_from,
                "full_weight_decay": weight_decay}]
-    if fusion_in_model and not fusion and len(plain) >= 2:
+    if fusion_in_model and not fusion:
+        if len(plain) < 2:
+            raise ValueError("a pipeline stage without the fusion needs two parameter groups in place of the "
+                             f"fusion's (ZeRO all-reduces one norm per group); it has {len(plain)} no-decay "
+                             "parameter(s) to split")
         half = len(plain) // 2
         groups[1:] = [{"params": plain[:half], "weight_decay": 0.0, "group": "no_decay"},
                       {"params": plain[half:], "weight_decay": 0.0, "group": "no_decay_2"}]
