@@ -228,6 +228,16 @@ def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_proce
     with pytest.raises(OSError, match="injected"):
         export_mod.export_checkpoint(run, target, max_shard_bytes=100_000, log=lambda *a: None)
     assert len(calls) == 2 and not target.exists() and list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+    # a tokenizer the model cannot take (e.g. more tokens than vocab_size) fails before any weight is written
+    def bad_tokenizer(*args, **kwargs):
+        raise ConversionError("tokenizer has 999 tokens, more than the model's vocab_size (injected)")
+
+    calls.clear()
+    monkeypatch.setattr(export_mod, "write_tokenizer", bad_tokenizer)
+    with pytest.raises(ConversionError, match="injected"):
+        export_mod.export_checkpoint(run, target, max_shard_bytes=100_000, log=lambda *a: None)
+    assert calls == [] and not target.exists() and list(tmp_path.iterdir()) == []
     monkeypatch.undo()
 
     target.mkdir()

@@ -134,7 +134,7 @@ def _finish_tokenizer_config(out: Path, pad: str | None, max_length: int | None)
     ``TokenizersBackend``, which 4.x lacks and which sends ``AutoTokenizer`` to the remote code), a pad
     token, left padding, ``model_max_length``; machine-local loading flags dropped."""
     cfg_file = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text())
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}  # an import may have tokenizer.json only
     for key in ("is_local", "local_files_only", "backend"):
         cfg.pop(key, None)
     if cfg.get("tokenizer_class") in (None, "TokenizersBackend"):
@@ -278,6 +278,8 @@ def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTenso
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    # The tokenizer first: its checks (vocabulary size, conversion) fail before any weight is written.
+    tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size, max_length=recipe.data.seq_length)
     num_layers = recipe.model.num_layers
     # Units of reading: each non-layer row alone, then every layer's rows together.
     units = [[(r, None)] for r in rows if not r.per_layer and r.key.startswith("gpt.embedding")]
@@ -315,7 +317,6 @@ def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTenso
                  "weight_map": {name: files[shard_of[name]] for name, _ in entries}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size, max_length=recipe.data.seq_length)
     prov = provenance(path, state, recipe)
     config = (standard_hf_config if standard else hf_config)(recipe, prov, tokens, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
