@@ -39,7 +39,7 @@ test_split: test
 output_type: generate_until
 doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
-generation_kwargs: {{until: ["\\n"], max_gen_toks: 6, do_sample: false}}
+generation_kwargs: {{until: ["\\n", {stop}], max_gen_toks: 6, do_sample: false}}
 metric_list:
   - metric: exact_match
 """,
@@ -57,12 +57,13 @@ metric_list:
 }
 
 
-def write_tasks(directory):
+def write_tasks(directory, stop: str = "\n"):
+    """The local tasks; fbt_local_gen stops at a newline or at ``stop``."""
     directory.mkdir(parents=True, exist_ok=True)
     data = directory.parent / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     for name, text in TASKS.items():
-        (directory / f"{name}.yaml").write_text(text.format(data=data))
+        (directory / f"{name}.yaml").write_text(text.format(data=data, stop=json.dumps(stop)))
     return directory
 
 
@@ -82,9 +83,17 @@ def test_lm_eval_runs_local_tasks_through_fbt_model(tmp_path, single_process, mo
 
     import fbt_megatron.eval.lm_eval_model  # noqa: F401  registers "fbt"
 
+    from fbt_megatron.generate.loading import load_for_inference
+
     tok = make_tokenizer(tmp_path)
     save_run(tmp_path / "run", tok)
-    tasks = write_tasks(tmp_path / "tasks")
+    loaded = load_for_inference(tmp_path / "run")
+    sp, model = loaded.tokenizer, loaded.model
+    # A stop string the model does produce (a random model never writes "\n" within 6 tokens): a character
+    # of the first document's unconstrained greedy text, after its first one. The adapter must cut there.
+    free = greedy_exact(model, sp, DOCS[0]["question"], max_new_tokens=6, stops=[])
+    stop = next(c for c in free[1:] if c != "\ufffd" and not c.isspace())
+    tasks = write_tasks(tmp_path / "tasks", stop=stop)
     out = lm_eval.simple_evaluate(
         model="fbt", model_args=f"checkpoint={tmp_path / 'run'},mode=feedback,prefill_passes=exact,batch_size=2",
         tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
@@ -94,10 +103,6 @@ def test_lm_eval_runs_local_tasks_through_fbt_model(tmp_path, single_process, mo
         set(res["fbt_local_gen"]) | set(res["fbt_local_ppl"])
 
     # the adapter's numbers, checked against the exact recurrence computed here
-    from fbt_megatron.generate.loading import load_for_inference
-
-    loaded = load_for_inference(tmp_path / "run")
-    sp, model = loaded.tokenizer, loaded.model
     correct = 0
     for sample in out["samples"]["fbt_local_mc"]:
         got = [float(r[0][0]) for r in sample["resps"]]
@@ -116,17 +121,18 @@ def test_lm_eval_runs_local_tasks_through_fbt_model(tmp_path, single_process, mo
 
     # generate_until: greedy decoding of the exact recurrence, token by token, written out here (the
     # adapter decodes with the KV-cache decoder; this re-runs sequential_forward on the growing sequence).
-    generated = []
+    generated = {}
     for sample in out["samples"]["fbt_local_gen"]:
-        want = greedy_exact(model, sp, sample["doc"]["question"], max_new_tokens=6, stop="\n")
+        want = greedy_exact(model, sp, sample["doc"]["question"], max_new_tokens=6, stops=["\n", stop])
         assert sample["resps"][0][0] == want
-        generated.append(want)
-    assert any(generated), generated  # some generation is not empty: the check compared tokens
+        generated[sample["doc"]["question"]] = want
+    assert len(generated) == len(DOCS) and any(generated.values()), generated  # the check compared tokens
+    assert generated[DOCS[0]["question"]] == free[: free.index(stop)] != free  # the stop cut the first one short
 
 
-def greedy_exact(model, sp, prompt: str, max_new_tokens: int, stop: str) -> str:
+def greedy_exact(model, sp, prompt: str, max_new_tokens: int, stops: list[str]) -> str:
     """Greedy tokens of sequential_forward (argmax over the tokenizer's pieces), stopping at EOS, after
-    max_new_tokens, or once the text holds ``stop`` (cut before it)."""
+    max_new_tokens, or once the text holds one of ``stops`` (cut before the earliest)."""
     from fbt_megatron.model.sequential import sequential_forward
 
     ids = list(sp.encode(prompt)) or [sp.eos_id()]
@@ -137,10 +143,11 @@ def greedy_exact(model, sp, prompt: str, max_new_tokens: int, stop: str) -> str:
         if token == sp.eos_id():
             break
         new.append(token)
-        if stop in sp.decode(new):
+        if any(s in sp.decode(new) for s in stops):
             break
     text = sp.decode(new)
-    return text[: text.index(stop)] if stop in text else text
+    cuts = [text.index(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 def test_fbt_eval_writes_mode_table(tmp_path, single_process, monkeypatch, capsys):

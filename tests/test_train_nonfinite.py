@@ -58,3 +58,16 @@ def test_nonfinite_gradient_and_loss_skip_the_step(tmp_path, zero_stage):
     assert "feedback.initial_state" in plain and "gpt.embedding.word_embeddings.weight" in plain
     assert any("layernorm" in n for n in plain) and "feedback.value.weight" in plain
     assert any("linear_qkv.weight" in n for n in decayed)
+
+
+def test_a_nonfinite_loss_alone_skips_the_step(tmp_path):
+    """The loss check by itself (the injected "loss:*" faults make the gradient non-finite as well, so the
+    gradient-norm check would skip those steps anyway): a NaN loss after a finite backward skips the step,
+    with weights, moments and Adam's step count untouched (DP=1, ZeRO-0; the check is stage-independent)."""
+    recipe = tiny_recipe(tmp_path, train={"steps": 3})
+    summary = run_distributed(train_fn, 1, recipe, {1: "reported:nan"}, None, None, "step_states")[0]
+    states, history = summary["probe"], summary["history"]
+    assert [h[3] for h in history] == [False, True, False] and summary["skipped_steps"] == 1
+    assert not math.isfinite(losses(summary)[1]) and math.isfinite(grad_norms(summary)[1])  # the gradient was fine
+    same_state(states[0], states[1], "step 1 (NaN loss, finite gradient)")
+    assert states[2]["adam_step"] == states[1]["adam_step"] + 1

@@ -1,4 +1,5 @@
-"""Per-rank RNG states as JSON (python, numpy, torch, cuda): restorable without unpickling."""
+"""Per-rank RNG states as JSON (python, numpy, torch, cuda, and Megatron's RNG-states tracker, whose
+"model-parallel-rng" state drives attention dropout): restorable without unpickling."""
 
 from __future__ import annotations
 
@@ -7,6 +8,42 @@ import random
 
 import numpy as np
 import torch
+
+
+def _tracker():
+    try:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    except ImportError:
+        return None
+    return get_cuda_rng_tracker()
+
+
+def _as_bytes(state) -> torch.Tensor:
+    """A tracker state as a CPU byte tensor (a tensor, or a generator on graph-safe CUDA trackers)."""
+    return (state if isinstance(state, torch.Tensor) else state.get_state()).detach().cpu()
+
+
+def _tracker_states() -> dict:
+    tracker = _tracker()
+    if tracker is None:
+        return {}
+    return {name: base64.b64encode(_as_bytes(st).numpy().tobytes()).decode()
+            for name, st in tracker.get_states().items()}
+
+
+def _set_tracker_states(saved: dict) -> None:
+    tracker = _tracker()
+    if tracker is None or not saved:
+        return
+    states = tracker.get_states()
+    for name, b64 in saved.items():
+        new = torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
+        if isinstance(states.get(name), torch.Generator):
+            states[name].set_state(new)
+        else:
+            states[name] = new.to(states[name].device) if isinstance(states.get(name), torch.Tensor) else new
+    tracker.set_states(states)
+
 
 def rng_state() -> dict:
     py = random.getstate()
@@ -18,6 +55,9 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    tracker = _tracker_states()
+    if tracker:
+        out["tracker"] = tracker
     return out
 
 
@@ -29,3 +69,4 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+    _set_tracker_states(state.get("tracker", {}))

@@ -51,7 +51,9 @@ def micro_batch_forward(model, batch: dict, num_passes: int, jseed: int | None =
                  num_passes=num_passes, jitter_seed=jseed)
 
 
-FAULT_KINDS = ("loss:nan", "loss:inf", "grad:nan", "grad:inf", "grad:zero")
+# "loss:*" poisons the loss before backward (the gradient is non-finite too); "reported:*" only the loss
+# the step reports, after a finite backward (the loss check alone must skip the step).
+FAULT_KINDS = ("loss:nan", "loss:inf", "grad:nan", "grad:inf", "grad:zero", "reported:nan")
 
 
 def normalise_faults(faults) -> dict[int, str]:
@@ -130,6 +132,8 @@ class FBTTrainStep:
         finally:
             if hook is not None:
                 hook.remove()
+        if fault.startswith("reported:"):
+            loss_sum = loss_sum * float(fault.split(":")[1])
         dist.all_reduce(loss_sum, group=self.dp_group)
         loss = float(loss_sum.item()) / max(n_global, 1.0)
         outcome = engine.step(skip=not math.isfinite(loss))
