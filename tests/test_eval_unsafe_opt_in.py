@@ -34,9 +34,6 @@ def _run(confirm: bool):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from fbt_megatron.eval import sandbox
-
-    assert not sandbox.code_execution_allowed()  # fbt's own opt-in is off: only lm-eval's is given
     return lm_eval.simple_evaluate(model=_canonical_lm(), tasks=["fbt_humaneval"], limit=2,
                                    task_manager=TaskManager(include_path=str(BUNDLED_TASKS), include_defaults=False),
                                    confirm_run_unsafe_code=confirm)

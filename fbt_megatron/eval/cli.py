@@ -89,7 +89,6 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
     from tqdm import tqdm
 
     from fbt_megatron.eval.lm_eval_model import FBTLM
-    from fbt_megatron.eval.sandbox import allow_code_execution
 
     manager = TaskManager(include_path=[str(BUNDLED_TASKS), *include], metadata={"data_dir": data_dir})
     table: dict = {t: {} for t in tasks}
@@ -99,10 +98,10 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
         for task in tasks:
             bar.set_postfix_str(f"{task} / {mode}")
             lm = FBTLM(loaded=loaded, mode=kind, prefill_passes=passes, batch_size=batch_size, seed=seed)
-            with allow_code_execution(allow_code):
-                out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
-                                              num_fewshot=num_fewshot, confirm_run_unsafe_code=allow_code,
-                                              bootstrap_iters=0, log_samples=False, random_seed=seed)
+            # the code tasks are `unsafe_code: true`: lm-eval runs them only with this opt-in
+            out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
+                                          num_fewshot=num_fewshot, confirm_run_unsafe_code=allow_code,
+                                          bootstrap_iters=0, log_samples=False, random_seed=seed)
             metric, value = main_metric(out["results"].get(task, {}))
             lengths = lm.generated_lengths
             table[task][mode] = {"metric": metric, "value": value,

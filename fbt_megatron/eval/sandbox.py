@@ -23,32 +23,10 @@ OPT_IN_HINT = ("running model-generated code is off by default; opt in explicitl
 
 
 DEFAULT_TIMEOUT_S = 10.0
-_allowed = False  # the process-wide opt-in, off unless the user turns it on
 
 
 class CodeExecutionNotAllowed(PermissionError):
     pass
-
-
-def code_execution_allowed() -> bool:
-    return _allowed
-
-
-class allow_code_execution:
-    """``with allow_code_execution(True): ...`` — the explicit opt-in used by ``fbt eval
-    --allow-code-execution`` for metrics that lm-eval calls (they cannot take an argument)."""
-
-    def __init__(self, allowed: bool = True):
-        self.allowed = bool(allowed)
-
-    def __enter__(self):
-        global _allowed
-        self._before, _allowed = _allowed, self.allowed
-        return self
-
-    def __exit__(self, *exc):
-        global _allowed
-        _allowed = self._before
 
 
 @dataclass

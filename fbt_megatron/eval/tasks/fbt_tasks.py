@@ -76,7 +76,9 @@ def pass_at_1(references, predictions, **_kw):
     ``unsafe_code: true``, and lm-eval evaluates such a task only with ``confirm_run_unsafe_code``
     (``lm_eval --confirm_run_unsafe_code``, or ``fbt eval --allow-code-execution``, which passes it);
     without it lm-eval refuses the task before any metric runs. So reaching this metric through lm-eval
-    means the user opted in. (``sandbox.run_program`` called directly still needs ``allow=True``.)"""
+    means the user opted in. A task of your own (``--include``) that uses this metric must be marked
+    ``unsafe_code: true`` too, or lm-eval runs it without asking. (``sandbox.run_program`` called
+    directly still needs ``allow=True``.)"""
     results = []
     for test, samples in zip(references, predictions):
         if isinstance(samples, str):
