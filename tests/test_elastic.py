@@ -19,24 +19,12 @@ import pytest
 import yaml
 
 from fbt_megatron.runtime import _free_port
-from fbt_megatron.testing.distributed import run_distributed
+from fbt_megatron.testing.distributed import child_pids, run_distributed
 from fbt_megatron.train.testing import effective_stream, read_metrics, tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = dict(train={"steps": 10, "stop_at_step": 7}, checkpoint={"every": 2, "at_end": True, "keep_last": 2},
                 schedule={"feedback_start_step": 3, "mix": [0.2, 0.5, 0.3], "seed": 3})
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return sorted(out)
 
 
 def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
@@ -50,7 +38,7 @@ def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path) ->
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun's workers (their own process groups) and then torchrun: only what we started."""
-    for pid in _children(proc.pid):
+    for pid in child_pids(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -93,7 +81,7 @@ def test_worker_killed_group_restarts_then_one_worker_continues(straight, tmp_pa
         while not any(r["step"] >= 4 for r in read_metrics(run_dir)):  # past the step-2 and step-4 checkpoints
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         _finish(proc, log)

@@ -26,24 +26,13 @@ import pytest
 import yaml
 
 from fbt_megatron.runtime import _free_port
+from fbt_megatron.testing.distributed import child_pids
 from fbt_megatron.train.testing import read_metrics, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 20  # also bounds the start-up skew between the ranks (gloo connects within it): not too short
 SLACK_S = 30  # a loaded 2-core machine
 STEPS = 8
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return sorted(out)
 
 
 def _kill(pid: int) -> None:
@@ -73,7 +62,7 @@ def test_stopped_rank_fails_the_group_within_the_timeout_and_torchrun_restarts_f
         while not any(r["step"] >= 3 for r in read_metrics(run_dir)):
             assert proc.poll() is None and time.time() - t0 < 400, log.read_text()[-4000:]
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
         stopped = workers[1]
         os.kill(stopped, signal.SIGSTOP)
@@ -92,7 +81,7 @@ def test_stopped_rank_fails_the_group_within_the_timeout_and_torchrun_restarts_f
         ended_after = time.time() - t_stop
     finally:
         if proc.poll() is None:
-            for pid in _children(proc.pid):
+            for pid in child_pids(proc.pid):
                 _kill(pid)
             proc.kill()
             proc.wait()

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from fbt_megatron.runtime import _free_port
-from fbt_megatron.testing.distributed import run_distributed
+from fbt_megatron.testing.distributed import child_pids, run_distributed
 from fbt_megatron.train.testing import read_metrics, tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,18 +34,6 @@ STEPS = 50  # ~0.04 s a step here: a window of seconds for the signal to land be
 SECTIONS = dict(model={"hidden_dropout": 0.1, "attention_dropout": 0.1}, train={"steps": STEPS}, parallel={"tensor": 1, "zero_stage": 1},
                 checkpoint={"every": 1000, "at_end": True, "keep_last": 2}, eval={"every": 1000, "at_end": False},
                 schedule={"feedback_start_step": 2, "mix": [0.2, 0.5, 0.3], "seed": 3})
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return sorted(out)
 
 
 @pytest.mark.timeout(900)
@@ -72,7 +60,7 @@ def test_sigterm_to_torchrun_then_relaunch_equals_an_uninterrupted_run(tmp_path)
         while not any(r["step"] >= 3 for r in read_metrics(run_dir)):
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=240)

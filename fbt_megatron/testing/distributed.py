@@ -74,3 +74,13 @@ def run_distributed(fn, world_size: int, *args, layout=None, seed: int = 1234, t
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise DistributedTestFailure(f"{len(errors)} of {world_size} ranks failed:\n{msg}")
     return [results[r] for r in range(world_size)]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (e.g. torchrun's workers), sorted; [] once it is gone."""
+    import psutil
+
+    try:
+        return sorted(c.pid for c in psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
+        return []
