@@ -1,11 +1,10 @@
 """The fusion's weights (W_U, W_G) before the first multi-pass step, in every optimiser layout.
 
-Under the ordinary first pass the fusion takes no part in a 1-pass step, so its gradient is zero (or
-absent). Before this was fixed, AdamW's decoupled weight decay still shrank W_U and W_G wherever the
-optimiser saw a gradient tensor for them (ZeRO-1/2/3 and bf16: one flat partition, zeros included) but
-not at ZeRO-0 fp32 with one process (torch's AdamW skips a parameter whose grad is None), and Adam's step
-count for them differed between the layouts too. The rule now: the fusion decays only from the first
-step that may run feedback (``schedule.feedback_start_step``), and every layout counts Adam's steps alike.
+Under the ordinary first pass the fusion takes no part in a 1-pass step, so its gradient is zero:
+DeepSpeed hands the optimiser zero-filled gradients for it in every layout tested here. Before this was
+fixed, AdamW's decoupled weight decay therefore shrank W_U and W_G throughout the single-pass phase. The
+rule now: the fusion decays only from the first step that may run feedback
+(``schedule.feedback_start_step``); the layouts agree before and after the switch.
 """
 
 import pytest
