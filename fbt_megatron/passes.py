@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from fbt_megatron.config import PassScheduleConfig
+from fbt_megatron.config import GRAD_MODES, PassScheduleConfig
+
+
+def _check_grad_mode(grad_mode: str) -> None:
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"grad_mode must be 'all' or 'last', got {grad_mode!r}")
 
 
 def step_forwards(passes: int, grad_mode: str) -> float:
     """Training FLOPs of a ``passes``-pass step in units of one forward F (backward = 2F): every pass
     forward, and backward through every pass (``grad_mode: all``, 3k) or only the last (``last``, k + 2)."""
-    if grad_mode not in ("all", "last"):
-        raise ValueError(f"grad_mode must be 'all' or 'last', got {grad_mode!r}")
+    _check_grad_mode(grad_mode)
     return 3.0 * passes if grad_mode == "all" else passes + 2.0
 
 
@@ -25,7 +29,7 @@ def fusion_forwards(passes: int, grad_mode: str, fused_first_pass: bool = False)
     """The fusion's share of a ``passes``-pass step, in units of one fusion forward (backward = 2x): it
     runs in every pass that reads a state — passes 2..k under the ordinary first pass, every pass under
     ``feedback.first_input: state`` (``fused_first_pass``) — and is backpropagated with its pass."""
-    step_forwards(passes, grad_mode)  # checks grad_mode
+    _check_grad_mode(grad_mode)
     fused = passes if fused_first_pass else passes - 1
     if grad_mode == "all":
         return 3.0 * fused

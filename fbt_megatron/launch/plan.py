@@ -114,13 +114,9 @@ class Shape:
                           self.fused_first_pass)
 
 
-def pass_factor(mix: list[float], grad_mode: str, shape: Shape | None = None) -> float:
-    """Training FLOPs of the mix relative to a single-pass step; without ``shape`` the stack's share
-    alone (3kF or (k+2)F over 3F), with it the fusion counted too."""
-    from fbt_megatron.passes import step_forwards
-
-    if shape is None:
-        return sum(p * step_forwards(i + 1, grad_mode) for i, p in enumerate(mix)) / step_forwards(1, grad_mode)
+def pass_factor(mix: list[float], grad_mode: str, shape: Shape) -> float:
+    """Training FLOPs of the mix relative to a single-pass step of ``shape`` (the fusion counted where
+    it runs; without a fusion, 3kF or (k+2)F over 3F)."""
     return sum(p * shape.step_flops_per_token(i + 1, grad_mode) for i, p in enumerate(mix)) / \
         shape.step_flops_per_token(1, grad_mode)
 

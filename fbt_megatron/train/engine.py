@@ -201,6 +201,11 @@ def fusion_decay_start(recipe) -> int | None:
     return schedule.feedback_start_step
 
 
+def fusion_weight_decay(weight_decay: float, decay_from: int | None, step: int) -> float:
+    """The fusion group's weight decay at ``step``: ``weight_decay`` from ``decay_from`` on (None: never)."""
+    return weight_decay if decay_from is not None and 0 <= decay_from <= step else 0.0
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool,
                  fusion_decay_from: int | None = 0, fusion_in_model: bool = False) -> list[dict]:
     """AdamW parameter groups; the ``group`` key names each one (kept by DeepSpeed and torch). The
@@ -221,10 +226,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
             fusion.append(p)
         else:
             decay.append(p)
-    fusion_wd = weight_decay if fusion_decay_from == 0 else 0.0
     groups = [{"params": decay, "weight_decay": weight_decay, "group": "decay"},
               {"params": plain, "weight_decay": 0.0, "group": "no_decay"},
-              {"params": fusion, "weight_decay": fusion_wd, "group": "fusion",
+              {"params": fusion, "weight_decay": fusion_weight_decay(weight_decay, fusion_decay_from, 0),
+               "group": "fusion",
                "decay_from_step": -1 if fusion_decay_from is None else fusion_decay_from,
                "full_weight_decay": weight_decay}]
     if fusion_in_model and not fusion:
@@ -377,8 +382,7 @@ class Engine:
         is on from its ``decay_from_step`` (-1: never; see :func:`fusion_decay_start`)."""
         for group in self.torch_optimizer.param_groups:
             if "decay_from_step" in group:
-                start = group["decay_from_step"]
-                group["weight_decay"] = group["full_weight_decay"] if 0 <= start <= step else 0.0
+                group["weight_decay"] = fusion_weight_decay(group["full_weight_decay"], group["decay_from_step"], step)
 
     def backward(self, loss: torch.Tensor, is_boundary: bool) -> None:
         self.ds.set_gradient_accumulation_boundary(is_boundary)
