@@ -48,9 +48,11 @@ def global_name(model, name: str) -> str:
     return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
-def case_model(full_state, mode, loss_on, local_value):
-    """The case's model (this rank's part), its parameters filled by ``local_value(model, name, p)``."""
-    model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on))
+def case_model(full_state, mode, loss_on, local_value, packed=False):
+    """The case's model (this rank's part), its parameters filled by ``local_value(model, name, p)``;
+    ``packed``: the packed-sequence (THD, cu_seqlens) attention the GPU runs, emulated on CPU."""
+    model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on), packed=packed)
+    assert model.packed == packed
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(local_value(model, n, p))
@@ -78,7 +80,7 @@ def whole_model_reference(full_state, cases):
     return results
 
 
-def pipelined(full_state, cases):
+def pipelined(full_state, cases, packed=False):
     """PP>1 on this rank: per case, loss, gradient norm (each parameter once over PP and TP) and
     the full (TP-unsharded) gradients of this stage's parameters under their PP=1 names."""
     from fbt_megatron.train.engine import model_parallel_grad_norm
@@ -87,7 +89,8 @@ def pipelined(full_state, cases):
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
     for k, mode, loss_on in cases:
-        model = case_model(full_state, mode, loss_on, lambda model, n, p: shard(full_state[global_name(model, n)], p))
+        model = case_model(full_state, mode, loss_on, lambda model, n, p: shard(full_state[global_name(model, n)], p),
+                           packed=packed)
         gate_calls = []  # first stage: W_G e once per micro-batch, not once per pass (never for 1 pass)
         if model.feedback is not None:
             model.feedback.gate.register_forward_hook(lambda *a: gate_calls.append(1))
@@ -181,6 +184,17 @@ def test_pp2_tp2_equals_pp1(full_state_and_reference):
     cases = [(3, "all", "mean")]
     per_rank = run_distributed(pipelined, 4, full_state, cases, layout=ParallelLayout(tensor=2, pipeline=2))
     check_layout(per_rank, tp=2)
+    check(reference, per_rank, cases)
+
+
+def test_pp2_packed_sequences_equal_pp1_mask_path(full_state_and_reference):
+    """The pipeline stages with packed sequences (what TE runs on GPU: rows end to end, cu_seqlens from
+    doc_start, per-document RoPE; here each document attended alone by SDPA) equal the whole model with
+    the dense document mask: the packed layout is built on every stage from the batch's doc_start."""
+    full_state, reference = full_state_and_reference
+    cases = [(1, "all", "last"), (3, "all", "last"), (3, "last", "last")]
+    per_rank = run_distributed(pipelined, 2, full_state, cases, True, layout=ParallelLayout(pipeline=2))
+    check_layout(per_rank, tp=1)
     check(reference, per_rank, cases)
 
 
