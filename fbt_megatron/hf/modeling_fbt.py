@@ -137,6 +137,8 @@ class FBTModel(LlamaModel):
     without the fbt_megatron plugin) builds ``AutoModel`` with ``attn_implementation="vllm"``, which is
     refused naming the plugin instead of serving the stack without feedback."""
 
+    config_class = FBTConfig
+
     def __init__(self, config: FBTConfig):
         if getattr(config, "_attn_implementation", None) == "vllm":
             raise ValueError(VLLM_PLUGIN_HINT)
