@@ -142,6 +142,10 @@ class FBTForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         config = vllm_config.model_config.hf_config
         check_servable(config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("the fbt_megatron vLLM plugin does not run pipeline parallelism (the last "
+                                      "stage's top state would have to reach the first stage): use "
+                                      "--pipeline-parallel-size 1")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         fusion = getattr(config, "feedback_fusion", "glu")
         self.feedback = LatentFeedback(config) if fusion != "off" else None
