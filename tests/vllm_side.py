@@ -37,7 +37,8 @@ def run(job):
     start = time.perf_counter() - t0
     try:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True,
+                                detokenize=not job.get("engine", {}).get("skip_tokenizer_init", False))
         out = llm.generate(prompts, params, use_tqdm=False)
         seconds = []
         for _ in range(job.get("repeat", 0)):
