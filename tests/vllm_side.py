@@ -3,10 +3,11 @@
     python tests/vllm_side.py REQUEST.json RESULT.json
 
 REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
-"repeat": N (timed generate calls after the first), "error": true (the engine must fail to start)}]}.
+"repeat": N (timed generate calls after the first), "error": true (the engine must fail to start),
+"preemptions": true (count the scheduler's preemptions: vLLM's ``vllm:num_preemptions`` counter)}]}.
 Each job starts an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: no
 engine or worker processes to start, ~5 s per engine instead of ~60 s), generates greedily, shuts it down.
-RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s"} or {"error": message}}.
+RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s", "preemptions"} or {"error": message}}.
 """
 
 import gc
@@ -28,8 +29,11 @@ def run(job):
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
+    engine = {**ENGINE, **job.get("engine", {})}
+    if job.get("preemptions"):
+        engine["disable_log_stats"] = False  # the Prometheus counters LLM.get_metrics reads
     try:
-        llm = LLM(model=job["model"], **{**ENGINE, **job.get("engine", {})})
+        llm = LLM(model=job["model"], **engine)
     except Exception as e:  # noqa: BLE001 - the message is the result
         if job.get("error"):
             return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-6000:]}
@@ -45,7 +49,10 @@ def run(job):
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             seconds.append(time.perf_counter() - t)
-        return {"tokens": [list(o.outputs[0].token_ids) for o in out], "seconds": seconds, "start_s": start}
+        res = {"tokens": [list(o.outputs[0].token_ids) for o in out], "seconds": seconds, "start_s": start}
+        if job.get("preemptions"):
+            res["preemptions"] = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        return res
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
