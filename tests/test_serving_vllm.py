@@ -39,6 +39,7 @@ CLIENT = Path(__file__).with_name("vllm_openai_client.py")
 VOCAB = 320  # = the sentencepiece tokenizer's pieces: the framework and vLLM choose among the same ids
 PROMPTS = [[5, 17, 30, 44, 9], [100, 7], [3, 200, 250, 12, 40, 41, 42, 60, 61, 70, 80], [77]]
 NEW_TOKENS = 8
+LONG, LONG_MIXIN = 100, 0.9  # test_plugin_preemption
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +76,15 @@ def model(tmp_path_factory):
         refs = {name: FeedbackDecoder(net, mode, passes).generate(PROMPTS, params).tokens
                 for name, mode, passes in [("standard", "standard", 1), ("fused", "feedback", 2),
                                            ("exact", "feedback", "exact")]}
+        # test_plugin_preemption's reference: LONG tokens, exact prefill, the fed-back state's prefix mixin LONG_MIXIN
+        (fb,) = [m for m in net.modules() if type(m).__name__ == "LatentFeedback"]
+        fb.feedback.prefix_mixin = LONG_MIXIN
+        refs["exact_long"] = FeedbackDecoder(net, "feedback", "exact").generate(
+            PROMPTS, SamplingParams(max_new_tokens=LONG)).tokens
     finally:
         runtime.shutdown()
-    assert len({json.dumps(r) for r in refs.values()}) == 3, refs  # the three decodings differ on this model
+    modes = [refs[k] for k in ("standard", "fused", "exact")]
+    assert len({json.dumps(r) for r in modes}) == 3, refs  # the three decodings differ on this model
     return root / "run", root / "hf", root / "std", refs
 
 
@@ -139,26 +146,27 @@ def test_plugin_preemption(model, vllm_python, tmp_path):
     """A KV cache of 6 blocks of 32 tokens (``num_gpu_blocks_override``) for 4 requests of 100 new tokens:
     vLLM's scheduler preempts running requests (its ``vllm:num_preemptions`` counter > 0) and recomputes
     each one later as a prefill of prompt + generated tokens. With the exact prefill the plugin rebuilds the
-    same states, and the tokens equal those of the same engine with a KV cache that never preempts.
+    same states: the tokens equal those of the same engine with a KV cache that never preempts, and
+    `fbt generate`'s (exact prefill, same prefix mixin).
 
-    ``feedback_prefix_mixin: 0.9`` (an ``hf_overrides`` of both runs): at the export's 0.1 this random model's
-    recurrence amplifies float rounding (a prompt run as one prefill vs token by token differs in the last
-    bits), so over 100 tokens two orders of the same computation part after 11-22 tokens -- fbt generate on
-    one prompt vs on the batch, vLLM on one prompt vs on the batch, both measured -- preempted or not; at
-    0.9 the fed-back state contracts and rounding stays rounding. FUSED (K-pass) prefill after a
-    preemption is not covered: vLLM does not tell the model where a recomputed request's prompt ends
-    (docs/serving.md)."""
+    ``feedback_prefix_mixin: 0.9`` on both sides (vLLM's ``hf_overrides``; the framework model's config): at
+    the export's 0.1 this random model's recurrence amplifies float rounding, so over 100 tokens any two
+    orders of the same computation part after 11-22 tokens, preempted or not (measured: fbt generate on one
+    prompt vs in the batch, vLLM on one prompt vs in the batch, vLLM vs fbt generate); at 0.9 the fed-back
+    state contracts and all of them agree for 100 tokens. FUSED (K-pass) prefill after a preemption is not
+    covered: vLLM does not tell the model where a recomputed request's prompt ends (docs/serving.md)."""
     run, hf, std, refs = model
-    overrides = {"prefill_passes": "exact", "feedback_prefix_mixin": 0.9}
+    overrides = {"prefill_passes": "exact", "feedback_prefix_mixin": LONG_MIXIN}
     free = {"block_size": 32, "skip_tokenizer_init": True, "hf_overrides": overrides}
     tight = {**free, "num_gpu_blocks_override": 6}  # 4 blocks = max_model_len 128: one request always fits
-    res = run_side(vllm_python, [job("free", hf, max_tokens=100, preemptions=True, engine=free),
-                                 job("tight", hf, max_tokens=100, preemptions=True, engine=tight)],
+    res = run_side(vllm_python, [job("free", hf, max_tokens=LONG, preemptions=True, engine=free),
+                                 job("tight", hf, max_tokens=LONG, preemptions=True, engine=tight)],
                    tmp_path, plugin=True)
     assert res["free"]["preemptions"] == 0
     assert res["tight"]["preemptions"] > 0, res["tight"]
-    assert [len(t) for t in res["tight"]["tokens"]] == [100] * len(PROMPTS)
-    assert res["tight"]["tokens"] == res["free"]["tokens"]
+    assert [len(t) for t in res["tight"]["tokens"]] == [LONG] * len(PROMPTS)
+    assert res["free"]["tokens"] == refs["exact_long"]
+    assert res["tight"]["tokens"] == refs["exact_long"]
 
 
 # `vllm serve` exactly as docs/serving.md shows it (the port aside); VLLM_CPU_KVCACHE_SPACE=1 in the environment
