@@ -2,10 +2,11 @@
 
 vLLM pins its own transformers (5.16-5.19 for 0.32) and pulls a web server stack, so it lives in a venv
 of its own, built once and cached under ``$FBT_VLLM_ENVS`` (default ``~/.cache/fbt_megatron/vllm-envs``),
-keyed by the pins and this Python: the first build downloads and installs ~3 GB (about 15 minutes on a
-loaded 2-core machine), later runs reuse it. fbt_megatron is not installed into it: the tests put the
-checkout on ``PYTHONPATH`` and declare the plugin's entry point from pyproject.toml in a ``.dist-info`` of
-their own (``plugin_path``), so the cache does not depend on the checkout.
+keyed by the pins and this Python: the first build downloads and installs ~3 GB (284 s with pip's cache
+warm on a 2-core machine; longer on a cold cache or under load), later runs reuse it. fbt_megatron is not
+installed into it: the tests put the checkout under test on ``PYTHONPATH`` (``REPO``, this file's checkout)
+and declare the plugin's entry point from its pyproject.toml in a ``.dist-info`` of their own
+(``plugin_path``), so the cache does not depend on the checkout and every worktree tests its own plugin.
 
 What the CPU build needs here: the torchvision / torchaudio / torchcodec wheels it pulls in are CUDA builds
 that break ``import vllm`` on CPU (removed after the install); torch stays the CPU build this venv's
