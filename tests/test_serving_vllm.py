@@ -115,7 +115,7 @@ def job(name, model, **kw):
     return {"name": name, "model": str(model), "prompts": PROMPTS, "max_tokens": NEW_TOKENS, **kw}
 
 
-def test_stock_vllm(model, vllm_python, tmp_path):
+def test_stock_vllm(vllm_python, model, tmp_path):
     """Stock vLLM, no plugin: the `--standard` export (a plain Llama) gives `fbt generate --mode standard`'s
     greedy tokens for a batch of prompts of different lengths; the feedback export is refused with a message
     that names the plugin (vLLM's Transformers backend would otherwise run it without feedback)."""
@@ -128,7 +128,7 @@ def test_stock_vllm(model, vllm_python, tmp_path):
     assert err is not None and "fbt_megatron vLLM plugin" in err and "vllm.general_plugins" in err, err
 
 
-def test_plugin_feedback(model, vllm_python, tmp_path):
+def test_plugin_feedback(vllm_python, model, tmp_path):
     """The plugin (found through pyproject's entry point, no --trust-remote-code): latent feedback with FUSED
     prefill (the export's default) and with the exact prefill (`--hf-overrides`) give `fbt generate`'s tokens
     in the same mode for a batch of prompts of different lengths; `feedback_decoding: standard` gives the
@@ -142,7 +142,7 @@ def test_plugin_feedback(model, vllm_python, tmp_path):
     assert res["standard"]["tokens"] == refs["standard"]
 
 
-def test_plugin_preemption(model, vllm_python, tmp_path):
+def test_plugin_preemption(vllm_python, model, tmp_path):
     """A KV cache of 6 blocks of 32 tokens (``num_gpu_blocks_override``) for 4 requests of 100 new tokens:
     vLLM's scheduler preempts running requests (its ``vllm:num_preemptions`` counter > 0) and recomputes
     each one later as a prefill of prompt + generated tokens. With the exact prefill the plugin rebuilds the
@@ -224,7 +224,7 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def test_openai_server(model, vllm_python, tmp_path):
+def test_openai_server(vllm_python, model, tmp_path):
     """`vllm serve` of the feedback export with the plugin (found through its entry point; no
     --trust-remote-code), queried by the `openai` client: one completion request for the batch of prompts,
     temperature 0, gives `fbt generate`'s tokens (FUSED prefill, the export's default)."""
