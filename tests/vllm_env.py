@@ -16,7 +16,8 @@ raises ``Unavailable`` with the reason (e.g. no package index reachable); the te
 Never a hang, never a half-built venv used: the build runs in a ``.building-PID`` directory renamed into place
 only after ``import vllm, openai`` works there (``.complete``); pip runs in a process group of its own with
 ``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds (default
-1200; a cold build took 284 s with pip's cache warm); concurrent builders take turns on a lock file; a cached
+600: a cold build took 284 s with pip's cache warm, and the whole suite must stay under 30 minutes on 2 cores;
+a build cut short leaves pip's download cache warmer for the next run); concurrent builders take turns on a lock file; a cached
 venv whose packages no longer resolve (``find_spec`` of vllm and openai) is removed and rebuilt; a build
 directory left by a killed build is removed by the next one.
 """
@@ -49,7 +50,7 @@ def root() -> Path:
 
 
 def build_timeout() -> float:
-    return float(os.environ.get("FBT_VLLM_BUILD_TIMEOUT", "1200"))
+    return float(os.environ.get("FBT_VLLM_BUILD_TIMEOUT", "600"))
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
