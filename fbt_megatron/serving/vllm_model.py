@@ -28,8 +28,12 @@ preempts and recomputes rebuilds its states as it rebuilds its keys.
 K passes over a prompt are defined over the whole prompt: a prompt split by chunked prefill, or resumed
 after a cached prefix, would get other tokens than ``fbt generate``; the plugin's config hook turns both off
 for a K-pass prefill (``vllm_config.FBTVllmConfig``). After a preemption vLLM recomputes prompt + generated
-tokens as one prefill: exact prefill gives the same tokens; K passes would treat the generated tokens as
-prompt (the model is not told where a request's prompt ends: see docs/serving.md).
+tokens as one prefill: exact prefill gives the same tokens. For K passes the plugin needs where the request's
+prompt ends, which vLLM's attention metadata does not carry: it reads the prompt lengths from the model
+runner's input batch (found when the model is built, ``_find_model_runner``; a stopgap, docs/serving.md),
+runs the K passes over the prompt positions, then holds those inputs and repeats passes until the generated
+positions' states stop changing (the recurrence they were decoded with). Without the runner the K passes
+would run over the generated tokens too (logged at start-up).
 
 ``feedback_decoding: standard`` (config field) serves the model's first pass: token embeddings in, no fusion
 (the ``--standard`` export in stock vLLM gives the same tokens without the plugin).
@@ -40,6 +44,7 @@ refused naming the field.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -115,8 +120,8 @@ class FeedbackStates:
 
 def step_layout(meta, positions: torch.Tensor, block_size: int):
     """For the step's ``n`` real tokens: ``starts`` (the token's previous position is not in this step),
-    ``prev_slot`` (for a start with position > 0: the slot holding h_{t-1}; -1 elsewhere) and the longest
-    run of tokens of one request. Checks that the block table gives the step's own slots (the layout the
+    ``prev_slot`` (for a start with position > 0: the slot holding h_{t-1}; -1 elsewhere), the longest
+    run of tokens of one request and each token's request row. Checks that the block table gives the step's own slots (the layout the
     state cache relies on)."""
     n = int(meta.num_actual_tokens)
     qsl = meta.query_start_loc.long()
@@ -133,7 +138,27 @@ def step_layout(meta, positions: torch.Tensor, block_size: int):
     before = (pos - 1).clamp_min(0)
     prev_slot = table[req, before // block_size] * block_size + before % block_size
     prev_slot = torch.where(starts & (pos > 0), prev_slot, torch.full_like(prev_slot, -1))
-    return n, starts, prev_slot, int(lengths.max().item()) if len(lengths) else 0
+    return n, starts, prev_slot, int(lengths.max().item()) if len(lengths) else 0, req
+
+
+def _find_model_runner():
+    """A weak reference to the vLLM model runner building this model (the caller frame whose ``self`` has an
+    ``input_batch``: ``GPUModelRunner.load_model`` and the CPU runner's override), or None. A stopgap for
+    the prompt lengths vLLM's attention metadata lacks; without it a K-pass prefill after a preemption runs
+    its passes over the generated tokens too (docs/serving.md)."""
+    import inspect
+    import weakref
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "input_batch") and hasattr(owner, "load_model"):
+                return weakref.ref(owner)
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 class FBTForCausalLM(LlamaForCausalLM):
@@ -154,6 +179,22 @@ class FBTForCausalLM(LlamaForCausalLM):
         self.block_size = vllm_config.cache_config.block_size
         self.states = FeedbackStates()
         self.last_passes = 0  # passes of the latest forward (read by tests and the benchmark)
+        self._runner = _find_model_runner()
+        if self._runner is None and self.prefill_passes != "exact" and self.feedback is not None:
+            logging.getLogger("fbt_megatron.serving").warning(
+                "fbt_megatron plugin: vLLM's model runner not found: a request recomputed after a preemption "
+                "gets K prefill passes over its generated tokens too (other tokens; docs/serving.md)")
+
+    def _prompt_lengths(self, num_reqs: int, device) -> torch.Tensor | None:
+        """Each request row's prompt length, from the model runner's input batch (whose rows are the attention
+        metadata's): vLLM's attention metadata does not carry it (docs/serving.md). None where the runner
+        was not found."""
+        runner = self._runner() if self._runner is not None else None
+        batch = getattr(runner, "input_batch", None)
+        lengths = getattr(batch, "num_prompt_tokens", None)
+        if lengths is None or getattr(batch, "num_reqs", -1) < num_reqs:
+            return None
+        return torch.as_tensor(lengths[:num_reqs]).to(device=device, dtype=torch.long)
 
     # ------------------------------------------------------------------ helpers
     def _stack(self, x, positions, intermediate_tensors):
@@ -188,7 +229,7 @@ class FBTForCausalLM(LlamaForCausalLM):
             self.last_passes = 1
             return self._stack(base, positions, intermediate_tensors)
 
-        n, starts, prev_slot, longest = step_layout(meta, positions, self.block_size)
+        n, starts, prev_slot, longest, req = step_layout(meta, positions, self.block_size)
         states = self.states.ensure(int(max(meta.slot_mapping[:n].max().item(), prev_slot.max().item())) + 1
                                     if n else 1, emb)
         carried = prev_slot >= 0  # h_{t-1} from an earlier step
@@ -198,22 +239,36 @@ class FBTForCausalLM(LlamaForCausalLM):
             x[idx] = fb.fuse(fb.fed_back(states[prev_slot[idx]]), gate[idx])
         inside = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         inside[:n] = ~starts  # h_{t-1} from this step's previous token
+        # K passes run over prompt positions only: a request recomputed after a preemption also brings its
+        # generated tokens, which were decoded by the recurrence (after the prompt's K passes)
+        generated = torch.zeros_like(inside)
+        if self.prefill_passes != "exact" and bool(inside.any()):
+            plen = self._prompt_lengths(len(meta.query_start_loc) - 1, x.device)
+            if plen is not None:
+                generated[:n] = positions[:n].long() >= plen[req]
         if not bool(inside.any()):
             passes = 1
         elif self.prefill_passes == "exact":
             passes = longest
         else:
             passes = int(self.prefill_passes)
+            if bool((generated & inside).any()):  # then the recurrence over the generated tokens
+                passes += longest
         top = self._stack(x, positions, intermediate_tensors)
         done = 1
         idx = inside.nonzero().squeeze(-1)
+        frozen = (inside & ~generated)[idx]  # prompt positions: their K-th pass input stays after pass K
+        x_k = x
         while done < passes:
             fed = fb.fuse(fb.fed_back(top[idx - 1]), gate[idx])
-            x_k = x.clone()
+            if done >= int(self.prefill_passes if self.prefill_passes != "exact" else passes):
+                fed = torch.where(frozen.unsqueeze(-1), x_k[idx], fed)
+            x_k = x_k.clone()
             x_k[idx] = fed
             new_top = self._stack(x_k, positions, intermediate_tensors)
             done += 1
-            converged = self.prefill_passes == "exact" and torch.equal(new_top[:n], top[:n])
+            converged = (self.prefill_passes == "exact" or done > int(self.prefill_passes)) and \
+                torch.equal(new_top[:n], top[:n])
             top = new_top
             if converged:  # the recurrence's fixed point: further passes change nothing
                 break
