@@ -121,8 +121,8 @@ class FeedbackStates:
 def step_layout(meta, positions: torch.Tensor, block_size: int):
     """For the step's ``n`` real tokens: ``starts`` (the token's previous position is not in this step),
     ``prev_slot`` (for a start with position > 0: the slot holding h_{t-1}; -1 elsewhere), the longest
-    run of tokens of one request and each token's request row. Checks that the block table gives the step's own slots (the layout the
-    state cache relies on)."""
+    run of tokens of one request and each token's request row. Checks that the block table gives the step's
+    own slots (the layout the state cache relies on)."""
     n = int(meta.num_actual_tokens)
     qsl = meta.query_start_loc.long()
     lengths = qsl[1:] - qsl[:-1]
