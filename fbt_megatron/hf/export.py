@@ -191,7 +191,9 @@ def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
     deepest = len(recipe.schedule.mix) if recipe.feedback.fusion != "off" else 1
     cfg = {
         "architectures": ["FBTForCausalLM"],
-        "auto_map": {"AutoConfig": "modeling_fbt.FBTConfig", "AutoModelForCausalLM": "modeling_fbt.FBTForCausalLM"},
+        # AutoModel: the bare stack, which refuses vLLM's Transformers backend naming the vLLM plugin
+        "auto_map": {"AutoConfig": "modeling_fbt.FBTConfig", "AutoModel": "modeling_fbt.FBTModel",
+                     "AutoModelForCausalLM": "modeling_fbt.FBTForCausalLM"},
         "model_type": "fbt_llama",
         **fields,
         "forward_passes": deepest,

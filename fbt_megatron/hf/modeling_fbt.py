@@ -124,10 +124,24 @@ class NoRotary(nn.Module):
                 torch.zeros(shape, dtype=x.dtype, device=x.device))
 
 
+VLLM_PLUGIN_HINT = ("this is an FBT export with latent feedback: vLLM serves it with the fbt_megatron vLLM plugin "
+                    "(`pip install fbt_megatron` into vLLM's environment registers it as the vllm.general_plugins "
+                    "entry point 'fbt'; docs/serving.md). Without the plugin vLLM's Transformers backend would "
+                    "run the stack without the feedback state (other tokens). A `fbt convert to-hf --standard` "
+                    "export (a plain Llama) needs no plugin.")
+
+
 class FBTModel(LlamaModel):
-    """transformers' LlamaModel with the norm / MLP / position variants the config names."""
+    """transformers' LlamaModel with the norm / MLP / position variants the config names. It is also the
+    config's ``AutoModel``: vLLM's Transformers backend (used for an architecture vLLM does not know, i.e.
+    without the fbt_megatron plugin) builds ``AutoModel`` with ``attn_implementation="vllm"``, which is
+    refused naming the plugin instead of serving the stack without feedback."""
+
+    config_class = FBTConfig
 
     def __init__(self, config: FBTConfig):
+        if getattr(config, "_attn_implementation", None) == "vllm":
+            raise ValueError(VLLM_PLUGIN_HINT)
         super().__init__(config)
         for layer in self.layers:
             layer.input_layernorm = make_norm(config)

@@ -1,0 +1,293 @@
+"""The FBT model inside vLLM: latent-feedback decoding with vLLM's own Llama stack, KV cache and scheduler.
+
+vLLM runs a *flattened* batch: the scheduled tokens of every running request, one request's tokens after
+the other (``query_start_loc``), each with its position and the KV-cache slot it writes
+(``slot_mapping``, from the request's block table). A token's stack input is
+
+- ``e_t`` (the plain first pass) at position 0 (``feedback.first_input: state`` checkpoints: ``fuse(h_init, e_t)``);
+- ``fuse(h_{t-1}, e_t) = (W_U h') * sigmoid(W_G e_t)`` with ``h' = (1 - a) h_{t-1} + a h_init`` elsewhere,
+  where ``h`` is the final-norm output (what the LM head reads).
+
+**Where h_{t-1} comes from: a state cache beside the KV cache.** Every token's top state is written at the
+token's own KV slot in a ``[slots, D]`` tensor (``FeedbackStates``), exactly as its keys and values are. A
+token whose previous position was computed in an earlier step (a decode token; a prefill resumed after a
+cached prefix or a chunk) reads ``h_{t-1}`` at the previous position's slot, found through the request's
+block table as attention finds its keys. So the state follows vLLM's own cache bookkeeping: no request ids,
+nothing to free (a freed block's states are overwritten with its next keys), and a request that vLLM
+preempts and recomputes rebuilds its states as it rebuilds its keys.
+
+**Prefill** (tokens whose previous position is in the same step): ``prefill_passes`` (config field; vLLM's
+``--hf-overrides '{"prefill_passes": "exact"}'``):
+- ``K`` (2, the export's default: the paper's FUSED prefill): K Jacobi passes over the step's tokens, pass k
+  feeding each token the top state of the previous position from pass k-1; only the last pass's keys and
+  values stay in the cache (each pass overwrites the step's slots);
+- ``"exact"``: the recurrence itself. Passes are repeated until the states no longer change (at most the
+  longest prompt in the step: after k passes the first k positions of each prompt are exact), which is the
+  recurrence's unique solution; it gives the tokens of token-by-token prefill, whatever vLLM's scheduler does
+  (chunks, prefix caching, preemption) but costs up to prompt-length passes over the prompt.
+K passes over a prompt are defined over the whole prompt: a prompt split by chunked prefill, or resumed
+after a cached prefix, would get other tokens than ``fbt generate``; the plugin's config hook turns both off
+for a K-pass prefill (``vllm_config.FBTVllmConfig``). After a preemption vLLM recomputes prompt + generated
+tokens as one prefill: exact prefill gives the same tokens. For K passes the plugin needs where the request's
+prompt ends, which vLLM's attention metadata does not carry: it reads the prompt lengths from the model
+runner's input batch (found when the model is built, ``_find_model_runner``; a stopgap, docs/serving.md),
+runs the K passes over the prompt positions, then holds those inputs and repeats passes until the generated
+positions' states stop changing (the recurrence they were decoded with). Without the runner the K passes
+would run over the generated tokens too (logged at start-up).
+
+``feedback_decoding: standard`` (config field) serves the model's first pass: token embeddings in, no fusion
+(the ``--standard`` export in stock vLLM gives the same tokens without the plugin).
+
+Only the Llama-class architecture is served (RMSNorm, SwiGLU, RoPE: vLLM's ``LlamaModel``); other exports are
+refused naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+LLAMA_CLASS = {"norm_type": "RMSNorm", "mlp_gated": True, "position_embedding_type": "rope"}
+
+
+def check_servable(config) -> None:
+    """Raise naming each config field vLLM's Llama stack cannot serve."""
+    wrong = [f"{k}={getattr(config, k, v)!r} (served: {v!r})" for k, v in LLAMA_CLASS.items()
+             if getattr(config, k, v) != v]
+    if getattr(config, "feedback_fusion", "glu") not in ("glu", "additive", "off"):
+        wrong.append(f"feedback_fusion={config.feedback_fusion!r} (served: 'glu', 'additive', 'off')")
+    if getattr(config, "feedback_first_input", "embedding") not in ("embedding", "state"):
+        wrong.append(f"feedback_first_input={config.feedback_first_input!r}")
+    if getattr(config, "feedback_decoding", "feedback") not in ("feedback", "standard"):
+        wrong.append(f"feedback_decoding={config.feedback_decoding!r} (served: 'feedback', 'standard')")
+    passes = getattr(config, "prefill_passes", 2)
+    if passes != "exact" and (isinstance(passes, bool) or not isinstance(passes, int) or passes < 1):
+        wrong.append(f"prefill_passes={passes!r} (served: an integer >= 1 or 'exact')")
+    if wrong:
+        raise ValueError("the fbt_megatron vLLM plugin serves Llama-class FBT exports only; this one has "
+                         + ", ".join(wrong))
+
+
+class LatentFeedback(nn.Module):
+    """W_U (value_proj), W_G (gate_proj), h_init; the rule of the export's modelling file."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.mode = config.feedback_fusion
+        self.prefix_mixin = float(config.feedback_prefix_mixin)
+        self.value_proj = nn.Linear(d, d, bias=config.feedback_bias)
+        self.gate_proj = nn.Linear(d, d, bias=config.feedback_bias)
+        self.initial_state = nn.Parameter(torch.zeros(d))
+        self.plain_first_pass = config.feedback_first_input == "embedding"
+
+    def fed_back(self, top):
+        a = self.prefix_mixin
+        return (1.0 - a) * top + a * self.initial_state if a else top
+
+    def fuse(self, state, gate):
+        value = self.value_proj(state)
+        out = value * torch.sigmoid(gate) if self.mode == "glu" else value + gate
+        return out.expand(gate.shape)
+
+    def stateless(self, emb, gate):
+        return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, -1), gate)
+
+
+class FeedbackStates:
+    """Top states by KV slot: ``[slots, D]``, grown on demand (vLLM allocates the KV cache after the model is
+    built, and the state cache needs one row per slot that is used)."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+
+    def ensure(self, slots: int, like: torch.Tensor) -> torch.Tensor:
+        t = self.tensor
+        if t is None or t.shape[0] < slots or t.dtype != like.dtype or t.device != like.device:
+            grown = torch.zeros(max(slots, 2 * (t.shape[0] if t is not None else 0)), like.shape[-1],
+                                dtype=like.dtype, device=like.device)
+            if t is not None:
+                grown[: t.shape[0]] = t.to(grown)
+            self.tensor = t = grown
+        return t
+
+
+def step_layout(meta, positions: torch.Tensor, block_size: int):
+    """For the step's ``n`` real tokens: ``starts`` (the token's previous position is not in this step),
+    ``prev_slot`` (for a start with position > 0: the slot holding h_{t-1}; -1 elsewhere), the longest
+    run of tokens of one request and each token's request row. Checks that the block table gives the step's
+    own slots (the layout the state cache relies on)."""
+    n = int(meta.num_actual_tokens)
+    qsl = meta.query_start_loc.long()
+    lengths = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(len(lengths), device=qsl.device), lengths)[:n]
+    pos = positions[:n].long()
+    starts = torch.zeros(n, dtype=torch.bool, device=pos.device)
+    starts[qsl[:-1][lengths > 0]] = True
+    table = meta.block_table.long()
+    own = table[req, pos // block_size] * block_size + pos % block_size
+    if not torch.equal(own, meta.slot_mapping[:n].long()):
+        raise RuntimeError("the attention metadata's block table does not give the step's slot mapping with "
+                           f"block_size={block_size}: the feedback state cache cannot find previous positions")
+    before = (pos - 1).clamp_min(0)
+    prev_slot = table[req, before // block_size] * block_size + before % block_size
+    prev_slot = torch.where(starts & (pos > 0), prev_slot, torch.full_like(prev_slot, -1))
+    return n, starts, prev_slot, int(lengths.max().item()) if len(lengths) else 0, req
+
+
+def _find_model_runner():
+    """A weak reference to the vLLM model runner building this model (the caller frame whose ``self`` has an
+    ``input_batch``: ``GPUModelRunner.load_model`` and the CPU runner's override), or None. A stopgap for
+    the prompt lengths vLLM's attention metadata lacks; without it a K-pass prefill after a preemption runs
+    its passes over the generated tokens too (docs/serving.md)."""
+    import inspect
+    import weakref
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "input_batch") and hasattr(owner, "load_model"):
+                return weakref.ref(owner)
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+class FBTForCausalLM(LlamaForCausalLM):
+    """vLLM's Llama with the latent-feedback fusion at the bottom of the stack (module docstring)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("the fbt_megatron vLLM plugin does not run pipeline parallelism (the last "
+                                      "stage's top state would have to reach the first stage): use "
+                                      "--pipeline-parallel-size 1")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        fusion = getattr(config, "feedback_fusion", "glu")
+        self.feedback = LatentFeedback(config) if fusion != "off" else None
+        self.decoding = getattr(config, "feedback_decoding", "feedback")
+        self.prefill_passes = getattr(config, "prefill_passes", 2)
+        self.block_size = vllm_config.cache_config.block_size
+        self.states = FeedbackStates()
+        self.last_passes = 0  # passes of the latest forward (read by tests and the benchmark)
+        self._runner = _find_model_runner()
+        if self._runner is None and self.prefill_passes != "exact" and self.feedback is not None:
+            logging.getLogger("fbt_megatron.serving").warning(
+                "fbt_megatron plugin: vLLM's model runner not found: a request recomputed after a preemption "
+                "gets K prefill passes over its generated tokens too (other tokens; docs/serving.md)")
+
+    def _prompt_lengths(self, num_reqs: int, device) -> torch.Tensor | None:
+        """Each request row's prompt length, from the model runner's input batch (whose rows are the attention
+        metadata's): vLLM's attention metadata does not carry it (docs/serving.md). None where the runner
+        was not found."""
+        runner = self._runner() if self._runner is not None else None
+        batch = getattr(runner, "input_batch", None)
+        lengths = getattr(batch, "num_prompt_tokens", None)
+        if lengths is None or getattr(batch, "num_reqs", -1) < num_reqs:
+            return None
+        return torch.as_tensor(lengths[:num_reqs]).to(device=device, dtype=torch.long)
+
+    # ------------------------------------------------------------------ helpers
+    def _stack(self, x, positions, intermediate_tensors):
+        return self.model(None, positions, intermediate_tensors, x)
+
+    @staticmethod
+    def _metadata():
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):
+            raise NotImplementedError("dual-batch overlap (a list of attention metadata) is not supported by "
+                                      "the FBT plugin")
+        if not meta:
+            return None
+        meta = next(iter(meta.values()))
+        n = int(meta.num_actual_tokens)
+        if n == 0 or bool((meta.slot_mapping[:n] < 0).any()):  # a warm-up or profiling run: no real slots
+            return None
+        return meta
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        fb = self.feedback
+        if fb is None or (self.decoding == "standard" and fb.plain_first_pass):
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if kwargs:
+            raise NotImplementedError(f"the FBT plugin's forward takes no {sorted(kwargs)}")
+        emb = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
+        gate = fb.gate_proj(emb)
+        base = fb.stateless(emb, gate)
+        meta = self._metadata()
+        if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs
+            self.last_passes = 1
+            return self._stack(base, positions, intermediate_tensors)
+
+        n, starts, prev_slot, longest, req = step_layout(meta, positions, self.block_size)
+        states = self.states.ensure(int(max(meta.slot_mapping[:n].max().item(), prev_slot.max().item())) + 1
+                                    if n else 1, emb)
+        carried = prev_slot >= 0  # h_{t-1} from an earlier step
+        x = base.clone()
+        if bool(carried.any()):
+            idx = carried.nonzero().squeeze(-1)
+            x[idx] = fb.fuse(fb.fed_back(states[prev_slot[idx]]), gate[idx])
+        inside = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        inside[:n] = ~starts  # h_{t-1} from this step's previous token
+        # K passes run over prompt positions only: a request recomputed after a preemption also brings its
+        # generated tokens, which were decoded by the recurrence (after the prompt's K passes)
+        generated = torch.zeros_like(inside)
+        if self.prefill_passes != "exact" and bool(inside.any()):
+            plen = self._prompt_lengths(len(meta.query_start_loc) - 1, x.device)
+            if plen is not None:
+                generated[:n] = positions[:n].long() >= plen[req]
+        if not bool(inside.any()):
+            passes = 1
+        elif self.prefill_passes == "exact":
+            passes = longest
+        else:
+            passes = int(self.prefill_passes)
+            if bool((generated & inside).any()):  # then the recurrence over the generated tokens
+                passes += longest
+        top = self._stack(x, positions, intermediate_tensors)
+        done = 1
+        idx = inside.nonzero().squeeze(-1)
+        frozen = (inside & ~generated)[idx]  # prompt positions: their K-th pass input stays after pass K
+        x_k = x
+        while done < passes:
+            fed = fb.fuse(fb.fed_back(top[idx - 1]), gate[idx])
+            if done >= int(self.prefill_passes if self.prefill_passes != "exact" else passes):
+                fed = torch.where(frozen.unsqueeze(-1), x_k[idx], fed)
+            x_k = x_k.clone()
+            x_k[idx] = fed
+            new_top = self._stack(x_k, positions, intermediate_tensors)
+            done += 1
+            converged = (self.prefill_passes == "exact" or done > int(self.prefill_passes)) and \
+                torch.equal(new_top[:n], top[:n])
+            top = new_top
+            if converged:  # the recurrence's fixed point: further passes change nothing
+                break
+        self.last_passes = done
+        states[meta.slot_mapping[:n].long()] = top[:n].to(states.dtype)
+        return top
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        weights = list(weights)
+        if self.feedback is None:
+            return super().load_weights(weights)
+        names = {f"feedback.{k}" for k, _ in self.feedback.named_parameters()}
+        own = {k: v for k, v in weights if k in names}
+        missing = names - set(own)
+        if missing:
+            raise ValueError(f"the export has no {sorted(missing)}: not an FBT export with feedback_fusion="
+                             f"{self.feedback.mode!r}")
+        with torch.no_grad():
+            for k, p in self.feedback.named_parameters():
+                p.copy_(own[f"feedback.{k}"].to(p))
+        loaded = super().load_weights((k, v) for k, v in weights if k not in names)
+        return set(loaded) | names

