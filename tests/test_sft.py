@@ -141,3 +141,58 @@ def test_exported_chat_template_renders_the_ids_of_fbt_generate_chat(reference, 
     assert theirs["reply"]["role"] == "assistant"  # transformers' chat pipeline ran the template
     r = subprocess.run(env_cmd + ["generate", str(run), "--system", "x", "--prompt", "y"], capture_output=True, text=True)
     assert r.returncode == 2 and "--system applies to --chat" in r.stderr
+
+
+def test_fbt_eval_applies_the_chat_template_and_pairs_lengths_per_problem(reference, tmp_path):
+    from tests.test_eval_lm_eval import write_tasks
+
+    run, _ = reference
+    tasks = write_tasks(tmp_path / "tasks")
+    env = dict(__import__("os").environ, HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"))
+    r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "-q", "eval", str(run), "--tasks",
+                        str(tasks / "fbt_local_gen.yaml"), "--modes", "standard,fused", "--limit", "3",
+                        "--apply-chat-template", "--system-instruction", "Be brief.", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    table = json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"]["fbt_local_gen"]
+    std, fused = table["standard"], table["fused"]
+    assert len(std["tokens_by_problem"]) == 3 and set(std["tokens_by_problem"]) == set(fused["tokens_by_problem"])
+    for prompt in std["tokens_by_problem"]:  # lm-eval rendered each prompt with the run's chat template
+        assert prompt.startswith("<|system|>\nBe brief.</s><|user|>\n") and prompt.endswith("</s><|assistant|>\n")
+    assert std["mean_tokens"] == pytest.approx(sum(std["tokens_by_problem"].values()) / 3, abs=0.01)
+    pair = fused["paired_with_standard"]
+    diffs = [fused["tokens_by_problem"][k] - std["tokens_by_problem"][k] for k in std["tokens_by_problem"]]
+    assert pair["problems"] == 3 and pair["shorter"] == sum(d < 0 for d in diffs)
+    assert pair["mean_diff"] == pytest.approx(sum(diffs) / 3, abs=0.01)
+    md = (tmp_path / "out" / "eval.md").read_text()
+    assert "Mean generated tokens" in md and "Per-problem pairing with standard decoding" in md
+
+
+def test_length_pairing_is_per_problem():
+    from fbt_megatron.eval.lengths import length_stats, paired
+
+    standard, fused = {"a": 10, "b": 5, "d": 7}, {"a": 6, "b": 5, "c": 1, "d": 9}
+    assert paired(standard, fused) == {"problems": 3, "mean_diff": -0.67, "median_diff": 0, "shorter": 1, "equal": 1,
+                                       "longer": 1}
+    assert length_stats(fused) == {"median_tokens": 5.5, "mean_tokens": 5.25, "generations": 4}
+    assert paired(standard, {"x": 1}) is None
+
+
+def test_sft_recipes_are_checked_before_anything_runs(fx, tmp_path):
+    from chat_helpers import sft_recipe as make
+    from fbt_megatron.train.cli import sft_recipe as resolve
+    from fbt_megatron.train.recipe import RecipeError, load_recipe
+
+    plain = make(tmp_path, fx)
+    plain["data"]["pipeline"] = chat_data_section(fx, name="text")
+    with pytest.raises(RecipeError, match=r"source 'text' .* is not a chat dataset"):
+        resolve(load_recipe(data=plain), "sft")
+    causal = make(tmp_path, fx, model={"attention_mask": "causal"})
+    with pytest.raises(RecipeError, match=r"model.attention_mask.*document_causal"):
+        resolve(load_recipe(data=causal), "sft")
+    missing = make(tmp_path, fx, init_from=tmp_path / "nowhere")
+    del missing["model"]
+    with pytest.raises(RecipeError, match=r"init_from.*no published checkpoint"):
+        resolve(load_recipe(data=missing), "sft")
+    # `fbt train` of the same recipe without task: sft trains on it as a pretraining run would
+    assert resolve(load_recipe(data=dict(plain, task="pretrain")), None).task == "pretrain"

@@ -66,6 +66,7 @@ def check_sft(recipe: Recipe) -> None:
     if recipe.model.attention_mask != "document_causal":
         raise RecipeError(f"recipe key 'model.attention_mask': task=sft packs conversations, which must not attend "
                           f"to each other; allowed: document_causal (got {recipe.model.attention_mask!r})")
+    chat_template(recipe)  # every source a chat dataset with its template (refused by name)
 
 
 def chat_template(recipe: Recipe) -> str | None:
