@@ -41,11 +41,34 @@ def _cmd_tokenizer(a) -> int:
 def _cmd_prepare(a) -> int:
     from .prepare import prepare_dataset
 
+    if a.format == "chat":
+        return _prepare_chat(a)
+    if a.chat_template or a.strict or a.max_tokens is not None:
+        raise DataError("--chat-template, --strict and --max-tokens apply to --format chat")
     idx = prepare_dataset(a.input, a.out, a.tokenizer, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
                           num_workers=a.workers, text_field=a.text_field, id_field=a.id_field or None,
                           progress=not a.quiet)
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "skipped_empty_documents",
                                            "tokenizer_hash", "seconds", "prepare")} | {"shards": idx["num_shards"]}))
+    return 0
+
+
+def _prepare_chat(a) -> int:
+    from .chat import prepare_chat
+
+    template = None
+    if a.chat_template:
+        path = Path(a.chat_template)
+        if not path.is_file():
+            raise DataError(f"--chat-template {path}: no such file (a Jinja chat template is expected)")
+        template = path.read_text()
+    idx = prepare_chat(a.input, a.out, a.tokenizer, chat_template=template, max_tokens=a.max_tokens or 2048,
+                       strict=a.strict, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
+                       num_workers=a.workers, progress=not a.quiet)
+    bad = idx["meta"]["bad_rows"]
+    print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "tokenizer_hash", "seconds")}
+                     | {"format": "chat", "shards": idx["num_shards"], "bad_rows": bad["counts"],
+                        "first_bad_row": bad["first"], "chat_template_sha": idx["meta"]["chat_template_sha"]}))
     return 0
 
 
@@ -120,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--text-field", default="text")
     q.add_argument("--id-field", default="id")
     q.add_argument("--quiet", action="store_true")
+    q.add_argument("--format", choices=("text", "chat"), default="text",
+                   help="text: documents (--text-field); chat: JSONL {\"messages\": [{\"role\", \"content\"}, ...]} "
+                        "with a per-token loss mask on the assistant turns (docs/data.md)")
+    q.add_argument("--chat-template", help="chat: a Jinja template file (default: the built-in one; assistant "
+                                           "turns inside {%% generation %%} ... {%% endgeneration %%})")
+    q.add_argument("--max-tokens", type=int, default=None,
+                   help="chat: longer conversations are bad rows (default 2048; use the recipe's seq_length)")
+    q.add_argument("--strict", action="store_true", help="chat: a bad conversation is an error, not a counted skip")
     q.set_defaults(fn=_cmd_prepare)
 
     e = sub.add_parser("embedded", help="build the embedded default mix offline (stdlib code, docs, math)")

@@ -21,7 +21,8 @@ PyTorch's DataLoader returns them round-robin, i.e. in order.
 Each micro-batch is a dict of tensors, all ``[B, S]``:
 ``input_ids`` int64, ``labels`` int64 (next token: sequence ``j`` is cut from ``S + 1`` stream tokens),
 ``loss_mask`` float32 (0 where the input token is EOS, i.e. the label is the next document's first
-token, and on spans replaced after a corrupt sample), ``position_ids`` int64 (``0..S-1``),
+token, on spans replaced after a corrupt sample, and, in a conversation of a chat dataset, wherever the
+label is not one of its assistant tokens: the mask travels with the batch through every layout), ``position_ids`` int64 (``0..S-1``),
 ``doc_start`` bool (True where a document's first token sits).
 """
 
@@ -106,6 +107,7 @@ class _Packer:
         got = reader.get(sid)  # None: corrupt, skipping allowed (logged by the reader)
         if got is None and reader.last_skip == "sample":
             self._bad_samples.add(key)
+        got = (got, reader.last_mask) if got is not None else None
         self._cache[key] = got
         if len(self._cache) > 64:
             self._cache.popitem(last=False)
@@ -119,6 +121,7 @@ class _Packer:
         toks = np.full(n, sp.eos, np.int64)
         start = np.zeros(n, bool)
         bad = np.zeros(n, bool)
+        target = None  # per stream position: does the token there carry loss as a label (chat masks)
         skipped = 0
         for src, sid, length, lo, hi, out in self.planner.pieces(a, a + n):
             if lo == 0:
@@ -129,17 +132,24 @@ class _Packer:
                 # a corrupt document is counted once in the whole global stream: where it starts
                 skipped += lo == 0 and (src, sid) in self._bad_samples
                 continue
+            doc, dmask = doc
             if hi == length:  # slice includes the EOS (already in toks)
                 toks[out:out + hi - lo - 1] = doc[lo:]
             else:
                 toks[out:out + hi - lo] = doc[lo:hi]
+            if dmask is not None:  # a conversation: only its assistant tokens are targets (not the EOS after it)
+                if target is None:
+                    target = np.ones(n, bool)
+                target[out:out + hi - lo] = False
+                k = min(hi, length - 1) - lo
+                target[out:out + k] = dmask[lo:lo + k].astype(bool)
         # compact form crosses the worker -> main process queue (plain pickled arrays, no shared-memory
         # tensors); ``expand`` builds the [B, S] tensors in the consuming process.
         bad_shards = []  # shards this process found bad since the last micro-batch (the main process counts)
         for src, reader in enumerate(self.readers):
             bad_shards += [(src, sh, int(reader.ds.shard_table[sh, 1])) for sh in reader.new_bad_shards]
             reader.new_bad_shards.clear()
-        return {"tokens": toks, "start": start, "bad": bad if bad.any() else None, "skipped": skipped,
+        return {"tokens": toks, "start": start, "bad": bad if bad.any() else None, "target": target, "skipped": skipped,
                 "bad_shards": bad_shards, "m": m, "S": S, "eos": sp.eos}
 
 
@@ -157,6 +167,8 @@ def expand(c: dict) -> dict:
     if c["bad"] is not None:
         bad = c["bad"]
         mask &= ~bad[: m * S].reshape(m, S) & ~bad[1:].reshape(m, S)
+    if c.get("target") is not None:  # chat data: loss only where the label is an assistant token
+        mask &= c["target"][1:].reshape(m, S)
     return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(inp)),
         "labels": torch.from_numpy(np.ascontiguousarray(lab)),

@@ -68,19 +68,25 @@ def _write_shard(task: tuple[int, int, list[tuple[str, str]]]) -> dict:
     """Tokenize one shard's documents and write the shard and its per-document arrays (atomically)."""
     shard, first, docs = task
     sp, out, name, dtype = _W["sp"], _W["out"], _W["name"], _W["dtype"]
-    ids = sp.encode([t for _, t in docs], num_threads=1)  # one thread: the processes are the parallelism
+    masks = [d[2] for d in docs] if len(docs[0]) == 3 else None  # chat: (doc_id, ids, loss mask), see chat.py
+    ids = [d[1] for d in docs] if masks is not None else \
+        sp.encode([t for _, t in docs], num_threads=1)  # one thread: the processes are the parallelism
     n = len(docs)
     lengths, offsets, crcs = np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.uint32)
     tar, part = out / shard_name(shard), out / (shard_name(shard) + ".part")
     empty = 0
     with open(part, "wb") as fh:
         writer = wds.TarWriter(fh, mtime=0)  # an int: a float mtime costs a pax header per member
-        for j, ((doc_id, _), toks) in enumerate(zip(docs, ids)):
+        for j, (doc, toks) in enumerate(zip(docs, ids)):
+            doc_id = doc[0]
             arr = np.asarray(toks, dtype)
             empty += len(arr) == 0  # text that encodes to nothing: kept (an EOS in the stream), counted
             offsets[j] = writer.tarstream.offset  # where this sample's first member's header starts
             meta = json.dumps({"source": name, "doc_id": doc_id, "num_tokens": len(arr)}).encode()
-            writer.write({"__key__": sample_key(first + j), "tokens.npy": _npy_bytes(arr), "json": meta})
+            sample = {"__key__": sample_key(first + j), "tokens.npy": _npy_bytes(arr), "json": meta}
+            if masks is not None:  # per-token loss mask (uint8), read by shards.DatasetReader
+                sample["mask.npy"] = _npy_bytes(np.asarray(masks[j], np.uint8))
+            writer.write(sample)
             lengths[j] = len(arr)
             crcs[j] = zlib.crc32(arr)
         writer.close()
@@ -117,12 +123,17 @@ def _shard_tasks(documents, shard_bytes: int, counts: dict):
     """Cut ``(doc_id, text)`` into shard tasks of about ``shard_bytes`` written bytes (estimated from the
     text: ~2 bytes per token, ~4 characters per token, plus tar/json overhead per document)."""
     buf, est, shard, first = [], 0, 0, 0
-    for doc_id, text in documents:
-        if not text.strip():
+    for doc in documents:
+        doc_id, text = doc[0], doc[1]
+        if len(doc) == 3:  # pre-tokenized (doc_id, ids, loss mask): 3 bytes per token written
+            buf.append(doc)
+            est += 3 * len(text) + 2 * TAR_OVERHEAD + len(doc_id) + 48
+        elif not text.strip():
             counts["empty"] = counts.get("empty", 0) + 1
             continue
-        buf.append((doc_id, text))
-        est += len(text) // 2 + TAR_OVERHEAD + len(doc_id) + 48
+        else:
+            buf.append((doc_id, text))
+            est += len(text) // 2 + TAR_OVERHEAD + len(doc_id) + 48
         if est >= shard_bytes:
             yield shard, first, buf
             shard, first, buf, est = shard + 1, first + len(buf), [], 0
@@ -154,6 +165,7 @@ def prepare_dataset(
 ) -> dict:
     """Tokenize the documents behind ``paths`` (or the iterable ``documents`` of ``(doc_id, text)``) in
     ``num_workers`` processes into shards of about ``shard_bytes`` bytes in ``out_dir``; returns the index.
+    ``documents`` may also yield pre-tokenized ``(doc_id, ids, loss_mask)`` (chat data, ``chat.py``).
 
     Resumable: after a crash, the same call keeps the shards the crashed run finished (see the module
     docstring). Raises :class:`SourceError` for a missing path or a source with no documents.

@@ -248,6 +248,7 @@ class DatasetReader:
         self.bad_shards: dict[int, str] = dict(ds.bad_shards)
         self.new_bad_shards: list[int] = []  # found bad by this reader since the caller last drained it
         self.last_skip = None  # "shard" or "sample": why the last get() returned None
+        self.last_mask = None  # the last get()'s per-token loss mask (uint8; chat data), None if it has none
 
     def close(self):
         for fd in self._fds.values():
@@ -317,7 +318,8 @@ class DatasetReader:
         except OSError as exn:
             return self._corrupt(sid, shard, f"read failed: {exn}")
         key = sample_key(sid)
-        raw, o = None, 0
+        raw, raw_mask, o = None, None, 0
+        self.last_mask = None
         try:
             while o + 512 <= len(buf) and buf[o:o + 512].count(0) != 512:
                 ti = tarfile.TarInfo.frombuf(buf[o:o + 512], "utf-8", "surrogateescape")
@@ -332,6 +334,8 @@ class DatasetReader:
                     return self._corrupt(sid, shard, f"member {ti.name} ends past the sample (truncated)")
                 if ext == "tokens.npy":
                     raw = buf[data_at:data_at + ti.size]
+                elif ext == "mask.npy":
+                    raw_mask = buf[data_at:data_at + ti.size]
                 o = data_at + -(-ti.size // 512) * 512
         except tarfile.TarError as exn:
             return self._corrupt(sid, shard, f"{type(exn).__name__}: {exn}")
@@ -343,6 +347,12 @@ class DatasetReader:
         tokens = np.frombuffer(raw, self.dtype, offset=at)
         if len(tokens) != ds.lengths[sid] or zlib.crc32(tokens) != int(ds.crc32[sid]):
             return self._corrupt(sid, shard, "token content does not match the index (length or crc32)")
+        if raw_mask is not None:
+            at = _npy_payload(raw_mask)
+            mask = np.frombuffer(raw_mask, np.uint8, offset=at) if at >= 0 else None
+            if mask is None or len(mask) != len(tokens):
+                return self._corrupt(sid, shard, "mask.npy is not a loss mask of the document's length")
+            self.last_mask = mask
         return tokens
 
 

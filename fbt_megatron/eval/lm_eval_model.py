@@ -32,7 +32,8 @@ from fbt_megatron.generate.sampling import SamplingParams
 class FBTLM(TemplateLM):
     def __init__(self, checkpoint: str | None = None, mode: str = "feedback", prefill_passes="2",
                  batch_size: int | str = 8, max_length: int | None = None, tokenizer: str | None = None,
-                 padding: str = "left", seed: int = 0, loaded: LoadedModel | None = None, **_ignored):
+                 padding: str = "left", seed: int = 0, loaded: LoadedModel | None = None, chat: bool = False,
+                 **_ignored):
         super().__init__()
         if loaded is None:
             if not checkpoint:
@@ -46,6 +47,13 @@ class FBTLM(TemplateLM):
         self.max_length = int(max_length or loaded.model_config.max_sequence_length)
         self.padding, self.seed = padding, int(seed)
         self.generated_lengths: list[int] = []  # tokens generated per generate_until request
+        self.generated_by_problem: dict[str, int] = {}  # the same, by request context (eval/lengths.py pairs modes)
+        self.chat_tokenizer = None
+        if chat:  # lm-eval's apply_chat_template: the checkpoint's template, ids from the same tokenizer
+            from data_pipeline.chat import chat_tokenizer
+            from fbt_megatron.generate.chat import find_chat_template
+
+            self.chat_tokenizer = chat_tokenizer(self.sp.serialized_model_proto(), find_chat_template(loaded.checkpoint))
 
     # ------------------------------------------------------------------ tokenizer
     @property
@@ -53,14 +61,25 @@ class FBTLM(TemplateLM):
         return self.sp.eos_id()
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        if self.chat_tokenizer is not None:  # a rendered chat holds the end-of-turn token as text ("</s>")
+            return list(self.chat_tokenizer(string, add_special_tokens=False)["input_ids"])
         return list(self.sp.encode(string))
 
-    def tok_decode(self, ids) -> str:
-        return self.sp.decode(list(ids))
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_tokenizer is None:
+            raise ValueError("--apply-chat-template: load the model with chat=True (a checkpoint with a chat template)")
+        return self.chat_tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
 
     @property
     def tokenizer_name(self) -> str:
-        return "fbt-sentencepiece"
+        return "fbt-sentencepiece" + ("-chat" if self.chat_tokenizer is not None else "")
+
+    def chat_template(self, chat_template=False):
+        return self.chat_tokenizer.chat_template if self.chat_tokenizer is not None else None
+
+    def tok_decode(self, ids) -> str:
+        return self.sp.decode(list(ids))
 
     # ------------------------------------------------------------------ scoring
     def _truncate(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
@@ -135,11 +154,14 @@ class FBTLM(TemplateLM):
             for start in range(0, len(members), self.batch_size):
                 idx = members[start:start + self.batch_size]
                 params.seed = self.seed + start  # reproducible, different draws per batch
+                keep = self.max_length + 1 - params.max_new_tokens
+                ids = [self.tok_encode(requests[i].args[0])[-keep:] for i in idx] if self.chat_tokenizer else None
                 done = self.text.generate([requests[i].args[0] for i in idx], params, padding=self.padding,
-                                          max_prompt_tokens=self.max_length + 1 - params.max_new_tokens)
+                                          max_prompt_tokens=keep, prompt_ids=ids)
                 for i, c in zip(idx, done):
                     out[i] = c.text
                     self.generated_lengths.append(len(c.tokens))
+                    self.generated_by_problem[requests[i].args[0]] = len(c.tokens)
                     self.cache_hook.add_partial("generate_until", requests[i].args, c.text)
                 bar.update(len(idx))
         bar.close()

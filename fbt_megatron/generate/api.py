@@ -54,11 +54,12 @@ class TextGenerator:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams | None = None, *,
                  padding: str = "left", stream: Callable[[int, str], None] | None = None,
-                 max_prompt_tokens: int | None = None) -> list[Completion]:
+                 max_prompt_tokens: int | None = None, prompt_ids: list[list[int]] | None = None) -> list[Completion]:
         """Complete each prompt. ``stream(b, text_delta)`` receives text as it is generated;
-        ``max_prompt_tokens`` keeps only a prompt's last tokens (lm-eval's truncation)."""
+        ``max_prompt_tokens`` keeps only a prompt's last tokens (lm-eval's truncation); ``prompt_ids``:
+        the prompts already tokenized (chat templates, generate/chat.py)."""
         params = params or SamplingParams()
-        encoded = [self.encode(p) for p in prompts]
+        encoded = [list(e) for e in prompt_ids] if prompt_ids is not None else [self.encode(p) for p in prompts]
         if max_prompt_tokens is not None:
             encoded = [e[-max_prompt_tokens:] for e in encoded]
         shown = [""] * len(prompts)

@@ -8,6 +8,7 @@ with tensor parallelism over the processes (rank 0 prints):
     fbt generate runs/tiny --prompt "def "
     fbt generate runs/tiny --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1
     fbt generate runs/tiny --prompt "x = " --mode standard            # no feedback, for comparison
+    fbt generate runs/tiny_sft --chat --system "Answer briefly." --prompt "What is 3 + 4?"
     torchrun --nproc-per-node 2 -m fbt_megatron.cli generate runs/tiny --prompt "def "
 """
 
@@ -37,6 +38,9 @@ def parse_args(argv):
     p.add_argument("--padding", choices=["left", "right"], default="left")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the checkpoint's chat template (an `fbt sft` run): each prompt is a user turn")
+    p.add_argument("--system", help="with --chat: a system prompt before each user turn")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--no-stream", action="store_true")
     return p.parse_args(argv)
@@ -77,6 +81,8 @@ def main(argv=None) -> int:
         passes = parse_prefill_passes(args.prefill_passes)
         if not prompts:
             raise ValueError("no prompts given")
+        if args.system and not args.chat:
+            raise ValueError("--system applies to --chat")
     except (ValueError, FileNotFoundError) as e:
         print(f"fbt generate: {e}", file=sys.stderr)
         return 2
@@ -91,21 +97,36 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
+    chat_ids = None
+    if args.chat:
+        from fbt_megatron.generate.chat import chat_prompt_ids, find_chat_template
+
+        try:
+            chat_ids = chat_prompt_ids(gen.tokenizer, find_chat_template(gen.loaded.checkpoint), prompts, args.system)
+        except FileNotFoundError as e:
+            print(f"fbt generate: {e}", file=sys.stderr)
+            runtime.shutdown()
+            return 2
+
     rank0 = dist.get_rank() == 0
     say = print if rank0 else (lambda *a, **k: None)
     stream = len(prompts) == 1 and not args.no_stream and not args.json and rank0
     try:
         for start in range(0, len(prompts), args.batch_size):
             chunk = prompts[start:start + args.batch_size]
+            ids = chat_ids[start:start + args.batch_size] if chat_ids is not None else None
             if stream:
                 sys.stdout.write(chunk[0])
                 sys.stdout.flush()
-            done = gen.generate(chunk, params, padding=args.padding,
+            done = gen.generate(chunk, params, padding=args.padding, prompt_ids=ids,
                                 stream=(lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
-            for c in done:
+            for j, c in enumerate(done):
                 if args.json:
-                    say(json.dumps({"prompt": c.prompt, "completion": c.text, "tokens": len(c.tokens),
-                                    "finish_reason": c.finish_reason}))
+                    row = {"prompt": c.prompt, "completion": c.text, "tokens": len(c.tokens),
+                           "finish_reason": c.finish_reason}
+                    if ids is not None:
+                        row["prompt_ids"] = ids[j]
+                    say(json.dumps(row))
                 elif stream:
                     say(f"\n[{len(c.tokens)} tokens, {c.finish_reason}]")
                 else:

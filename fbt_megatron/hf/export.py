@@ -282,6 +282,9 @@ def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTenso
 
     # The tokenizer first: its checks (vocabulary size, conversion) fail before any weight is written.
     tokens = write_tokenizer(tok_source, out, recipe.model.vocab_size, max_length=recipe.data.seq_length)
+    from fbt_megatron.generate.chat import export_chat_template
+
+    export_chat_template(path, out)  # an SFT run's chat template: tokenizer.apply_chat_template works
     num_layers = recipe.model.num_layers
     # Units of reading: each non-layer row alone, then every layer's rows together.
     units = [[(r, None)] for r in rows if not r.per_layer and r.key.startswith("gpt.embedding")]

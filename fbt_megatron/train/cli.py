@@ -18,7 +18,18 @@ import sys
 USAGE = "usage: fbt train RECIPE.yaml [dotted.key=value ...]   (fbt train --help)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def sft_recipe(recipe, task: str | None):
+    """``fbt sft`` sets ``task: sft``; ``init_from`` supplies unset model/feedback sections (train/sft.py)."""
+    from fbt_megatron.train.sft import check_sft, resolve_init_sections
+
+    if task is not None and recipe.task != task:
+        recipe.task = task
+    recipe = resolve_init_sections(recipe)
+    check_sft(recipe)
+    return recipe
+
+
+def main(argv: list[str] | None = None, task: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or "-h" in argv or "--help" in argv:
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
@@ -28,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe_path, overrides = argv[0], argv[1:]
     try:
         recipe = load_recipe(recipe_path, overrides)
+        recipe = sft_recipe(recipe, task)
         check_layout(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     except (RecipeError, FileNotFoundError) as e:
         print(f"fbt train: {e}", file=sys.stderr)

@@ -118,6 +118,10 @@ class ProfileConfig(Section):
 class Recipe(Section):
     name: str = "run"
     run_dir: str | None = None  # default runs/<name>
+    # sft: instruction tuning on chat datasets (fbt_megatron/train/sft.py; `fbt sft RECIPE`)
+    task: Literal["pretrain", "sft"] = "pretrain"
+    # a run dir or checkpoint whose weights start this run (weights only; see train/sft.py)
+    init_from: str | None = None
     seed: int = 1234
     # auto: bf16 on GPU, fp32 on CPU. bf16 = bf16 weights/activations, fp32 masters, fp32 gradient
     # accumulation (DeepSpeed bf16; runs on CPU too, for tests).

@@ -154,6 +154,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train import callbacks as cb
+    from fbt_megatron.train import sft
     from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
     from fbt_megatron.checkpoint.shards import ZeroState, param_specs
     from fbt_megatron.train.engine import Engine
@@ -173,6 +174,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
 
     prepare_data(recipe, log)
     check_tokenizer(recipe)
+    sft.check_sft(recipe)
     if bf16_accumulation_warning(recipe):
         log(bf16_accumulation_warning(recipe))
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
@@ -189,6 +191,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
                         dtype=dtype)
+    sft.init_weights(recipe, model, resuming=latest is not None, log=log)  # init_from: weights only
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     engine = Engine(model, recipe)
     zero = ZeroState(engine, specs)
@@ -232,6 +235,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     # work from anywhere, also when the recipe named it by a path relative to where training ran.
     tokenizer_file = ({"tokenizer.model": Path(_pipeline_config(recipe).tokenizer)}
                       if recipe.data.source == "pipeline" else None)
+    tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
 
     def save(st: TrainState):
         payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,

@@ -1,0 +1,163 @@
+"""Chat data (issue 22): the per-token loss mask of a rendered conversation, token by token; the mask
+through the loader; bad conversations counted by kind (or refused under --strict); a chat dataset
+without its template refused by name; packed conversations never attend to each other."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chat_helpers import build_chat_fixture, chat_data_section
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    return build_chat_fixture(tmp_path_factory.mktemp("chat"))
+
+
+def test_loss_mask_is_the_assistant_tokens_and_their_end_of_turn_token_by_token(fx):
+    from data_pipeline.chat import chat_tokenizer, encode_conversation
+
+    tok = chat_tokenizer(fx["tokenizer"])
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+4?"},
+            {"role": "assistant", "content": "7"}, {"role": "user", "content": "and x2?"},
+            {"role": "assistant", "content": "14"}]
+    ids, mask = encode_conversation(tok, msgs)
+    eos = tok.eos_token_id
+    # expected, token by token: the template's segments tokenized one by one (the header line and
+    # user/system text: 0; each assistant content token and its EOS: 1)
+    expected_ids, expected_mask = [], []
+    for m in msgs:
+        text = f"<|{m['role']}|>\n{m['content']}"
+        head = tok(f"<|{m['role']}|>\n", add_special_tokens=False)["input_ids"]
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert whole[:len(head)] == head  # "\n" is its own piece: the content starts a new token
+        body = whole[len(head):]
+        train = int(m["role"] == "assistant")
+        expected_ids += whole + [eos]
+        expected_mask += [0] * len(head) + [train] * len(body) + [train]
+    assert ids.tolist() == expected_ids
+    assert mask.tolist() == expected_mask
+    assert tok.decode(ids[mask == 1]) == "7</s>14</s>"
+
+
+def test_the_loader_puts_the_mask_on_the_labels(fx):
+    from data_pipeline.chat import chat_tokenizer, encode_conversation
+    from data_pipeline.config import DataConfig
+    from data_pipeline.loader import build_loader
+    from data_pipeline.shards import Dataset, DatasetReader
+
+    cfg = DataConfig(**chat_data_section(fx), valid_documents=0)
+    batch = next(build_loader(cfg, micro_batch_size=4, global_batch_size=4, dp_rank=0, dp_size=1))
+    ds = Dataset.load(cfg.sources[0].path)
+    reader = DatasetReader(ds)
+    tok = chat_tokenizer(fx["tokenizer"])
+    eos = tok.eos_token_id
+    checked = 0
+    for row in range(4):
+        ids, lm, starts = batch["input_ids"][row], batch["loss_mask"][row], batch["doc_start"][row]
+        # each document start: find its conversation in the dataset and compare the mask on its labels
+        for s in starts.nonzero().flatten().tolist():
+            for sid in range(ds.num_samples):
+                toks = reader.get(sid)
+                n = min(len(toks), len(ids) - s)
+                if n >= 3 and ids[s:s + n].tolist() == toks[:n].tolist():
+                    dmask = reader.last_mask
+                    # label of input position s+i is token i+1: loss iff that token is an assistant token
+                    want = [float(dmask[i + 1]) for i in range(min(n, len(ids) - s) - 1)]
+                    assert lm[s:s + len(want)].tolist() == want
+                    checked += 1
+                    break
+        # never on a label that is not an assistant token of its conversation: no loss on EOS inputs
+        assert (lm[ids == eos] == 0).all()
+    assert checked >= 4
+    assert 0 < batch["loss_mask"].mean() < 0.5  # the prompts and headers carry no loss
+    # the conversations' messages are in the dataset exactly as the template renders them
+    ids0, mask0 = encode_conversation(tok, fx["conversations"][0]["messages"])
+    assert reader.get(0).tolist() == ids0.tolist() and reader.last_mask.tolist() == mask0.tolist()
+
+
+def _prepare(tmp_path, fx, rows, *extra):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    return subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "-q", "data", "prepare", "--format", "chat",
+                           "--input", str(src), "--tokenizer", fx["tokenizer"], "--out", str(tmp_path / "out"),
+                           "--workers", "1", "--quiet", *extra], capture_output=True, text=True)
+
+
+BAD_ROWS = [
+    json.dumps({"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}),
+    json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+    json.dumps({"messages": [{"role": "user", "content": "no answer"}]}),
+    json.dumps({"messages": [{"role": "user", "content": "7+7? " * 40}, {"role": "assistant", "content": "14"}]}),
+    json.dumps({"messages": [{"role": "user", "content": "b"}, {"role": "tool", "content": "c"},
+                             {"role": "assistant", "content": "d"}]}),
+    "{not json",
+    json.dumps({"text": "a document, not a conversation"}),
+    json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "2"}]}),
+]
+
+
+def test_bad_conversations_are_counted_by_kind_and_refused_under_strict(tmp_path, fx):
+    r = _prepare(tmp_path, fx, BAD_ROWS, "--max-tokens", "48")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["num_samples"] == 1
+    assert out["bad_rows"] == {"invalid_json": 1, "not_a_conversation": 2, "unknown_role": 2,
+                               "no_assistant_turn": 1, "too_long": 1}
+    assert out["first_bad_row"]["unknown_role"].endswith("in.jsonl:2")
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["meta"]["bad_rows"]["counts"] == out["bad_rows"]
+    assert "7 bad conversations" in r.stderr  # reported, not silently dropped
+
+    r = _prepare(tmp_path, fx, BAD_ROWS, "--max-tokens", "48", "--strict")
+    assert r.returncode == 2
+    assert "in.jsonl:2: bad conversation: unknown_role (--strict)" in r.stderr
+
+
+def test_a_chat_dataset_without_its_template_is_refused_by_name(tmp_path, fx):
+    import shutil
+
+    from data_pipeline.chat import ChatError, sources_chat_template
+    from data_pipeline.config import DataConfig
+
+    broken = tmp_path / "chat_no_template"
+    shutil.copytree(fx["root"] / "chat", broken)
+    index = json.loads((broken / "index.json").read_text())
+    del index["meta"]["chat_template"]
+    (broken / "index.json").write_text(json.dumps(index))
+    section = chat_data_section(fx)
+    section["sources"] = [{"name": "chat", "path": str(fx["root"] / "chat"), "weight": 1.0},
+                          {"name": "broken_chat", "path": str(broken), "weight": 1.0}]
+    with pytest.raises(ChatError, match=r"source 'broken_chat' .* is a chat dataset without a chat template"):
+        sources_chat_template(DataConfig(**section), require=False)
+    section["sources"] = [{"name": "plain", "path": str(fx["root"] / "text"), "weight": 1.0}]
+    with pytest.raises(ChatError, match=r"source 'plain' .* is not a chat dataset"):
+        sources_chat_template(DataConfig(**section), require=True)
+    assert sources_chat_template(DataConfig(**chat_data_section(fx)), require=True) == fx["template"]
+
+
+def test_packed_conversations_never_attend_to_each_other(fx, single_process):
+    """A packed row's conversations give the same logits as each conversation alone."""
+    from data_pipeline.config import DataConfig
+    from data_pipeline.loader import build_loader
+    from fbt_megatron.config import FeedbackConfig, ModelConfig
+    from fbt_megatron.model.fbt_gpt import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=512,
+                                    max_sequence_length=128), FeedbackConfig()).eval()
+    cfg = DataConfig(**chat_data_section(fx, seq_length=128), valid_documents=0)
+    b = next(build_loader(cfg, micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1))
+    ids, starts = b["input_ids"], b["doc_start"]
+    bounds = starts[0].nonzero().flatten().tolist() + [ids.shape[1]]
+    assert len(bounds) >= 4  # at least three conversations start in the row
+    with torch.no_grad():
+        packed = model(input_ids=ids, doc_start=starts, num_passes=2).logits
+        for a, z in zip(bounds[1:-1], bounds[2:]):  # whole conversations (the first may be cut)
+            alone_starts = torch.zeros(1, z - a, dtype=torch.bool)
+            alone_starts[0, 0] = True
+            alone = model(input_ids=ids[:, a:z], doc_start=alone_starts, num_passes=2).logits
+            torch.testing.assert_close(packed[:, a:z], alone, rtol=1e-4, atol=1e-4)
