@@ -59,8 +59,8 @@ def _train(overrides: list[str], run_dir: str):
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.engine import ensure_ds_accelerator
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train import run as _run  # noqa: F401  (imports before the baseline)
 
     ensure_ds_accelerator()

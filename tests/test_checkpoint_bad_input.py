@@ -30,7 +30,7 @@ def _crash_at(fault: str):
 
 
 def _train(recipe: dict, fault: str | None = None) -> dict | str:
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train.run import train
 
     try:
@@ -45,7 +45,7 @@ def _train(recipe: dict, fault: str | None = None) -> dict | str:
 def _load_weights(ckpt: Path, recipe: dict) -> str:
     from fbt_megatron.checkpoint import load_model_weights
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     r = load_recipe(data=recipe)
     try:

@@ -41,7 +41,7 @@ class _Records(logging.Handler):
 
 
 def test_second_live_run_refuses_and_loses_nothing(tmp_path, single_process):
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train.run import train
 
     run_dir = tmp_path / "run"

@@ -47,7 +47,7 @@ def test_bf16_zero1_accumulates_each_micro_batch_once(tmp_path):
 
 
 def test_bf16_warns_at_stages_that_accumulate_in_bf16():
-    from fbt_megatron.train.recipe import bf16_accumulation_warning, load_recipe
+    from fbt_megatron.recipe import bf16_accumulation_warning, load_recipe
 
     for stage in (0, 2):
         note = bf16_accumulation_warning(load_recipe(data={"precision": "bf16", "parallel": {"zero_stage": stage}}))
@@ -72,7 +72,7 @@ def test_sequence_parallel_trains_like_tensor_parallel(tmp_path):
 
 
 def test_sequence_parallel_needs_sequence_divisible_by_tp():
-    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
 
     recipe = load_recipe(data={"parallel": {"tensor": 2, "sequence_parallel": True},
                                "data": {"seq_length": 63}, "model": {"max_sequence_length": 64}})

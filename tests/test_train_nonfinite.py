@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.engine import no_weight_decay
+from fbt_megatron.engine import no_weight_decay
 from fbt_megatron.train.lr_schedule import lr_at
 from fbt_megatron.train.testing import grad_norms, losses, tiny_recipe, train_fn
 

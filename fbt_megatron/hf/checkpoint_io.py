@@ -145,8 +145,8 @@ def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
     """Save a freshly built (TP=1) model as step 0 of ``run_dir`` with the trainer's own checkpoint
     manager and a fresh optimiser (zero AdamW moments), so ``fbt train`` resumes it in any layout."""
     from fbt_megatron.checkpoint import CheckpointManager
-    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
-    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.checkpoint.shards import StateFragments, param_specs
+    from fbt_megatron.engine import Engine
     from fbt_megatron.train.trainer import TrainState
 
     specs = param_specs(model)  # before DeepSpeed wraps the model (ZeRO-3 empties parameters)
@@ -156,4 +156,4 @@ def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
                "pass_schedule": {"position": 0, **recipe.schedule.model_dump()},
                "data_cursor": {"consumed_sequences": 0, "loader": None},
                "recipe": recipe.model_dump(mode="json")}
-    return CheckpointManager(Path(run_dir) / "checkpoints").save(0, ZeroState(engine, specs), payload)
+    return CheckpointManager(Path(run_dir) / "checkpoints").save(0, StateFragments(engine, specs), payload)

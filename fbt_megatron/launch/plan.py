@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-te", action="store_true",
                     help="the GPUs run without transformer-engine (Megatron's local layers, torch SDPA)")
     a = ap.parse_intermixed_args(argv)
-    from fbt_megatron.train.recipe import RecipeError, load_recipe
+    from fbt_megatron.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(a.recipe, a.overrides)

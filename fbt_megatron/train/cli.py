@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or "-h" in argv or "--help" in argv:
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
 
     recipe_path, overrides = argv[0], argv[1:]
     try:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
+    from fbt_megatron.engine import ensure_ds_accelerator
 
     ensure_ds_accelerator()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fbt_megatron import runtime
 from fbt_megatron.logs import printer
-from fbt_megatron.train.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
+from fbt_megatron.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
 
 log_info = printer(logging.getLogger(__name__))
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
@@ -31,7 +31,7 @@ def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequ
     kw = dict(micro_batch_size=recipe.batch.micro_batch_size, global_batch_size=recipe.global_batch_size,
               dp_rank=dp_rank, dp_size=dp_size, consumed_sequences=consumed_sequences)
     if d.source == "synthetic":
-        from fbt_megatron.train.synthetic import SyntheticLoader
+        from fbt_megatron.data.synthetic import SyntheticLoader
 
         return SyntheticLoader(_synthetic_cfg(recipe), **kw)
     return _pipeline_loader(recipe, split="train", state=saved_cursor, **kw)
@@ -46,7 +46,7 @@ def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict
     kw = dict(micro_batch_size=mbs, global_batch_size=n, dp_rank=dp_rank, dp_size=dp_size,
               consumed_sequences=0)
     if d.source == "synthetic":
-        from fbt_megatron.train.synthetic import SyntheticLoader
+        from fbt_megatron.data.synthetic import SyntheticLoader
 
         loader = SyntheticLoader(_synthetic_cfg(recipe), offset=VALID_OFFSET, **kw)
     else:
@@ -155,8 +155,8 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train import callbacks as cb
     from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
-    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
-    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.checkpoint.shards import StateFragments, param_specs
+    from fbt_megatron.engine import Engine
     from fbt_megatron.train.lr_schedule import LRSchedule
     from fbt_megatron.train.train_step import FBTTrainStep, evaluate
     from fbt_megatron.train.trainer import Trainer, TrainState
@@ -191,7 +191,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
                         dtype=dtype)
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     engine = Engine(model, recipe)
-    zero = ZeroState(engine, specs)
+    zero = StateFragments(engine, specs)
     state, saved_cursor = TrainState(), None
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)

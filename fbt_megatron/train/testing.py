@@ -47,7 +47,7 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
     (parameters, both AdamW moments and Adam's step count before training and after every step) or
     "engine_info" (DeepSpeed's optimiser and dtypes)."""
     os.environ.update(env or {})
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train.run import train
 
     recipe = load_recipe(data=recipe_data)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     import yaml
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
+    from fbt_megatron.engine import ensure_ds_accelerator
 
     recipe_path, fault = (argv if argv is not None else sys.argv[1:])[:2]
     ensure_ds_accelerator()
@@ -114,7 +114,7 @@ def load_latest_weights(run_dir: str, recipe_data: dict) -> dict:
     from pathlib import Path
 
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     recipe = load_recipe(data=recipe_data)
     model = build_model(recipe.model, recipe.feedback)
