@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
     from fbt_megatron.runtime import ParallelLayout
     from fbt_megatron.testing.distributed import run_distributed
-    from fbt_megatron.train.testing import tiny_recipe
+    from fbt_megatron.testing.training import tiny_recipe
 
     rows = []
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:

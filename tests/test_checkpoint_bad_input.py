@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe
+from fbt_megatron.testing.training import tiny_recipe
 
 
 class Crash(Exception):

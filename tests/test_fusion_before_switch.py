@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe, train_fn
+from fbt_megatron.testing.training import tiny_recipe, train_fn
 
 FUSION = ("feedback.value.weight", "feedback.gate.weight")
 START = 3  # feedback_start_step: steps 0, 1, 2 are single-pass

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fbt_megatron.model.fbt_gpt import build_model
-from fbt_megatron.parallel.pipeline import (BACKWARD, FORWARD, Op, PipelineRunner, build_schedule,
-                                            grad_passes_for, theoretical_bubble)
+from fbt_megatron.parallel.pipeline_runner import PipelineRunner
+from fbt_megatron.parallel.schedule import (BACKWARD, FORWARD, Op, build_schedule, grad_passes_for,
+                                            theoretical_bubble)
 from fbt_megatron.runtime import ParallelLayout
 from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.engine import Engine

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import effective_stream, load_latest_weights, read_metrics
+from fbt_megatron.testing.training import effective_stream, load_latest_weights, read_metrics
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]

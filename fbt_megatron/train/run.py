@@ -104,8 +104,8 @@ def _pipeline_loader(recipe: Recipe, split: str, **kw):
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
-          probe=None) -> dict:
+def train(recipe: Recipe, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
+          extra_callbacks=()) -> dict:
     """Train ``recipe`` in this process group, holding its run directory's lock (rank 0 takes it before
     anything in the run directory is read or written; a second live run on it raises
     :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank). See :func:`_train` for the rest."""
@@ -135,19 +135,20 @@ def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoin
     try:
         if box[0] is not None:
             raise RunDirLocked(box[0])
-        return _train(recipe, preemption, print_fn=print_fn, inject_nonfinite=inject_nonfinite,
-                      checkpoint_fault_hook=checkpoint_fault_hook, probe=probe)
+        return _train(recipe, preemption, print_fn=print_fn, checkpoint_fault_hook=checkpoint_fault_hook,
+                      wrap_step=wrap_step, extra_callbacks=extra_callbacks)
     finally:
         preemption.release()
         lock.release()
 
 
-def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
-           probe=None) -> dict:
-    """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
-    called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
-    ({step: fault}, see ``train_step.FAULT_KINDS``); ``probe``, a callable ``(engine) -> Callback``
-    whose callback may leave a result in ``trainer.metrics["probe"]`` (returned as ``summary["probe"]``)."""
+def _train(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
+           extra_callbacks=()) -> dict:
+    """Train ``recipe`` in this process group. Hooks (tests, tools; the run reads none itself):
+    ``checkpoint_fault_hook(point, step)`` is called at the points of a checkpoint save (see
+    :class:`CheckpointManager`); ``wrap_step(step_fn) -> step_fn`` wraps the train step (e.g.
+    ``fbt_megatron.testing.faults.NonFiniteFaults``); ``extra_callbacks``: callables ``(engine) -> Callback``
+    (a callback may leave a result in ``trainer.metrics["probe"]``, returned as ``summary["probe"]``)."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -158,6 +159,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     from fbt_megatron.checkpoint.shards import StateFragments, param_specs
     from fbt_megatron.engine import Engine
     from fbt_megatron.train.lr_schedule import LRSchedule
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import FBTTrainStep, evaluate
     from fbt_megatron.train.trainer import Trainer, TrainState
 
@@ -204,13 +206,10 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     schedule = PassSchedule(recipe.schedule)
     loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences, saved_cursor)
     valid = build_valid_batches(recipe, dp_rank, dp_size)
-    pipeline = None
-    if recipe.parallel.pipeline > 1:
-        from fbt_megatron.parallel.pipeline import PipelineRunner
-
-        pipeline = PipelineRunner(engine.model)
-    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite,
-                           pipeline=pipeline)
+    runner = get_runner(engine.model, engine)  # whole model (PP=1) or pipeline stages
+    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, runner=runner)
+    if wrap_step is not None:
+        step_fn = wrap_step(step_fn)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
     feedback_depth = recipe.eval.feedback_passes or (schedule.max_passes if recipe.feedback.fusion != "off" else 1)
 
@@ -240,7 +239,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
                    "recipe": recipe.model_dump(mode="json")}
         return ckpt.save(st.step, zero, payload, files=tokenizer_file)
 
-    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device, pipeline).loss,
+    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
                                [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
     callbacks = [
         validation,
@@ -257,8 +256,7 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll))
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
-    if probe is not None:
-        callbacks.append(probe(engine))
+    callbacks += [make(engine) for make in extra_callbacks]
 
     total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
