@@ -72,7 +72,7 @@ def _train(overrides: list[str], run_dir: str):
     import megatron.core  # noqa: F401
 
     baseline = _rss("VmRSS")
-    summary = _run.train(recipe, print_fn=lambda *a, **k: None)
+    summary = _run.train(recipe, print_fn=lambda *a, **k: None).summary()
     peak = _rss("VmHWM")
     runtime.shutdown()
     return recipe, summary, baseline, peak

@@ -113,7 +113,7 @@ def hf_step_fn(recipe):
 
 
 def batches(recipe, dp_rank, dp_size, steps):
-    from fbt_megatron.train.run import build_train_loader
+    from fbt_megatron.data.loaders import build_train_loader
 
     it = iter(build_train_loader(recipe, dp_rank, dp_size, 0))
     return [[next(it) for _ in range(recipe.accumulation_steps(dp_size))] for _ in range(steps)]

@@ -35,7 +35,7 @@ def _train(recipe: dict, fault: str | None = None) -> dict | str:
 
     try:
         return train(load_recipe(data=recipe), print_fn=lambda *a, **k: None,
-                     checkpoint_fault_hook=_crash_at(fault) if fault else None)
+                     checkpoint_fault_hook=_crash_at(fault) if fault else None).summary()
     except Crash as e:
         return f"crash {e}"
     except Exception as e:  # the error a user would see

@@ -72,7 +72,7 @@ def test_second_live_run_refuses_and_loses_nothing(tmp_path, single_process):
         dead = _holder(fresh)
         dead.kill()
         dead.wait()
-        summary = train(load_recipe(ROOT / "recipes" / "tiny.yaml", [*SHORT, f"run_dir={fresh}"]))
+        summary = train(load_recipe(ROOT / "recipes" / "tiny.yaml", [*SHORT, f"run_dir={fresh}"])).summary()
     finally:
         logging.getLogger("fbt_megatron.train.run_lock").removeHandler(records)
     assert summary["step"] == 2

@@ -28,7 +28,7 @@ def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     """Evaluate the latest checkpoint of ``run_dir`` at each pass count (call inside a process group)."""
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.model import load_checkpoint_model
-    from fbt_megatron.train.run import build_valid_batches
+    from fbt_megatron.data.loaders import build_valid_batches
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import evaluate
 

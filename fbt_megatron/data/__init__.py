@@ -1,2 +1,2 @@
-"""Training data for a recipe that is not the data pipeline's (``data_pipeline/``): the synthetic stream
-(:mod:`.synthetic`)."""
+"""Training data for a recipe: the data pipeline's token loaders (``data_pipeline/``) or the synthetic
+stream (:mod:`.synthetic`), built for one data-parallel rank (:mod:`.loaders`)."""

@@ -40,7 +40,8 @@ def tiny_recipe(run_dir: str, **sections) -> dict:
 
 def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None,
              probe: str | None = None) -> dict:
-    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary.
+    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary
+    (:meth:`TrainResult.summary`, with ``"probe"``: what the probe callback left).
     ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save.
     ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``testing.faults.FAULT_KINDS``).
     ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end), "step_states"
@@ -52,10 +53,11 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
     from fbt_megatron.train.run import train
 
     recipe = load_recipe(data=recipe_data)
-    return train(recipe, print_fn=lambda *a, **k: None,
-                 wrap_step=NonFiniteFaults(inject_nonfinite) if inject_nonfinite else None,
-                 checkpoint_fault_hook=kill_at(fault) if fault else None,
-                 extra_callbacks=[PROBES[probe]] if probe else ())
+    result = train(recipe, print_fn=lambda *a, **k: None,
+                   wrap_step=NonFiniteFaults(inject_nonfinite) if inject_nonfinite else None,
+                   checkpoint_fault_hook=kill_at(fault) if fault else None,
+                   extra_callbacks=[PROBES[probe]] if probe else ())
+    return dict(result.summary(), probe=result.metrics.get("probe"))
 
 
 def kill_at(fault: str):

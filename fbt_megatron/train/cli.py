@@ -48,15 +48,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         try:
-            summary = train(recipe)
+            result = train(recipe)
         except RunDirLocked as e:
             print(f"fbt train: {e}", file=sys.stderr)
             return 2
         if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
-            print(format_summary(summary), flush=True)
+            print(format_summary(result), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher
         # (slurm/ batch script) requeues. Other stops (non-finite losses) exit 3.
-        return 3 if summary.get("stop_reason") and not summary.get("preempted") else 0
+        return 3 if result.stop_reason and not result.preempted else 0
     finally:
         runtime.shutdown()
 

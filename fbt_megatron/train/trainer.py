@@ -26,13 +26,23 @@ class TrainState:
     pass_counts: dict[str, int] = field(default_factory=dict)  # "k" -> steps with k passes
     tokens_seen: int = 0
 
-    def to_json(self) -> dict:
+    def state_dict(self) -> dict:
         return asdict(self)
+
+    def load_state_dict(self, data: dict) -> None:
+        names = {f for f in self.__dataclass_fields__}
+        for key, value in data.items():
+            if key in names:
+                setattr(self, key, value)
+
+    def to_json(self) -> dict:
+        return self.state_dict()
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainState":
-        names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        state = cls()
+        state.load_state_dict(data)
+        return state
 
 
 class Callback:
