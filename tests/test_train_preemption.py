@@ -62,7 +62,7 @@ time.sleep(1.0)
 alive = child.poll() is None
 child.kill(); child.wait()
 p.on_step_end(T, None)
-p.release()
+p.close()
 print(alive, T.metrics.get("preempted"))
 """
 

@@ -178,7 +178,7 @@ def full_state(engine, moments: bool) -> dict:
 
 
 def _final_params(engine):
-    from fbt_megatron.train.trainer import Callback
+    from fbt_megatron.train.callbacks import Callback
 
     class FinalParams(Callback):
         def on_train_end(self, trainer):
@@ -188,7 +188,7 @@ def _final_params(engine):
 
 
 def _step_states(engine):
-    from fbt_megatron.train.trainer import Callback
+    from fbt_megatron.train.callbacks import Callback
 
     class StepStates(Callback):
         """{"initial": state, step: state after that step}."""
@@ -203,7 +203,7 @@ def _step_states(engine):
 
 
 def _engine_info(engine):
-    from fbt_megatron.train.trainer import Callback
+    from fbt_megatron.train.callbacks import Callback
 
     class EngineInfo(Callback):
         """The precision DeepSpeed actually runs with (optimiser, dtypes of weights, masters, grads)."""

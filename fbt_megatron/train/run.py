@@ -111,13 +111,10 @@ def train(recipe: Recipe, *, print_fn=log_info, checkpoint_fault_hook=None, wrap
             raise RunDirLocked(box[0])
         run = build(recipe, preemption, print_fn=print_fn, checkpoint_fault_hook=checkpoint_fault_hook,
                     wrap_step=wrap_step, extra_callbacks=extra_callbacks)
-        try:
-            fit(run)
-        finally:
-            preemption.release()  # after the last save: a SIGTERM must not cut it short
+        fit(run)
         return summarise(run)
     finally:
-        preemption.release()
+        preemption.close()  # (idempotent) also when the run failed before its trainer existed
         lock.release()
 
 
@@ -205,12 +202,11 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
         return ckpt.save(st.step, zero, training_state.state_dict(), files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
-                               [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
+                               [1, feedback_depth], at_end=recipe.eval.at_end)
     checkpointer = cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll)
-    # Preemption before the Checkpointer: a signal seen at this step's end makes the Checkpointer save it.
     callbacks = [validation, *_loggers(recipe, run_dir, _flops_fn(recipe, n_params), world, log),
-                 preemption, cb.MetricsFile(run_dir / "metrics.jsonl"), checkpointer]
+                 preemption, checkpointer]
     if recipe.profile.enabled:
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
     callbacks += [make(engine) for make in extra_callbacks]
@@ -243,7 +239,8 @@ def _flops_fn(recipe: Recipe, n_params: int):
 def _loggers(recipe: Recipe, run_dir: Path, flops_fn, world: int, log) -> list:
     from fbt_megatron.train import callbacks as cb
 
-    loggers = [cb.ConsoleLogger(recipe.logging.log_every, flops_fn, recipe.logging.peak_flops, world, print_fn=log)]
+    loggers = [cb.ConsoleLogger(recipe.logging.log_every, flops_fn, recipe.logging.peak_flops, world, print_fn=log),
+               cb.MetricsFile(run_dir / "metrics.jsonl")]
     if recipe.logging.tensorboard:
         loggers.append(cb.TensorBoardLogger(run_dir / "tensorboard"))
     if recipe.logging.wandb:
@@ -252,21 +249,26 @@ def _loggers(recipe: Recipe, run_dir: Path, flops_fn, world: int, log) -> list:
 
 
 def fit(run: Run) -> None:
-    """Train to the recipe's step (or report on a run that is already there); wait for the last save."""
+    """Train to the recipe's step (or report on a run that is already there); wait for the last save,
+    then close the callbacks (the preemption handler releases its signals only then: a SIGTERM must
+    not cut the last save short)."""
     recipe, trainer, log, state = run.recipe, run.trainer, run.log, run.trainer.state
-    if state.step < trainer.total_steps:
-        log(f"training {recipe.name}: steps {state.step}->{trainer.total_steps} of {recipe.train.steps}, "
-            f"layout {run.layout}, global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
-            f"accumulation {recipe.accumulation_steps(run.dp_size)}, feedback from step "
-            f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
-        trainer.fit()
-    else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
-        log(f"{recipe.name} is already at step {state.step} of {trainer.total_steps}: nothing to train "
-            f"(raise train.steps to continue, or use a new run_dir)")
-        trainer.metrics["checkpoint"] = str(run.latest) if run.latest is not None else None
-        if recipe.eval.at_end:
-            run.validation.run(trainer)
-    run.checkpoints.wait()
+    try:
+        if state.step < trainer.total_steps:
+            log(f"training {recipe.name}: steps {state.step}->{trainer.total_steps} of {recipe.train.steps}, "
+                f"layout {run.layout}, global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
+                f"accumulation {recipe.accumulation_steps(run.dp_size)}, feedback from step "
+                f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
+            trainer.fit()
+        else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
+            log(f"{recipe.name} is already at step {state.step} of {trainer.total_steps}: nothing to train "
+                f"(raise train.steps to continue, or use a new run_dir)")
+            trainer.metrics["checkpoint"] = str(run.latest) if run.latest is not None else None
+            if recipe.eval.at_end:
+                run.validation.run(trainer)
+        run.checkpoints.wait()
+    finally:
+        trainer.close()
 
 
 def summarise(run: Run) -> TrainResult:
