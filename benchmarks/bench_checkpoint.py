@@ -69,12 +69,12 @@ def bench_rank(recipe_data: dict, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from fbt_megatron.checkpoint import CheckpointManager
-    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
+    from fbt_megatron.checkpoint.shards import StateFragments, param_specs
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.passes import PassSchedule
-    from fbt_megatron.train.engine import Engine
-    from fbt_megatron.train.recipe import load_recipe
-    from fbt_megatron.train.synthetic import SyntheticLoader
+    from fbt_megatron.engine import Engine
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.data.synthetic import SyntheticLoader
     from fbt_megatron.train.train_step import FBTTrainStep
     from megatron.core import parallel_state as ps
 
@@ -84,7 +84,7 @@ def bench_rank(recipe_data: dict, out_dir: str) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     specs = param_specs(model)
     engine = Engine(model, recipe)
-    zero = ZeroState(engine, specs)
+    zero = StateFragments(engine, specs)
     cfg = recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
     loader = iter(SyntheticLoader(cfg, micro_batch_size=1, global_batch_size=2, dp_rank=ps.get_data_parallel_rank(),
                                   dp_size=2))
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
     from fbt_megatron.runtime import ParallelLayout
     from fbt_megatron.testing.distributed import run_distributed
-    from fbt_megatron.train.testing import tiny_recipe
+    from fbt_megatron.testing.training import tiny_recipe
 
     rows = []
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:

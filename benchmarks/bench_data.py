@@ -80,7 +80,7 @@ def bench_consumer(recipe_path: Path, steps: int = 6) -> tuple[float, dict]:
     os.environ.setdefault("FBT_DEVICE", "cpu")
     from fbt_megatron import runtime
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
     runtime.init_distributed()

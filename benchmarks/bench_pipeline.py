@@ -72,7 +72,8 @@ def stage_measurements(args, k: int) -> dict:
 
     from fbt_megatron.config import FeedbackConfig, ModelConfig
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.parallel.pipeline import FORWARD, PipelineRunner, build_schedule, grad_passes_for
+    from fbt_megatron.parallel.pipeline_runner import PipelineRunner
+    from fbt_megatron.parallel.schedule import FORWARD, build_schedule, grad_passes_for
 
     torch.set_num_threads(args.threads)
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -114,7 +115,7 @@ def stage_measurements(args, k: int) -> dict:
 
 
 def main():
-    from fbt_megatron.parallel.pipeline import build_schedule, grad_passes_for, simulated_bubbles, theoretical_bubble
+    from fbt_megatron.parallel.schedule import build_schedule, grad_passes_for, simulated_bubbles, theoretical_bubble
     from fbt_megatron.runtime import ParallelLayout
     from fbt_megatron.testing.distributed import run_distributed
 

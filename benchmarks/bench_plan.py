@@ -59,8 +59,8 @@ def _train(overrides: list[str], run_dir: str):
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.engine import ensure_ds_accelerator
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train import run as _run  # noqa: F401  (imports before the baseline)
 
     ensure_ds_accelerator()
@@ -72,7 +72,7 @@ def _train(overrides: list[str], run_dir: str):
     import megatron.core  # noqa: F401
 
     baseline = _rss("VmRSS")
-    summary = _run.train(recipe, print_fn=lambda *a, **k: None)
+    summary = _run.train(recipe, print_fn=lambda *a, **k: None).summary()
     peak = _rss("VmHWM")
     runtime.shutdown()
     return recipe, summary, baseline, peak

@@ -43,7 +43,7 @@ def llama_ffn(hidden: int) -> int:
 
 
 def recipe_for(size: str, zero: int, a):
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     layers, hidden, heads = SIZES[size]
     gbs = a.micro_batch * a.accumulation
@@ -69,7 +69,7 @@ def fbt_step_fn(recipe, passes=1):
     """`fbt train`'s step function for ``recipe`` (a fresh model and engine), as run.train builds it."""
     from fbt_megatron import runtime
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.engine import Engine
     from fbt_megatron.train.train_step import FBTTrainStep
 
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
@@ -113,7 +113,7 @@ def hf_step_fn(recipe):
 
 
 def batches(recipe, dp_rank, dp_size, steps):
-    from fbt_megatron.train.run import build_train_loader
+    from fbt_megatron.data.loaders import build_train_loader
 
     it = iter(build_train_loader(recipe, dp_rank, dp_size, 0))
     return [[next(it) for _ in range(recipe.accumulation_steps(dp_size))] for _ in range(steps)]
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
+    from fbt_megatron.engine import ensure_ds_accelerator
 
     ensure_ds_accelerator()
     torch.set_num_threads(os.cpu_count() or 1)

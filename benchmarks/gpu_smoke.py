@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         return 2
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     runtime.init_distributed()
     runtime.init_parallel_state(runtime.ParallelLayout())

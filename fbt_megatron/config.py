@@ -208,3 +208,15 @@ def check_num_passes(k: int) -> int:
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_passes={k!r} is invalid; allowed: an integer >= 1")
     return k
+
+
+class SyntheticDataConfig(BaseModel):
+    """The recipe's ``data.synthetic`` section (the generator is :mod:`fbt_megatron.data.synthetic`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(256, ge=4)
+    seq_length: int = Field(64, ge=2)
+    seed: int = 0
+    mean_doc_length: int = Field(48, ge=2)
+    noise: float = Field(0.05, ge=0.0, le=1.0)

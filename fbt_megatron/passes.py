@@ -68,3 +68,10 @@ class PassSchedule:
             k = self.num_passes(s)
             out[k] = out.get(k, 0) + 1
         return out
+
+    def state_dict(self) -> dict:
+        """The schedule's settings (``num_passes`` is a pure function of the step, so it has no cursor)."""
+        return self.config.model_dump()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: the pass count of every step follows from the recipe's schedule."""

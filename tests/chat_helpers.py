@@ -49,7 +49,7 @@ def chat_data_section(fx: dict, seq_length: int = 32, name: str = "chat") -> dic
 
 def sft_recipe(run_dir, fx: dict, init_from=None, **sections) -> dict:
     """The tests' tiny recipe on the chat dataset with ``task: sft`` (model vocabulary: the fixture's)."""
-    from fbt_megatron.train.testing import tiny_recipe
+    from fbt_megatron.testing.training import tiny_recipe
 
     sections.setdefault("model", {})
     sections["model"] = {"vocab_size": 512, "max_sequence_length": 64, **sections["model"]}
@@ -63,12 +63,13 @@ def sft_train_fn(recipe_data: dict, probe: str | None = None) -> dict:
     """``fbt sft``'s path in a (distributed) test process: the recipe resolved against ``init_from``
     (its model section when the recipe has none) and checked, then trained; returns the summary."""
     from fbt_megatron.train.cli import sft_recipe as resolve
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.training import PROBES
     from fbt_megatron.train.run import train
-    from fbt_megatron.train.testing import PROBES
 
     recipe = resolve(load_recipe(data=recipe_data), "sft")
-    return train(recipe, print_fn=lambda *a, **k: None, probe=PROBES[probe] if probe else None)
+    result = train(recipe, print_fn=lambda *a, **k: None, extra_callbacks=[PROBES[probe]] if probe else ())
+    return dict(result.summary(), probe=result.metrics.get("probe"))
 
 
 def stock_llama(path, vocab_size: int = 512):

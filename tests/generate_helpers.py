@@ -27,10 +27,10 @@ def save_run(run_dir: Path, tokenizer: Path, seed: int = 0, value_std: float = 0
     import torch.distributed as dist
 
     from fbt_megatron.checkpoint import CheckpointManager
-    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
+    from fbt_megatron.checkpoint.shards import StateFragments, param_specs
     from fbt_megatron.generate.model import build_inference_model
-    from fbt_megatron.train.engine import Engine
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.engine import Engine
+    from fbt_megatron.recipe import load_recipe
 
     torch.manual_seed(seed)
     train_recipe = load_recipe(data={"model": MODEL, "data": {"synthetic": {"vocab_size": 256}},
@@ -40,7 +40,7 @@ def save_run(run_dir: Path, tokenizer: Path, seed: int = 0, value_std: float = 0
     with torch.no_grad():  # make the fed-back state matter
         model.feedback.value.weight.normal_(0.0, value_std)
     specs = param_specs(model)
-    zero = ZeroState(Engine(model, train_recipe), specs)
+    zero = StateFragments(Engine(model, train_recipe), specs)
     recipe = {"name": "gen-test", "model": MODEL, "feedback": FeedbackConfig().model_dump(),
               "data": {"source": "pipeline", "pipeline": {"tokenizer": str(tokenizer)}}}
     state = {"train_state": {"step": 1}, "optimizer_steps": 0, "recipe": recipe,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe
+from fbt_megatron.testing.training import tiny_recipe
 
 
 class Crash(Exception):
@@ -30,12 +30,12 @@ def _crash_at(fault: str):
 
 
 def _train(recipe: dict, fault: str | None = None) -> dict | str:
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train.run import train
 
     try:
         return train(load_recipe(data=recipe), print_fn=lambda *a, **k: None,
-                     checkpoint_fault_hook=_crash_at(fault) if fault else None)
+                     checkpoint_fault_hook=_crash_at(fault) if fault else None).summary()
     except Crash as e:
         return f"crash {e}"
     except Exception as e:  # the error a user would see
@@ -45,7 +45,7 @@ def _train(recipe: dict, fault: str | None = None) -> dict | str:
 def _load_weights(ckpt: Path, recipe: dict) -> str:
     from fbt_megatron.checkpoint import load_model_weights
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     r = load_recipe(data=recipe)
     try:

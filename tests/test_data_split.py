@@ -169,8 +169,8 @@ def test_bad_split_settings_name_the_field(fx):
 
 
 def test_trainer_validation_reads_only_held_out_documents(fx):
-    from fbt_megatron.train.recipe import load_recipe
-    from fbt_megatron.train.run import build_train_loader, build_valid_batches
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.data.loaders import build_train_loader, build_valid_batches
 
     cfg = fixture_config(fx)
     pipeline = cfg.model_dump(exclude={"seq_length"})

@@ -20,7 +20,7 @@ import yaml
 
 from fbt_megatron.runtime import _free_port
 from fbt_megatron.testing.distributed import child_pids, run_distributed
-from fbt_megatron.train.testing import effective_stream, read_metrics, tiny_recipe, train_fn
+from fbt_megatron.testing.training import effective_stream, read_metrics, tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = dict(train={"steps": 10, "stop_at_step": 7}, checkpoint={"every": 2, "at_end": True, "keep_last": 2},

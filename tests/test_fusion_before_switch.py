@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe, train_fn
+from fbt_megatron.testing.training import tiny_recipe, train_fn
 
 FUSION = ("feedback.value.weight", "feedback.gate.weight")
 START = 3  # feedback_start_step: steps 0, 1, 2 are single-pass
@@ -78,8 +78,8 @@ def test_layouts_agree_across_the_switch(runs):
 def test_fusion_weight_decay_turns_on_at_the_first_feedback_step(tmp_path, sections, start):
     from types import SimpleNamespace
 
-    from fbt_megatron.train.engine import Engine, fusion_decay_start
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.engine import Engine, fusion_decay_start
+    from fbt_megatron.recipe import load_recipe
 
     data = tiny_recipe(tmp_path, schedule={"feedback_start_step": START, "mix": [0.0, 1.0], "seed": 3},
                        optimizer={"weight_decay": 0.5})
@@ -92,7 +92,7 @@ def test_fusion_weight_decay_turns_on_at_the_first_feedback_step(tmp_path, secti
     w_u, w_g, other = (torch.nn.Parameter(torch.ones(4, 4)) for _ in range(3))
     w_u.latent_feedback_fusion = w_g.latent_feedback_fusion = True
     model = torch.nn.ParameterDict({"u": w_u, "g": w_g, "o": other})
-    from fbt_megatron.train.engine import param_groups
+    from fbt_megatron.engine import param_groups
 
     opt = torch.optim.AdamW(param_groups(model, 0.5, False, start), lr=1.0)
     engine = SimpleNamespace(torch_optimizer=opt)

@@ -18,7 +18,7 @@ import torch
 
 from fbt_megatron.hf.mapping import ConversionError
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe
+from fbt_megatron.testing.training import tiny_recipe
 
 HF_SIDE = Path(__file__).with_name("hf_side.py")
 RTOL = 1e-4
@@ -67,7 +67,7 @@ def _sp_tokenizer(path: Path) -> Path:
 def exported(tmp_path_factory):
     """{variant: (checkpoint dir, export dir)}, plus the sentencepiece model used by the rope export."""
     from fbt_megatron.hf.export import export_checkpoint
-    from fbt_megatron.hf.testing import train_recipes
+    from fbt_megatron.testing.hf import train_recipes
 
     root = tmp_path_factory.mktemp("hf")
     run_distributed(train_recipes, 2, [_recipe(root / f"run_{v}", v) for v in VARIANTS])
@@ -197,7 +197,7 @@ def test_export_import_export_is_bit_identical(exported, tmp_path, single_proces
     # The imported checkpoint is trainable in another layout: its own recipe resumes it at TP=2.
     import yaml
 
-    from fbt_megatron.train.testing import train_fn
+    from fbt_megatron.testing.training import train_fn
 
     recipe = yaml.safe_load((tmp_path / "imported" / "recipe.yaml").read_text())
     recipe["parallel"]["tensor"] = 2

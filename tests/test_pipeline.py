@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from fbt_megatron.model.fbt_gpt import build_model
-from fbt_megatron.parallel.pipeline import (BACKWARD, FORWARD, Op, PipelineRunner, build_schedule,
-                                            grad_passes_for, theoretical_bubble)
+from fbt_megatron.parallel.pipeline_runner import PipelineRunner
+from fbt_megatron.parallel.schedule import (BACKWARD, FORWARD, Op, build_schedule, grad_passes_for,
+                                            theoretical_bubble)
 from fbt_megatron.runtime import ParallelLayout
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.engine import Engine
+from fbt_megatron.engine import Engine
 from model_helpers import feedback, shard, tiny_model_config, unshard
 
 # (passes, grad_mode, loss_on): every k with both gradient modes; both loss modes among them
@@ -83,7 +84,7 @@ def whole_model_reference(full_state, cases):
 def pipelined(full_state, cases, packed=False):
     """PP>1 on this rank: per case, loss, gradient norm (each parameter once over PP and TP) and
     the full (TP-unsharded) gradients of this stage's parameters under their PP=1 names."""
-    from fbt_megatron.train.engine import model_parallel_grad_norm
+    from fbt_megatron.engine import model_parallel_grad_norm
 
     mbs = micro_batches()
     tokens = sum(b["loss_mask"].sum() for b in mbs)

@@ -12,8 +12,8 @@ import itertools
 
 import pytest
 
-from fbt_megatron.parallel.pipeline import (RECV, SEND, _receives, _sends, build_schedule, grad_passes_for,
-                                            message_plan)
+from fbt_megatron.parallel.messages import RECV, SEND, _receives, _sends, message_plan
+from fbt_megatron.parallel.schedule import build_schedule, grad_passes_for
 
 
 def replay(batches_per_rank) -> bool:

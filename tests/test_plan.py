@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fbt_megatron.launch.plan import GB, Layout, Shape, memory_per_gpu, pass_factor, plan
-from fbt_megatron.train.recipe import load_recipe
+from fbt_megatron.recipe import load_recipe
 
 
 def test_tiny_recipe_counts_by_hand():

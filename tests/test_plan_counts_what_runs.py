@@ -11,7 +11,7 @@ import torch
 from fbt_megatron.launch.plan import GB, plan
 from fbt_megatron.passes import step_forwards
 from fbt_megatron.train.callbacks import model_flops_per_token
-from fbt_megatron.train.recipe import load_recipe
+from fbt_megatron.recipe import load_recipe
 
 RECIPE = "recipes/fbt-1b-400b.yaml"
 SCORES = 5 * 32 * 2048 ** 2 * 4  # 5·a·s²·b bytes of one layer's scores at 2-byte activations (TP=1)

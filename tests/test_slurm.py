@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import effective_stream, load_latest_weights, read_metrics
+from fbt_megatron.testing.training import effective_stream, load_latest_weights, read_metrics
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_cancel_mid_save_keeps_latest_loadable(slurm_cluster, tmp_path):
     assert _job(job)["JobState"] == "CANCELLED"
 
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*TINY_SHORT, DP2])  # loads into another layout
     from fbt_megatron.runtime import ParallelLayout

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe, train_fn
+from fbt_megatron.testing.training import tiny_recipe, train_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from feedback_depth import depth_report  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import grad_norms, losses, tiny_recipe, train_fn
+from fbt_megatron.testing.training import grad_norms, losses, tiny_recipe, train_fn
 
 # bf16 matmuls are slow on CPU: a shorter run on shorter rows than the other training tests.
 BF16 = dict(precision="bf16", parallel={"zero_stage": 1}, train={"steps": 3}, data={"seq_length": 16},
@@ -47,7 +47,7 @@ def test_bf16_zero1_accumulates_each_micro_batch_once(tmp_path):
 
 
 def test_bf16_warns_at_stages_that_accumulate_in_bf16():
-    from fbt_megatron.train.recipe import bf16_accumulation_warning, load_recipe
+    from fbt_megatron.recipe import bf16_accumulation_warning, load_recipe
 
     for stage in (0, 2):
         note = bf16_accumulation_warning(load_recipe(data={"precision": "bf16", "parallel": {"zero_stage": stage}}))
@@ -72,7 +72,7 @@ def test_sequence_parallel_trains_like_tensor_parallel(tmp_path):
 
 
 def test_sequence_parallel_needs_sequence_divisible_by_tp():
-    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
 
     recipe = load_recipe(data={"parallel": {"tensor": 2, "sequence_parallel": True},
                                "data": {"seq_length": 63}, "model": {"max_sequence_length": 64}})

@@ -5,7 +5,7 @@ import pytest
 
 from data_pipeline.testing import build_fixture, fixture_config
 from fbt_megatron.testing.distributed import DistributedTestFailure, run_distributed
-from fbt_megatron.train.testing import losses, tiny_recipe, train_fn
+from fbt_megatron.testing.training import losses, tiny_recipe, train_fn
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import grad_norms, losses, tiny_recipe, train_fn
+from fbt_megatron.testing.training import grad_norms, losses, tiny_recipe, train_fn
 
 TOL = 1e-5
 # After 6 AdamW steps at lr 3e-3: most elements agree to ~2e-7, but Adam normalises each gradient, so an

@@ -30,7 +30,7 @@ def _trainer(tmp_path, callbacks):
                           grad_norm=1.5, lr=lr, residuals=[0.25] if passes == 2 else [])
 
     val = {1: 4.0, 2: 3.5}
-    validation = cb.Validation(2, lambda k: val[k], [1, 2], at_end=True, print_fn=lambda *a, **k: None)
+    validation = cb.Validation(2, lambda k: val[k], [1, 2], at_end=True)
     return Trainer(step_fn=step_fn, batches=iter(range(100)), micro_batches_per_step=1, lr_fn=lambda s: 1e-3,
                    total_steps=3, global_batch_size=4, callbacks=[validation, *callbacks], log=lambda *a: None)
 

@@ -4,7 +4,7 @@ feedback passes), with ZeRO data parallelism (PP=2 x DP=2), and resumes across P
 import pytest
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import losses, tiny_recipe, train_fn
+from fbt_megatron.testing.training import losses, tiny_recipe, train_fn
 
 TOL = 1e-5
 # 4 layers (2 per stage), feedback from step 2, 4 micro-batches per step at DP=1.

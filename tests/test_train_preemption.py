@@ -9,7 +9,7 @@ import sys
 import time
 
 from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.train.testing import tiny_recipe, train_fn
+from fbt_megatron.testing.training import tiny_recipe, train_fn
 
 
 def _signal_at(recipe_data: dict, step: int, rank: int, signame: str) -> dict:
@@ -62,7 +62,7 @@ time.sleep(1.0)
 alive = child.poll() is None
 child.kill(); child.wait()
 p.on_step_end(T, None)
-p.release()
+p.close()
 print(alive, T.metrics.get("preempted"))
 """
 

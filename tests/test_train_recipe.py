@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from fbt_megatron.train.lr_schedule import lr_at
-from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

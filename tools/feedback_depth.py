@@ -28,14 +28,16 @@ def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     """Evaluate the latest checkpoint of ``run_dir`` at each pass count (call inside a process group)."""
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.model import load_checkpoint_model
-    from fbt_megatron.train.run import build_valid_batches
+    from fbt_megatron.data.loaders import build_valid_batches
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import evaluate
 
     model, recipe, latest = load_checkpoint_model(run_dir)
     batches = build_valid_batches(recipe, 0, 1)
+    runner = get_runner(model)
     rows = []
     for k in passes:
-        ev = evaluate(model, batches, k, runtime.device())
+        ev = evaluate(runner, batches, k, runtime.device())
         rows.append({"passes": k, "val_loss": ev.loss, "last_residual": ev.last_residual,
                      "converged": ev.last_residual is not None and ev.last_residual < CONVERGED})
     return {"checkpoint": str(latest), "seq_length": recipe.data.seq_length, "rows": rows}

@@ -46,7 +46,7 @@ def analyse(runs: Path, passes: int, rows: int = 8) -> dict:
     from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms
     from fbt_megatron.checkpoint.model import load_checkpoint_model
     from fbt_megatron.research.stability import contraction_ratios
-    from fbt_megatron.train.run import build_valid_batches
+    from fbt_megatron.data.loaders import build_valid_batches
 
     results = {}
     for name in MIXES:

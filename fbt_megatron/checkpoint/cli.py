@@ -112,7 +112,7 @@ def _model_problems(path: Path, meta: dict) -> list[str]:
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.shards import STATE_KEYS, param_specs, storage_key
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_saved_recipe
+    from fbt_megatron.recipe import load_saved_recipe
 
     state = json.loads((path / "state.json").read_text())
     recipe = load_saved_recipe(state["recipe"])

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
 from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
-from fbt_megatron.checkpoint.shards import STATE_KEYS, Fragment, ParamSpec, ZeroState, storage_key
+from fbt_megatron.checkpoint.shards import STATE_KEYS, Fragment, ParamSpec, StateFragments, storage_key
 
 LATEST = "latest"
 FORMAT_VERSION = 2
@@ -275,7 +275,7 @@ class CheckpointManager:
         return (self.root / LATEST).exists() or bool(step_dirs(self.root))
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, zero: ZeroState, state: dict, files: dict[str, Path] | None = None) -> Path:
+    def save(self, step: int, zero: StateFragments, state: dict, files: dict[str, Path] | None = None) -> Path:
         """Write this rank's fragments; publish when every rank's write is complete (at once, or for an
         async save at the first :meth:`poll` that finds it done). ``files``: {name: source} copied into
         the checkpoint by rank 0 (e.g. the tokenizer), listed in the manifest. Collective."""
@@ -390,7 +390,7 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load_training_state(self, path: Path, zero: ZeroState) -> dict:
+    def load_training_state(self, path: Path, zero: StateFragments) -> dict:
         """fp32 master weights and AdamW moments into this rank's ZeRO fragments (any saved layout),
         the model's parameters refreshed from them, the optimiser step count, RNG; returns state.json."""
         path = Path(path)
@@ -399,7 +399,7 @@ class CheckpointManager:
         check_shapes(path, zero.specs)
         _load_fragments(path, zero.fragments())
         zero.masters_to_model()
-        zero.engine.set_optimizer_step(int(state["optimizer_steps"]))
+        zero.set_optimizer_step(int(state["optimizer_steps"]))
         rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.json"
         if rng_file.exists() and state.get("world_size") == dist.get_world_size():
             set_rng_state(json.loads(rng_file.read_text()))

@@ -12,7 +12,7 @@ def load_checkpoint_model(run_dir_or_checkpoint: str | Path):
     layout, as a TP=1 eval-mode model. Call inside a world-of-one process group."""
     from fbt_megatron import runtime
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_saved_recipe
+    from fbt_megatron.recipe import load_saved_recipe
 
     path = resolve_checkpoint(run_dir_or_checkpoint)
     recipe = load_saved_recipe(read_checkpoint_state(path)["recipe"])

@@ -198,76 +198,30 @@ def whole_tensor_fragment(spec: ParamSpec, tensors: dict[str, torch.Tensor], dp_
     return Fragment(spec, 0, n, {k: v.reshape(-1) for k, v in tensors.items()}, dp_replicated)
 
 
-# ---------------------------------------------------------------------- DeepSpeed access
-class ZeroState:
+# ---------------------------------------------------------------------- the engine's state as fragments
+class StateFragments:
     """This rank's fragments of the fp32 training state inside a DeepSpeed engine (any ZeRO stage,
-    fp32 or bf16), as views: reading them saves, writing them loads."""
+    fp32 or bf16), as views: reading them saves, writing them loads. Where each slice lives inside
+    DeepSpeed is the engine layer's business (:class:`fbt_megatron.engine.zero_state.ZeroState`)."""
 
     def __init__(self, engine, specs: list[ParamSpec]):
-        self.engine, self.specs = engine, specs
-        self.ds_optimizer = engine.ds.optimizer
-        self.torch_optimizer = engine.torch_optimizer
-        self.zero_stage = engine.zero_stage
-        self._lp_to_fp32 = self._unfused_fp32_copies()
+        from fbt_megatron.engine.zero_state import ZeroState
 
-    def _unfused_fp32_copies(self) -> dict[int, torch.Tensor]:
-        """ZeRO-0 with bf16: DeepSpeed's FP16_UnfusedOptimizer keeps an fp32 copy per parameter."""
-        opt = self.ds_optimizer
-        if not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")):
-            return {}
-        return {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lps, hps)}
+        self.zero, self.specs = ZeroState(engine), specs
 
     def fragments(self) -> list[Fragment]:
         out = []
         for spec in self.specs:
-            frag = self._fragment(spec)
-            if frag is not None and frag.numel > 0:
-                out.append(frag)
+            local = self.zero.local_slice(spec.param, math.prod(spec.local_shape))
+            if local is not None and local.numel > 0:
+                out.append(Fragment(spec, local.start, local.numel, local.tensors, local.dp_replicated))
         return out
 
-    def _fragment(self, spec: ParamSpec) -> Fragment | None:
-        p = spec.param
-        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition of p
-            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
-
-            from megatron.core import parallel_state as ps
-
-            part = p.ds_tensor.ds_numel
-            start = ps.get_data_parallel_rank() * part
-            numel = max(0, min(math.prod(spec.local_shape) - start, part))
-            tensors = {"param": safe_get_local_fp32_param(p)}
-            for k in STATE_KEYS[1:]:
-                tensors[k] = safe_get_local_optimizer_state(p, k)
-            return Fragment(spec, start, numel, {k: v.reshape(-1)[:numel] for k, v in tensors.items()}, False)
-        if hasattr(p, "_hp_mapping"):  # ZeRO-1/2 or the bf16 optimiser: a slice of the flat partition
-            m = p._hp_mapping
-            if m is None:
-                return None
-            tensors = {"param": m.hp_fragment}
-            for k in STATE_KEYS[1:]:
-                tensors[k] = m.get_optim_state_fragment(k)
-            a = m.lp_fragment_address
-            return Fragment(spec, a.start, a.numel, {k: v.reshape(-1) for k, v in tensors.items()}, False)
-        master = self._lp_to_fp32.get(id(p), p)  # ZeRO-0: the whole tensor on every DP rank
-        state = self.torch_optimizer.state[master]
-        return whole_tensor_fragment(spec, {"param": master.data, "exp_avg": state["exp_avg"],
-                                            "exp_avg_sq": state["exp_avg_sq"]}, dp_replicated=True)
-
-    @torch.no_grad()
     def masters_to_model(self) -> None:
-        """After loading the fp32 masters: refresh the model's (lp) parameters from them, the way
-        DeepSpeed does after an optimiser step (ZeRO-1/2/bf16: copy the partition, all-gather over DP;
-        ZeRO-3: the rank's ``ds_tensor`` partition; ZeRO-0 bf16: copy each fp32 copy)."""
-        opt = self.ds_optimizer
-        if self.zero_stage in (1, 2) or hasattr(opt, "update_lp_params") and any(
-                hasattr(s.param, "_hp_mapping") for s in self.specs):
-            opt.update_lp_params()
-        for spec in self.specs:
-            p = spec.param
-            if hasattr(p, "ds_id"):
-                from deepspeed.utils import safe_get_local_fp32_param
+        self.zero.masters_to_model([s.param for s in self.specs])
 
-                hp = safe_get_local_fp32_param(p).reshape(-1)
-                p.ds_tensor.data.reshape(-1).copy_(hp[: p.ds_tensor.numel()].to(p.ds_tensor.dtype))
-            elif id(p) in self._lp_to_fp32:
-                p.data.copy_(self._lp_to_fp32[id(p)].data.to(p.dtype))
+    def optimizer_steps(self) -> int:
+        return self.zero.optimizer_steps()
+
+    def set_optimizer_step(self, steps: int) -> None:
+        self.zero.set_optimizer_step(steps)

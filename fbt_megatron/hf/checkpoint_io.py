@@ -145,15 +145,14 @@ def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
     """Save a freshly built (TP=1) model as step 0 of ``run_dir`` with the trainer's own checkpoint
     manager and a fresh optimiser (zero AdamW moments), so ``fbt train`` resumes it in any layout."""
     from fbt_megatron.checkpoint import CheckpointManager
-    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
-    from fbt_megatron.train.engine import Engine
+    from fbt_megatron.checkpoint.shards import StateFragments, param_specs
+    from fbt_megatron.engine import Engine
+    from fbt_megatron.checkpoint.training_state import TrainingState
+    from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train.trainer import TrainState
 
     specs = param_specs(model)  # before DeepSpeed wraps the model (ZeRO-3 empties parameters)
     engine = Engine(model, recipe)
-    payload = {"train_state": TrainState().to_json(), "optimizer_steps": 0,
-               "layout": {"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage},
-               "pass_schedule": {"position": 0, **recipe.schedule.model_dump()},
-               "data_cursor": {"consumed_sequences": 0, "loader": None},
-               "recipe": recipe.model_dump(mode="json")}
-    return CheckpointManager(Path(run_dir) / "checkpoints").save(0, ZeroState(engine, specs), payload)
+    state = TrainingState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
+                          layout={"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage})
+    return CheckpointManager(Path(run_dir) / "checkpoints").save(0, StateFragments(engine, specs), state.state_dict())

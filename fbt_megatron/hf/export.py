@@ -45,7 +45,7 @@ def import_dir(path: Path) -> Path:
 
 
 def _recipe(state: dict):
-    from fbt_megatron.train.recipe import load_saved_recipe
+    from fbt_megatron.recipe import load_saved_recipe
 
     if "recipe" not in state:
         raise ConversionError("the checkpoint's state.json has no 'recipe': cannot tell the model's shape")

@@ -136,7 +136,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
     from fbt_megatron import runtime
     from fbt_megatron.hf.checkpoint_io import save_initial_checkpoint
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import RecipeError, load_recipe
+    from fbt_megatron.recipe import RecipeError, load_recipe
 
     root, out = Path(hf_dir), Path(out_dir)
     cfg, stock = read_hf_config(root)

@@ -176,7 +176,7 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     per_layer = s * b * h * (sharded + replicated) * act_bytes / 2.0 + (0.0 if scores_transient else scores)
     layers_here = shape.layers / layout.pp
     p, k = layout.pp, passes_kept
-    # Stage-pass activations the first stage holds at its peak (docs/pipeline.md, parallel/pipeline.py):
+    # Stage-pass activations the first stage holds at its peak (docs/pipeline.md, parallel/schedule.py):
     # P at k = 1 (1F1B), 2(P-1) + (k-1)P + 1 with k kept passes; PP=1 keeps k passes of one micro-batch.
     held = k if p == 1 else (p if k == 1 else 2 * (p - 1) + (k - 1) * p + 1)
     activations = per_layer * layers_here * held + (scores if scores_transient else 0.0)
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-te", action="store_true",
                     help="the GPUs run without transformer-engine (Megatron's local layers, torch SDPA)")
     a = ap.parse_intermixed_args(argv)
-    from fbt_megatron.train.recipe import RecipeError, load_recipe
+    from fbt_megatron.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(a.recipe, a.overrides)

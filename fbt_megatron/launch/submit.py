@@ -102,7 +102,7 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
 
 
 def _validate(spec: JobSpec, overrides: list[str]):
-    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
 
     try:
         recipe = load_recipe(spec.recipe, overrides)

@@ -146,7 +146,7 @@ class FBTGPTModel(MegatronModule):
     """The whole model, or under pipeline parallelism one stage of it: a slice of the layers
     (Megatron's layer offsets, so checkpoint keys carry global layer numbers), the embedding, the
     fusion weights and h_init on the first stage, final norm and LM head on the last. A stage is
-    driven by :mod:`fbt_megatron.parallel.pipeline`; ``forward`` runs the whole model only.
+    driven by :mod:`fbt_megatron.parallel.pipeline_runner`; ``forward`` runs the whole model only.
     ``spec`` overrides the layer spec (generation passes Megatron's local layers). ``packed``: feed
     packed sequences (THD, ``cu_seqlens`` from ``doc_start``) instead of a dense document mask; by
     default when the layers are Transformer Engine's (``attention.py``); on Megatron's local layers it
@@ -279,7 +279,7 @@ class FBTGPTModel(MegatronModule):
         check_num_passes(num_passes)
         if self.pipelined:
             raise RuntimeError("this FBTGPTModel is one pipeline stage; run it with "
-                               "fbt_megatron.parallel.pipeline (parallel.pipeline > 1)")
+                               "fbt_megatron.parallel.pipeline_runner (parallel.pipeline > 1)")
         batch, seq_len = input_ids.shape
         if self.config.sequence_parallel and seq_len % self.config.tensor_model_parallel_size:
             raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "

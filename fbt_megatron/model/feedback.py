@@ -80,7 +80,7 @@ class LatentFeedback(MegatronModule):
         gate_std = 1.0 / (math.sqrt(hidden) * std) if feedback.gate_init == "unit_spread" else std
         self.gate = linear(normal_init(gate_std))  # W_G: acts on the token embedding
         for p in (*self.value.parameters(), *self.gate.parameters()):
-            p.latent_feedback_fusion = True  # the optimiser decays them only once feedback runs (engine.py)
+            p.latent_feedback_fusion = True  # the optimiser decays them only once feedback runs (engine/param_groups.py)
         # h_init: the prefix mixin's anchor (and, under first_input="state", the state wherever none
         # exists). Unit scale, like a final-layernorm output.
         self.initial_state = torch.nn.Parameter(torch.empty(hidden, dtype=config.params_dtype))

@@ -13,7 +13,7 @@ names a kernel that is not installed (``persist_layer_norm`` with the torch norm
 - ``persist_layer_norm``: apex's ``FastLayerNormFN``, used by Megatron's ``FusedLayerNorm`` (local spec,
   LayerNorm only; RMSNorm is a torch norm there);
 - ``gradient_accumulation_fusion``: writes into Megatron DDP's ``param.main_grad``, which DeepSpeed does
-  not provide: always off here (DeepSpeed accumulates in fp32 itself, see ``train/engine.py``);
+  not provide: always off here (DeepSpeed accumulates in fp32 itself, see ``engine/engine.py``);
 - ``apply_rope_fusion``: TE's fused RoPE takes one position table for the whole batch; per-document
   positions need the unfused path: off.
 """

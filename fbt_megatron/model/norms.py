@@ -4,7 +4,7 @@ Megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` because it cannot 
 the gradient all-reduce that sequence parallelism needs: under SP each TP rank normalises only its
 chunk of the sequence, so a norm's weight gradient is partial and must be summed over the TP group.
 Megatron's apex/TE norms set ``param.sequence_parallel = True`` for that; this does the same for
-torch's norms, and :class:`fbt_megatron.train.engine.Engine` sums such gradients over TP. The math
+torch's norms, and :class:`fbt_megatron.engine.Engine` sums such gradients over TP. The math
 of the norm itself is per token, so nothing else changes.
 """
 

@@ -16,10 +16,7 @@ import time
 
 def _install() -> None:
     step = int(os.environ.get("FBT_TEST_SLOW_SAVE_STEP", "-1"))
-    try:  # the checkpoint package (issue 7); before it, train/checkpoint.py
-        from fbt_megatron.checkpoint import CheckpointManager
-    except ImportError:
-        from fbt_megatron.train.checkpoint import CheckpointManager
+    from fbt_megatron.checkpoint import CheckpointManager
 
     publish = CheckpointManager._publish
 

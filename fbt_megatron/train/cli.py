@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
     if not argv or "-h" in argv or "--help" in argv:
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    from fbt_megatron.train.recipe import RecipeError, check_layout, load_recipe
+    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
 
     recipe_path, overrides = argv[0], argv[1:]
     try:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
+    from fbt_megatron.engine import ensure_ds_accelerator
 
     ensure_ds_accelerator()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -60,15 +60,15 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
 
     try:
         try:
-            summary = train(recipe)
+            result = train(recipe)
         except RunDirLocked as e:
             print(f"fbt train: {e}", file=sys.stderr)
             return 2
         if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
-            print(format_summary(summary), flush=True)
+            print(format_summary(result), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher
         # (slurm/ batch script) requeues. Other stops (non-finite losses) exit 3.
-        return 3 if summary.get("stop_reason") and not summary.get("preempted") else 0
+        return 3 if result.stop_reason and not result.preempted else 0
     finally:
         runtime.shutdown()
 

@@ -9,106 +9,80 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
 from fbt_megatron import runtime
 from fbt_megatron.logs import printer
-from fbt_megatron.train.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
+from fbt_megatron.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
 
 log_info = printer(logging.getLogger(__name__))
-VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
 
-# ---------------------------------------------------------------------- data
-def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequences: int,
-                       saved_cursor: dict | None = None):
-    """This rank's training batches from the global cursor. ``saved_cursor`` is the loader state a
-    checkpoint recorded: the pipeline resumes from it and refuses a changed seed, mix, tokenizer or
-    split (a silently different data stream would make the resumed run a different experiment)."""
-    d = recipe.data
-    kw = dict(micro_batch_size=recipe.batch.micro_batch_size, global_batch_size=recipe.global_batch_size,
-              dp_rank=dp_rank, dp_size=dp_size, consumed_sequences=consumed_sequences)
-    if d.source == "synthetic":
-        from fbt_megatron.train.synthetic import SyntheticLoader
+@dataclass
+class TrainResult:
+    """What :func:`train` did in this invocation (``summary()``: the dict ``summary.json`` holds)."""
+    name: str
+    run_dir: str
+    step: int  # the run's step at the end (including earlier invocations)
+    total_steps: int
+    skipped_steps: int
+    pass_counts: dict
+    stop_reason: str | None
+    preempted: bool | None
+    checkpoint: str | None
+    feedback_depth: int
+    val_loss_1pass: float | None
+    val_loss_deep: float | None  # at feedback_depth passes
+    tokens_per_s: float | None
+    num_params: int
+    history: list = field(default_factory=list)  # StepResults of this invocation
+    val_history: list = field(default_factory=list)  # this invocation's validations
+    metrics: dict = field(default_factory=dict)  # everything the callbacks left in trainer.metrics
 
-        return SyntheticLoader(_synthetic_cfg(recipe), **kw)
-    return _pipeline_loader(recipe, split="train", state=saved_cursor, **kw)
-
-
-def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict]:
-    """This rank's share of a fixed validation set (same set for every DP size)."""
-    d, mbs = recipe.data, recipe.batch.micro_batch_size
-    n = max(dp_size, d.valid_sequences - d.valid_sequences % dp_size)
-    if n % (mbs * dp_size):
-        mbs = 1
-    kw = dict(micro_batch_size=mbs, global_batch_size=n, dp_rank=dp_rank, dp_size=dp_size,
-              consumed_sequences=0)
-    if d.source == "synthetic":
-        from fbt_megatron.train.synthetic import SyntheticLoader
-
-        loader = SyntheticLoader(_synthetic_cfg(recipe), offset=VALID_OFFSET, **kw)
-    else:
-        loader = _pipeline_loader(recipe, split="valid", **kw)
-    it = iter(loader)
-    return [next(it) for _ in range(n // (mbs * dp_size))]
-
-
-def _synthetic_cfg(recipe: Recipe):
-    return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
+    def summary(self) -> dict:
+        return {
+            "name": self.name, "run_dir": self.run_dir, "step": self.step, "total_steps": self.total_steps,
+            "skipped_steps": self.skipped_steps, "pass_counts": dict(self.pass_counts),
+            "stop_reason": self.stop_reason, "preempted": self.preempted, "checkpoint": self.checkpoint,
+            "val_loss_1pass": self.val_loss_1pass, f"val_loss_{self.feedback_depth}pass": self.val_loss_deep,
+            "feedback_depth": self.feedback_depth, "tokens_per_s": self.tokens_per_s,
+            "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm) for r in self.history],
+            "step_seconds": [r.seconds for r in self.history], "num_params": self.num_params,
+            "val_history": self.val_history,
+        }
 
 
-def prepare_data(recipe: Recipe, log=log_info) -> None:
-    """Build the embedded token mix if the recipe uses it and it is missing (offline, idempotent):
-    rank 0 builds, the others wait; then every rank reads the mix's ``data`` section."""
-    d = recipe.data
-    if d.source != "pipeline" or d.pipeline is not None:
-        return
-    from data_pipeline.embedded import build_embedded
-
-    kw = dict(seq_length=d.seq_length, progress=False, log=lambda m: log(f"[data] {m}"))
-    if dist.get_rank() == 0:
-        section = build_embedded(d.embedded_dir, **kw)
-    dist.barrier()
-    if dist.get_rank() != 0:
-        section = build_embedded(d.embedded_dir, **dict(kw, log=lambda m: None))
-    d.pipeline = dict(section, seq_length=d.seq_length)
-
-
-def _pipeline_config(recipe: Recipe):
-    from data_pipeline.config import DataConfig
-
-    cfg = dict(recipe.data.pipeline or {})
-    cfg["seq_length"] = recipe.data.seq_length
-    return DataConfig.model_validate(cfg)
-
-
-def check_tokenizer(recipe: Recipe) -> None:
-    if recipe.data.source != "pipeline":
-        return
-    from data_pipeline.tokenizer import load_tokenizer
-
-    vocab = load_tokenizer(_pipeline_config(recipe).tokenizer).get_piece_size()
-    if vocab > recipe.model.vocab_size:
-        raise ValueError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
-                         f"vocabulary ({vocab})")
-
-
-def _pipeline_loader(recipe: Recipe, split: str, **kw):
-    from data_pipeline.loader import build_loader
-
-    # split="valid" reads only the held-out documents (data.pipeline.valid_documents per source), which
-    # the train split never contains.
-    return build_loader(_pipeline_config(recipe), split=split, **kw)
+@dataclass
+class Run:
+    """A run assembled by :func:`build`, ready for :func:`fit`."""
+    recipe: Recipe
+    run_dir: Path
+    log: object
+    trainer: object
+    checkpoints: object  # CheckpointManager
+    latest: Path | None  # the checkpoint resumed from
+    validation: object  # the Validation callback
+    feedback_depth: int
+    num_params: int
+    layout: dict
+    dp_size: int
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
-          probe=None) -> dict:
+def train(recipe: Recipe, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
+          extra_callbacks=()) -> TrainResult:
     """Train ``recipe`` in this process group, holding its run directory's lock (rank 0 takes it before
     anything in the run directory is read or written; a second live run on it raises
-    :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank). See :func:`_train` for the rest."""
+    :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank): :func:`build`, :func:`fit`,
+    :func:`summarise`.
+
+    Hooks (tests, tools): ``checkpoint_fault_hook(point, step)`` is called at the points of a checkpoint
+    save (see :class:`CheckpointManager`); ``wrap_step(step_fn) -> step_fn`` wraps the train step;
+    ``extra_callbacks``: callables ``(engine) -> Callback`` (a callback may leave results in
+    ``trainer.metrics``, returned in ``TrainResult.metrics``)."""
     import os
 
     from fbt_megatron.train import callbacks as cb
@@ -135,29 +109,33 @@ def train(recipe: Recipe, *, print_fn=log_info, inject_nonfinite=None, checkpoin
     try:
         if box[0] is not None:
             raise RunDirLocked(box[0])
-        return _train(recipe, preemption, print_fn=print_fn, inject_nonfinite=inject_nonfinite,
-                      checkpoint_fault_hook=checkpoint_fault_hook, probe=probe)
+        run = build(recipe, preemption, print_fn=print_fn, checkpoint_fault_hook=checkpoint_fault_hook,
+                    wrap_step=wrap_step, extra_callbacks=extra_callbacks)
+        fit(run)
+        return summarise(run)
     finally:
-        preemption.release()
+        preemption.close()  # (idempotent) also when the run failed before its trainer existed
         lock.release()
 
 
-def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=None, checkpoint_fault_hook=None,
-           probe=None) -> dict:
-    """Train ``recipe`` in this process group. Test hooks: ``checkpoint_fault_hook(point, step)`` is
-    called at the points of a checkpoint save (see :class:`CheckpointManager`); ``inject_nonfinite``
-    ({step: fault}, see ``train_step.FAULT_KINDS``); ``probe``, a callable ``(engine) -> Callback``
-    whose callback may leave a result in ``trainer.metrics["probe"]`` (returned as ``summary["probe"]``)."""
+def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
+          extra_callbacks=()) -> Run:
+    """Everything a run needs, in this process group: the parallel state, data, the model (resumed from
+    the latest checkpoint if there is one), the DeepSpeed engine, the train step and the callbacks."""
     import torch
     from megatron.core import parallel_state as ps
 
+    from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
+    from fbt_megatron.checkpoint.shards import StateFragments, param_specs
+    from fbt_megatron.checkpoint.training_state import TrainingState
+    from fbt_megatron.data.loaders import (TrainBatches, build_valid_batches, check_tokenizer, data_pipeline_config,
+                                           prepare_data)
+    from fbt_megatron.engine import Engine
     from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train import callbacks as cb
     from fbt_megatron.train import sft
-    from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
-    from fbt_megatron.checkpoint.shards import ZeroState, param_specs
-    from fbt_megatron.train.engine import Engine
     from fbt_megatron.train.lr_schedule import LRSchedule
     from fbt_megatron.train.train_step import FBTTrainStep, evaluate
     from fbt_megatron.train.trainer import Trainer, TrainState
@@ -194,116 +172,125 @@ def _train(recipe: Recipe, preemption, *, print_fn=log_info, inject_nonfinite=No
     sft.init_weights(recipe, model, resuming=latest is not None, log=log)  # init_from: weights only
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     engine = Engine(model, recipe)
-    zero = ZeroState(engine, specs)
-    state, saved_cursor = TrainState(), None
+    zero = StateFragments(engine, specs)
+    layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
+              "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
+    state, schedule, loader = TrainState(), PassSchedule(recipe.schedule), TrainBatches(recipe, dp_rank, dp_size)
+    training_state = TrainingState(train_state=state, pass_schedule=schedule, loader=loader, recipe=recipe,
+                                   layout=layout)
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)
-        state = TrainState.from_json(saved["train_state"])
-        saved_cursor = saved.get("data_cursor", {}).get("loader")
+        training_state.load_state_dict(saved)
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
             f"tp={recipe.parallel.tensor} pp={recipe.parallel.pipeline} dp={dp_size} "
             f"zero={recipe.parallel.zero_stage})")
 
-    schedule = PassSchedule(recipe.schedule)
-    loader = build_train_loader(recipe, dp_rank, dp_size, state.consumed_sequences, saved_cursor)
+    loader.start(state.consumed_sequences)
     valid = build_valid_batches(recipe, dp_rank, dp_size)
-    pipeline = None
-    if recipe.parallel.pipeline > 1:
-        from fbt_megatron.parallel.pipeline import PipelineRunner
-
-        pipeline = PipelineRunner(engine.model)
-    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, inject_nonfinite=inject_nonfinite,
-                           pipeline=pipeline)
+    runner = get_runner(engine.model, engine)  # whole model (PP=1) or pipeline stages
+    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, runner=runner)
+    if wrap_step is not None:
+        step_fn = wrap_step(step_fn)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
     feedback_depth = recipe.eval.feedback_passes or (schedule.max_passes if recipe.feedback.fusion != "off" else 1)
 
     n_params = _count_params(model) * recipe.parallel.tensor  # approx (TP shards)
+
+    # The run's tokenizer travels with every checkpoint (as with an HF export): `fbt generate`/`fbt eval`
+    # work from anywhere, also when the recipe named it by a path relative to where training ran.
+    tokenizer_file = ({"tokenizer.model": Path(data_pipeline_config(recipe).tokenizer)}
+                      if recipe.data.source == "pipeline" else None)
+    tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
+
+    def save(st: TrainState):  # st is the trainer's state, which training_state holds
+        return ckpt.save(st.step, zero, training_state.state_dict(), files=tokenizer_file)
+
+    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
+                               [1, feedback_depth], at_end=recipe.eval.at_end)
+    checkpointer = cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
+                                   async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll)
+    callbacks = [validation, *_loggers(recipe, run_dir, _flops_fn(recipe, n_params), world, log),
+                 preemption, checkpointer]
+    if recipe.profile.enabled:
+        callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
+    callbacks += [make(engine) for make in extra_callbacks]
+
+    training_state.add_callbacks(callbacks)
+    total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
+    trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
+                      lr_fn=lr_fn, total_steps=total, global_batch_size=recipe.global_batch_size, state=state,
+                      callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
+    return Run(recipe=recipe, run_dir=run_dir, log=log, trainer=trainer, checkpoints=ckpt, latest=latest,
+               validation=validation, feedback_depth=feedback_depth, num_params=n_params, layout=layout,
+               dp_size=dp_size)
+
+
+def _flops_fn(recipe: Recipe, n_params: int):
+    """Training FLOPs per token of a k-pass step (the console's MFU), counted as ``fbt plan`` counts them."""
+    from fbt_megatron.train.callbacks import model_flops_per_token
+
     m = recipe.model
     # matmul parameters as fbt plan counts them: not the embedding lookups (the word embedding when the
     # LM head has its own weight, learned positions)
     lookups = (0 if m.tie_embeddings else m.padded_vocab_size(recipe.parallel.tensor) * m.hidden_size) + \
         (m.max_sequence_length * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
     fusion = 0 if recipe.feedback.fusion == "off" else 2 * m.hidden_size * m.hidden_size  # W_U, W_G
-    flops_fn = lambda k: cb.model_flops_per_token(  # noqa: E731
+    return lambda k: model_flops_per_token(
         n_params - lookups - fusion, m.num_layers, m.hidden_size, recipe.data.seq_length, k,
-        recipe.feedback.grad_mode, fusion_params=fusion,
-        fused_first_pass=recipe.feedback.fused_first_pass)
-    layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
-              "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
+        recipe.feedback.grad_mode, fusion_params=fusion, fused_first_pass=recipe.feedback.fused_first_pass)
 
-    # The run's tokenizer travels with every checkpoint (as with an HF export): `fbt generate`/`fbt eval`
-    # work from anywhere, also when the recipe named it by a path relative to where training ran.
-    tokenizer_file = ({"tokenizer.model": Path(_pipeline_config(recipe).tokenizer)}
-                      if recipe.data.source == "pipeline" else None)
-    tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
 
-    def save(st: TrainState):
-        payload = {"train_state": st.to_json(), "optimizer_steps": st.optimizer_steps, "layout": layout,
-                   "pass_schedule": {"position": st.step, **recipe.schedule.model_dump()},
-                   "data_cursor": {"consumed_sequences": st.consumed_sequences, "loader": loader.state_dict()},
-                   "recipe": recipe.model_dump(mode="json")}
-        return ckpt.save(st.step, zero, payload, files=tokenizer_file)
+def _loggers(recipe: Recipe, run_dir: Path, flops_fn, world: int, log) -> list:
+    from fbt_megatron.train import callbacks as cb
 
-    validation = cb.Validation(recipe.eval.every, lambda k: evaluate(engine.ds, valid, k, device, pipeline).loss,
-                               [1, feedback_depth], at_end=recipe.eval.at_end, print_fn=log)
-    callbacks = [
-        validation,
-        cb.ConsoleLogger(recipe.logging.log_every, flops_fn, recipe.logging.peak_flops, world, print_fn=log),
-    ]
+    loggers = [cb.ConsoleLogger(recipe.logging.log_every, flops_fn, recipe.logging.peak_flops, world, print_fn=log),
+               cb.MetricsFile(run_dir / "metrics.jsonl")]
     if recipe.logging.tensorboard:
-        callbacks.append(cb.TensorBoardLogger(run_dir / "tensorboard"))
+        loggers.append(cb.TensorBoardLogger(run_dir / "tensorboard"))
     if recipe.logging.wandb:
-        callbacks.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
-    # Before the Checkpointer: a signal seen at this step's end makes the Checkpointer save it.
-    callbacks.append(preemption)
-    callbacks.append(cb.MetricsFile(run_dir / "metrics.jsonl"))
-    callbacks.append(cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
-                                   async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll))
-    if recipe.profile.enabled:
-        callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
-    if probe is not None:
-        callbacks.append(probe(engine))
+        loggers.append(cb.WandbLogger(recipe.logging.wandb_project, recipe.name, recipe.model_dump(mode="json")))
+    return loggers
 
-    total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
-    trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
-                      lr_fn=lr_fn, total_steps=total, global_batch_size=recipe.global_batch_size, state=state,
-                      callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
+
+def fit(run: Run) -> None:
+    """Train to the recipe's step (or report on a run that is already there); wait for the last save,
+    then close the callbacks (the preemption handler releases its signals only then: a SIGTERM must
+    not cut the last save short)."""
+    recipe, trainer, log, state = run.recipe, run.trainer, run.log, run.trainer.state
     try:
-        if state.step < total:
-            log(f"training {recipe.name}: steps {state.step}->{total} of {recipe.train.steps}, layout {layout}, "
-                f"global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
-                f"accumulation {recipe.accumulation_steps(dp_size)}, feedback from step "
+        if state.step < trainer.total_steps:
+            log(f"training {recipe.name}: steps {state.step}->{trainer.total_steps} of {recipe.train.steps}, "
+                f"layout {run.layout}, global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
+                f"accumulation {recipe.accumulation_steps(run.dp_size)}, feedback from step "
                 f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
             trainer.fit()
         else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
-            log(f"{recipe.name} is already at step {state.step} of {total}: nothing to train "
+            log(f"{recipe.name} is already at step {state.step} of {trainer.total_steps}: nothing to train "
                 f"(raise train.steps to continue, or use a new run_dir)")
-            trainer.metrics["checkpoint"] = str(latest) if latest is not None else None
+            trainer.metrics["checkpoint"] = str(run.latest) if run.latest is not None else None
             if recipe.eval.at_end:
-                validation.run(trainer)
-        ckpt.wait()
+                run.validation.run(trainer)
+        run.checkpoints.wait()
     finally:
-        preemption.release()  # after the last save: a SIGTERM must not cut it short
+        trainer.close()
 
+
+def summarise(run: Run) -> TrainResult:
+    """The run's :class:`TrainResult`; rank 0 writes ``<run_dir>/summary.json`` if it trained."""
+    trainer, state, depth = run.trainer, run.trainer.state, run.feedback_depth
     val = trainer.metrics.get("val_loss", {})
-    summary = {
-        "name": recipe.name, "run_dir": str(run_dir), "step": state.step, "total_steps": recipe.train.steps,
-        "skipped_steps": state.skipped_steps, "pass_counts": dict(state.pass_counts),
-        "stop_reason": trainer.stop_reason, "preempted": trainer.metrics.get("preempted"),
-        "checkpoint": trainer.metrics.get("checkpoint"),
-        "val_loss_1pass": val.get(1), f"val_loss_{feedback_depth}pass": val.get(feedback_depth),
-        "feedback_depth": feedback_depth, "tokens_per_s": trainer.metrics.get("tokens_per_s"),
-        "history": [(r.step, r.num_passes, r.loss, r.skipped, r.data_checksum, r.grad_norm)
-                    for r in trainer.history],
-        "step_seconds": [r.seconds for r in trainer.history], "num_params": n_params,
-        "val_history": trainer.metrics.get("val_history", []),  # this invocation's validations
-        "probe": trainer.metrics.get("probe"),
-    }
+    result = TrainResult(
+        name=run.recipe.name, run_dir=str(run.run_dir), step=state.step, total_steps=run.recipe.train.steps,
+        skipped_steps=state.skipped_steps, pass_counts=dict(state.pass_counts), stop_reason=trainer.stop_reason,
+        preempted=trainer.metrics.get("preempted"), checkpoint=trainer.metrics.get("checkpoint"),
+        feedback_depth=depth, val_loss_1pass=val.get(1), val_loss_deep=val.get(depth),
+        tokens_per_s=trainer.metrics.get("tokens_per_s"), num_params=run.num_params, history=list(trainer.history),
+        val_history=trainer.metrics.get("val_history", []), metrics=trainer.metrics)
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in ("history", "step_seconds", "probe")},
-                                                         indent=1, default=str))
-    return summary
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        summary = {k: v for k, v in result.summary().items() if k not in ("history", "step_seconds")}
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return result
 
 
 def _count_params(model) -> int:
@@ -319,7 +306,8 @@ def _count_params(model) -> int:
     return int(total)
 
 
-def format_summary(s: dict) -> str:
+def format_summary(result: TrainResult) -> str:
+    s = result.summary()
     d = s["feedback_depth"]
     f = lambda x: "n/a" if x is None or not math.isfinite(x) else f"{x:.4f}"  # noqa: E731
     lines = [

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fbt_megatron.train.recipe import Recipe, RecipeError
+from fbt_megatron.recipe import Recipe, RecipeError
 
 TEMPLATE_FILE = "chat_template.jinja"
 
@@ -37,7 +37,7 @@ def resolve_init_sections(recipe: Recipe) -> Recipe:
     from fbt_megatron.checkpoint import CheckpointError
     from fbt_megatron.checkpoint.manager import read_checkpoint_state
     from fbt_megatron.config import saved_feedback_section
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     try:
         saved = read_checkpoint_state(recipe.init_from).get("recipe") or {}
@@ -74,10 +74,10 @@ def chat_template(recipe: Recipe) -> str | None:
     if recipe.data.source != "pipeline" or not recipe.data.pipeline:
         return None
     from data_pipeline.chat import ChatError, sources_chat_template
-    from fbt_megatron.train.run import _pipeline_config
+    from fbt_megatron.data.loaders import data_pipeline_config
 
     try:
-        return sources_chat_template(_pipeline_config(recipe), require=recipe.task == "sft")
+        return sources_chat_template(data_pipeline_config(recipe), require=recipe.task == "sft")
     except ChatError as e:
         raise RecipeError(f"recipe key 'data.pipeline.sources': {e}") from None
 

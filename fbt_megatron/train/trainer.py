@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from fbt_megatron.logs import printer
+from fbt_megatron.train.callbacks.base import Callback
 
 
 @dataclass
@@ -26,20 +27,23 @@ class TrainState:
     pass_counts: dict[str, int] = field(default_factory=dict)  # "k" -> steps with k passes
     tokens_seen: int = 0
 
-    def to_json(self) -> dict:
+    def state_dict(self) -> dict:
         return asdict(self)
+
+    def load_state_dict(self, data: dict) -> None:
+        names = {f for f in self.__dataclass_fields__}
+        for key, value in data.items():
+            if key in names:
+                setattr(self, key, value)
+
+    def to_json(self) -> dict:
+        return self.state_dict()
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainState":
-        names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
-class Callback:
-    def on_train_start(self, trainer: "Trainer") -> None: ...
-    def on_step_end(self, trainer: "Trainer", result) -> None: ...
-    def on_metrics(self, trainer: "Trainer", metrics: dict) -> None: ...  # scalars logged outside a step
-    def on_train_end(self, trainer: "Trainer") -> None: ...
+        state = cls()
+        state.load_state_dict(data)
+        return state
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,7 +58,7 @@ class Trainer:
         self.step_fn, self.batches, self.mbs_per_step = step_fn, batches, micro_batches_per_step
         self.lr_fn, self.total_steps, self.global_batch_size = lr_fn, total_steps, global_batch_size
         self.state = state or TrainState()
-        self.callbacks = list(callbacks)
+        self.callbacks = sorted(callbacks, key=lambda cb: -cb.priority)  # stable: ties keep their order
         self.max_nonfinite_in_row = max_nonfinite_in_row
         self.log = log
         self.history: list = []  # StepResults of this process's run
@@ -66,8 +70,13 @@ class Trainer:
             getattr(cb, hook)(self, *args)
 
     def log_metrics(self, metrics: dict) -> None:
-        """Hand scalars (e.g. validation losses) to every callback's ``on_metrics``, at this step."""
-        self._emit("on_metrics", metrics)
+        """Hand scalars (e.g. validation losses) to every callback's ``log_metrics``, at this step."""
+        self._emit("log_metrics", metrics)
+
+    def close(self) -> None:
+        """Every callback's ``close`` (the run calls it after its last save has finished)."""
+        for cb in self.callbacks:
+            cb.close()
 
     def fit(self) -> TrainState:
         self._emit("on_train_start")

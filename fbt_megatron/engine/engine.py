@@ -14,233 +14,23 @@ decay on matrices, none on norms, biases and ``h_init`` (and on embeddings unles
 count when the loss is non-finite (the train step says so) or the gradient is: DeepSpeed's ZeRO 1-3
 and bf16 optimisers detect a non-finite gradient norm themselves; at ZeRO-0 in fp32 DeepSpeed neither
 reports the norm nor checks it, so :meth:`Engine.step` computes it. The learning rate is set on the
-optimiser before each step from a pure function of the step (:mod:`lr_schedule`), so the schedule
+optimiser before each step from a pure function of the step (:mod:`fbt_megatron.train.lr_schedule`), so the schedule
 needs no state of its own.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.train.optim_step import chunked_adamw_step
-
-
-def ensure_ds_accelerator() -> None:
-    """DS_ACCELERATOR must be chosen before ``import deepspeed``."""
-    if not runtime.use_cuda():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.setdefault("DS_BUILD_OPS", "0")
-
-
-def import_deepspeed():
-    ensure_ds_accelerator()
-    import deepspeed
-
-    if not runtime.use_cuda():
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (used only for inference
-        # all-reduce) at comm init: a C++ toolchain and a minute on a fresh machine. Not needed here.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        from deepspeed.accelerator import get_accelerator
-
-        name = get_accelerator().device_name()
-        if name != "cpu":
-            raise RuntimeError(
-                f"deepspeed was imported with accelerator {name!r} before DS_ACCELERATOR=cpu was set; "
-                "import fbt_megatron.train.engine (or set DS_ACCELERATOR=cpu) before deepspeed")
-    return deepspeed
-
-
-class MegatronMPU:
-    """Megatron-Core ``parallel_state`` under the method names DeepSpeed's ``mpu`` expects."""
-
-    def __init__(self):
-        from megatron.core import parallel_state as ps
-
-        self.ps = ps
-
-    # model parallel = tensor x pipeline
-    def get_model_parallel_group(self):
-        return self.ps.get_model_parallel_group()
-
-    def get_model_parallel_rank(self):
-        return dist.get_rank(self.ps.get_model_parallel_group())
-
-    def get_model_parallel_world_size(self):
-        return dist.get_world_size(self.ps.get_model_parallel_group())
-
-    # tensor parallel
-    def get_tensor_model_parallel_group(self):
-        return self.ps.get_tensor_model_parallel_group()
-
-    def get_tensor_model_parallel_rank(self):
-        return self.ps.get_tensor_model_parallel_rank()
-
-    def get_tensor_model_parallel_world_size(self):
-        return self.ps.get_tensor_model_parallel_world_size()
-
-    def get_tensor_model_parallel_src_rank(self):
-        return self.ps.get_tensor_model_parallel_src_rank()
-
-    # data parallel
-    def get_data_parallel_group(self):
-        return self.ps.get_data_parallel_group()
-
-    def get_data_parallel_rank(self):
-        return self.ps.get_data_parallel_rank()
-
-    def get_data_parallel_world_size(self):
-        return self.ps.get_data_parallel_world_size()
-
-    def get_data_parallel_group_ranks(self):
-        return dist.get_process_group_ranks(self.ps.get_data_parallel_group())
-
-    # pipeline
-    def get_pipeline_model_parallel_group(self):
-        return self.ps.get_pipeline_model_parallel_group()
-
-    def get_pipeline_model_parallel_rank(self):
-        return self.ps.get_pipeline_model_parallel_rank()
-
-    def get_pipeline_model_parallel_world_size(self):
-        return self.ps.get_pipeline_model_parallel_world_size()
-
-    get_pipe_parallel_group = get_pipeline_model_parallel_group
-    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
-    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
-
-    # slice parallel (DeepSpeed's name for the model-parallel slice)
-    get_slice_parallel_group = get_model_parallel_group
-    get_slice_parallel_rank = get_model_parallel_rank
-    get_slice_parallel_world_size = get_model_parallel_world_size
-
-
-def precision_config(recipe) -> dict:
-    """DeepSpeed's precision keys for the recipe's resolved precision.
-
-    bf16: fp32 master weights (DeepSpeed's bf16 optimisers), gradients accumulated over
-    micro-batches in fp32 (``data_types.grad_accum_dtype``: ZeRO-1 -> DeepSpeed's BF16_Optimizer,
-    ZeRO-3 -> fp32 grad partitions) and reduced over data parallelism in
-    ``parallel.grad_reduce_dtype`` (``communication_data_type``, fp32 by default). DeepSpeed 0.19
-    accumulates in bf16 at ZeRO-0 and ZeRO-2 whatever the config says; a run there starts with a warning
-    (``recipe.bf16_accumulation_warning``). ``check_grad_overflow`` makes a non-finite gradient skip the step.
-    """
-    if recipe.resolved_precision() != "bf16":
-        return {}
-    cfg = {"bf16": {"enabled": True, "check_grad_overflow": True},
-           "communication_data_type": recipe.parallel.grad_reduce_dtype}
-    if recipe.parallel.zero_stage != 0:  # ZeRO-0 raises NotImplementedError on an fp32 accumulation dtype
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    return cfg
-
-
-def deepspeed_config(recipe, dp_size: int) -> dict:
-    b, o = recipe.batch, recipe.optimizer
-    cfg = {
-        "train_micro_batch_size_per_gpu": b.micro_batch_size,
-        "gradient_accumulation_steps": recipe.accumulation_steps(dp_size),
-        "train_batch_size": b.global_batch_size,
-        "gradient_clipping": o.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                       "torch_adam": True, "adam_w_mode": True},
-        },
-        "zero_optimization": {"stage": recipe.parallel.zero_stage},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True,
-    }
-    cfg.update(precision_config(recipe))
-    if recipe.parallel.zero_stage in (1, 2) and not runtime.use_cuda():
-        # On CPU a contiguous gradient buffer only adds a copy of every gradient per micro-batch
-        # (profiled: ~15% of a ZeRO-2 step at 28M parameters); there is no fragmentation to avoid.
-        cfg["zero_optimization"]["contiguous_gradients"] = False
-    if recipe.parallel.zero_stage == 3:
-        # Small, deterministic buckets; no prefetch reordering surprises on CPU.
-        cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
-    return cfg
-
-
-def is_embedding(name: str, param: torch.nn.Parameter | None = None) -> bool:
-    """Word and (learned) position embeddings, and the last pipeline stage's copy of a tied word
-    embedding (megatron marks both copies ``shared_embedding``; the copy is named ``output_layer``)."""
-    return ".embedding." in f".{name}" or bool(getattr(param, "shared_embedding", False))
-
-
-def no_weight_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool) -> bool:
-    """Norm weights/biases, linear biases and h_init are vectors: decaying them pulls norms' gains
-    and h_init (the prefix mixin's anchor) toward zero. Embeddings by choice."""
-    return param.ndim < 2 or (is_embedding(name, param) and not decay_embeddings)
-
-
-def is_fusion(param: torch.nn.Parameter) -> bool:
-    """W_U and W_G of the latent-feedback fusion (marked by ``model/feedback.py``)."""
-    return bool(getattr(param, "latent_feedback_fusion", False))
-
-
-def fusion_decay_start(recipe) -> int | None:
-    """The first step at which the fusion's weights decay: the first step that may run feedback.
-
-    Under the ordinary first pass a 1-pass step leaves the fusion out of the forward, so its gradient
-    is zero (DeepSpeed zero-fills a missing one in every layout); decaying it anyway would shrink
-    W_U and W_G towards zero before they are ever used, undoing their initialisation over a long
-    single-pass phase (at lr 3e-4, wd 0.1: to 5 % of it in 100k steps). None: the fusion never runs."""
-    fb, schedule = recipe.feedback, recipe.schedule
-    if fb.fusion == "off":
-        return None
-    if fb.fused_first_pass:
-        return 0  # the fusion feeds every pass
-    if not any(p > 0 for p in schedule.mix[1:]):
-        return None
-    return schedule.feedback_start_step
-
-
-def fusion_weight_decay(weight_decay: float, decay_from: int | None, step: int) -> float:
-    """The fusion group's weight decay at ``step``: ``weight_decay`` from ``decay_from`` on (None: never)."""
-    return weight_decay if decay_from is not None and 0 <= decay_from <= step else 0.0
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool,
-                 fusion_decay_from: int | None = 0, fusion_in_model: bool = False) -> list[dict]:
-    """AdamW parameter groups; the ``group`` key names each one (kept by DeepSpeed and torch). The
-    fusion's matrices get their own group, decayed from step ``fusion_decay_from`` (None: never);
-    see :meth:`Engine.set_step`.
-
-    ``fusion_in_model``: the model has a fusion, possibly on another pipeline stage. ZeRO >= 1
-    all-reduces one gradient norm per group over the model-parallel group, so every stage must hand
-    DeepSpeed the same number of groups: a stage without the fusion splits its no-decay group in two
-    (the same settings; the total norm is the same)."""
-    decay, plain, fusion = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if no_weight_decay(name, p, decay_embeddings):
-            plain.append(p)
-        elif is_fusion(p):
-            fusion.append(p)
-        else:
-            decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "group": "decay"},
-              {"params": plain, "weight_decay": 0.0, "group": "no_decay"},
-              {"params": fusion, "weight_decay": fusion_weight_decay(weight_decay, fusion_decay_from, 0),
-               "group": "fusion",
-               "decay_from_step": -1 if fusion_decay_from is None else fusion_decay_from,
-               "full_weight_decay": weight_decay}]
-    if fusion_in_model and not fusion:
-        if len(plain) < 2:
-            raise ValueError("a pipeline stage without the fusion needs two parameter groups in place of the "
-                             f"fusion's (ZeRO all-reduces one norm per group); it has {len(plain)} no-decay "
-                             "parameter(s) to split")
-        half = len(plain) // 2
-        groups[1:] = [{"params": plain[:half], "weight_decay": 0.0, "group": "no_decay"},
-                      {"params": plain[half:], "weight_decay": 0.0, "group": "no_decay_2"}]
-    return [g for g in groups if g["params"]]  # ZeRO cannot partition an empty group
+from fbt_megatron.engine.deepspeed_config import deepspeed_config, import_deepspeed
+from fbt_megatron.engine.mpu import MegatronMPU
+from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
+from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping
 
 
 def model_parallel_grad_norm(params) -> float:
@@ -259,28 +49,6 @@ def model_parallel_grad_norm(params) -> float:
         total += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(total, group=ps.get_model_parallel_group())
     return float(total.sqrt())
-
-
-class SkippableStep:
-    """Wraps the inner optimiser's ``step`` so the train step can skip one step entirely, and
-    records whether DeepSpeed called it (it does not when it finds the gradient non-finite)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self.skip_next = False
-        self.stepped = False
-        self._step = optimizer.step
-        if type(optimizer) is torch.optim.AdamW:  # the same update, chunk by chunk (optim_step.py)
-            self._step = lambda *a, **k: chunked_adamw_step(optimizer)
-
-        def step(*args, **kwargs):
-            if self.skip_next:
-                return None
-            self.stepped = True
-            return self._step(*args, **kwargs)
-
-        optimizer.step = step
-
 
 @dataclass
 class StepOutcome:
@@ -337,8 +105,7 @@ class Engine:
         self.skipper = SkippableStep(self.torch_optimizer)
         self._materialize_optimizer_state()
         self._clip_norm = None
-        if hasattr(self.ds, "clip_fp32_gradients"):
-            self.ds.clip_fp32_gradients = self._clip_fp32_gradients
+        replace_zero0_clipping(self.ds, self._clip_fp32_gradients)
 
     def _materialize_optimizer_state(self) -> None:
         """Create AdamW's state (step 0, zero moments) now instead of lazily at the first step.

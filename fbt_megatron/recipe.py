@@ -15,8 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig
-from fbt_megatron.train.synthetic import SyntheticDataConfig
+from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig, SyntheticDataConfig
 
 
 class RecipeError(ValueError):
@@ -161,15 +160,12 @@ class Recipe(Section):
             raise ValueError(f"data.seq_length={d.seq_length} exceeds "
                              f"model.max_sequence_length={self.model.max_sequence_length}")
         if d.source == "pipeline" and d.pipeline is not None:
+            from data_pipeline.config import DataConfig
+
             try:
-                from data_pipeline.config import DataConfig
-            except ImportError:  # pragma: no cover - the pipeline ships with the package
-                DataConfig = None
-            if DataConfig is not None:
-                try:
-                    DataConfig.model_validate(dict(d.pipeline, seq_length=d.seq_length))
-                except ValidationError as err:
-                    raise ValueError(format_validation_error(err, prefix="data.pipeline.", root=DataConfig)) from None
+                DataConfig.model_validate(dict(d.pipeline, seq_length=d.seq_length))
+            except ValidationError as err:
+                raise ValueError(format_validation_error(err, prefix="data.pipeline.", root=DataConfig)) from None
         if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
             raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
                              f"model.vocab_size={self.model.vocab_size}")

@@ -40,20 +40,24 @@ def tiny_recipe(run_dir: str, **sections) -> dict:
 
 def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None,
              probe: str | None = None) -> dict:
-    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary.
+    """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary
+    (:meth:`TrainResult.summary`, with ``"probe"``: what the probe callback left).
     ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save.
-    ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``train_step.FAULT_KINDS``).
+    ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``testing.faults.FAULT_KINDS``).
     ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end), "step_states"
     (parameters, both AdamW moments and Adam's step count before training and after every step) or
     "engine_info" (DeepSpeed's optimiser and dtypes)."""
     os.environ.update(env or {})
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.faults import NonFiniteFaults
     from fbt_megatron.train.run import train
 
     recipe = load_recipe(data=recipe_data)
-    return train(recipe, print_fn=lambda *a, **k: None, inject_nonfinite=inject_nonfinite,
-                 checkpoint_fault_hook=kill_at(fault) if fault else None,
-                 probe=PROBES[probe] if probe else None)
+    result = train(recipe, print_fn=lambda *a, **k: None,
+                   wrap_step=NonFiniteFaults(inject_nonfinite) if inject_nonfinite else None,
+                   checkpoint_fault_hook=kill_at(fault) if fault else None,
+                   extra_callbacks=[PROBES[probe]] if probe else ())
+    return dict(result.summary(), probe=result.metrics.get("probe"))
 
 
 def kill_at(fault: str):
@@ -68,14 +72,14 @@ def kill_at(fault: str):
 
 
 def main(argv=None) -> int:
-    """``python -m fbt_megatron.train.testing RECIPE.yaml POINT@STEP``: ``fbt train`` with a save killed
+    """``python -m fbt_megatron.testing.training RECIPE.yaml POINT@STEP``: ``fbt train`` with a save killed
     at POINT of step STEP (the crash tests run this as a child process; not a user command)."""
     import sys
 
     import yaml
 
     from fbt_megatron import runtime
-    from fbt_megatron.train.engine import ensure_ds_accelerator
+    from fbt_megatron.engine import ensure_ds_accelerator
 
     recipe_path, fault = (argv if argv is not None else sys.argv[1:])[:2]
     ensure_ds_accelerator()
@@ -114,7 +118,7 @@ def load_latest_weights(run_dir: str, recipe_data: dict) -> dict:
     from pathlib import Path
 
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.recipe import load_recipe
+    from fbt_megatron.recipe import load_recipe
 
     recipe = load_recipe(data=recipe_data)
     model = build_model(recipe.model, recipe.feedback)
@@ -124,19 +128,11 @@ def load_latest_weights(run_dir: str, recipe_data: dict) -> dict:
         for p in model.parameters():  # got no gradient yet keeps its initial value)
             p.add_(1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    try:  # the checkpoint package's weights-only loader (issue 7)
-        from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
+    from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state, resolve_checkpoint
 
-        latest = resolve_checkpoint(run_dir)
-        load_model_weights(latest, model)
-        state = read_checkpoint_state(latest)
-    except ImportError:
-        from fbt_megatron.train.checkpoint import CheckpointManager, ParamTemplates
-
-        manager = CheckpointManager(Path(run_dir) / "checkpoints")
-        latest = manager.latest()
-        manager.load_weights(latest, ParamTemplates(model))
-        state = manager.read_state(latest)
+    latest = resolve_checkpoint(run_dir)
+    load_model_weights(latest, model)
+    state = read_checkpoint_state(latest)
     changed = sum(int(not b.equal(p.detach())) for b, p in zip(before, model.parameters()))
     return {"latest": Path(latest).name, "step": state["train_state"]["step"],
             "params_changed": changed, "params": len(before)}
@@ -182,7 +178,7 @@ def full_state(engine, moments: bool) -> dict:
 
 
 def _final_params(engine):
-    from fbt_megatron.train.trainer import Callback
+    from fbt_megatron.train.callbacks import Callback
 
     class FinalParams(Callback):
         def on_train_end(self, trainer):
@@ -192,7 +188,7 @@ def _final_params(engine):
 
 
 def _step_states(engine):
-    from fbt_megatron.train.trainer import Callback
+    from fbt_megatron.train.callbacks import Callback
 
     class StepStates(Callback):
         """{"initial": state, step: state after that step}."""
@@ -207,7 +203,7 @@ def _step_states(engine):
 
 
 def _engine_info(engine):
-    from fbt_megatron.train.trainer import Callback
+    from fbt_megatron.train.callbacks import Callback
 
     class EngineInfo(Callback):
         """The precision DeepSpeed actually runs with (optimiser, dtypes of weights, masters, grads)."""

@@ -18,17 +18,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class SyntheticDataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    vocab_size: int = Field(256, ge=4)
-    seq_length: int = Field(64, ge=2)
-    seed: int = 0
-    mean_doc_length: int = Field(48, ge=2)
-    noise: float = Field(0.05, ge=0.0, le=1.0)
+from fbt_megatron.config import SyntheticDataConfig
 
 
 def make_sequence(cfg: SyntheticDataConfig, index: int) -> tuple[np.ndarray, np.ndarray]:

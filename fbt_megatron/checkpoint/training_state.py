@@ -1,0 +1,57 @@
+"""The one place where a checkpoint's training state is assembled from, and handed back to, its owners.
+
+Besides the tensors (:mod:`.shards`), ``state.json`` holds what the objects of a run own, each through
+its ``state_dict()`` / ``load_state_dict()``:
+
+    train_state      the trainer's counters (step, consumed sequences, skipped steps, pass counts, ...)
+    optimizer_steps  = train_state.optimizer_steps (kept at the top level for readers)
+    layout           the parallel layout the checkpoint was saved with
+    pass_schedule    {"position": the step, **the pass schedule's settings}
+    data_cursor      {"consumed_sequences": from train_state, "loader": the data loader's own state}
+    recipe           the recipe the run trained with
+    callbacks        {name: state} of callbacks that have state (absent when none has)
+
+The layout and the recipe are facts of the run, not owned state. ``fbt ckpt inspect`` and the HF export
+read these keys; the format is unchanged from the hand-assembled one it replaces.
+"""
+
+from __future__ import annotations
+
+
+class TrainingState:
+    def __init__(self, *, train_state, pass_schedule, recipe, layout: dict, loader=None, callbacks=()):
+        self.train_state, self.pass_schedule, self.loader = train_state, pass_schedule, loader
+        self.recipe, self.layout = recipe, layout
+        self.callbacks: list = []
+        self._saved_callbacks: dict = {}
+        self.add_callbacks(callbacks)
+
+    def add_callbacks(self, callbacks) -> None:
+        """Callbacks are state owners too when they have a ``state_dict`` (none of the shipped ones has);
+        one added after :meth:`load_state_dict` gets its saved state then."""
+        for cb in callbacks:
+            if hasattr(cb, "state_dict"):
+                self.callbacks.append(cb)
+                state = self._saved_callbacks.get(type(cb).__name__)
+                if state is not None:
+                    cb.load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        ts = self.train_state.state_dict()
+        out = {"train_state": ts, "optimizer_steps": ts["optimizer_steps"], "layout": self.layout,
+               "pass_schedule": {"position": ts["step"], **self.pass_schedule.state_dict()},
+               "data_cursor": {"consumed_sequences": ts["consumed_sequences"],
+                               "loader": self.loader.state_dict() if self.loader is not None else None},
+               "recipe": self.recipe.model_dump(mode="json")}
+        if self.callbacks:
+            out["callbacks"] = {type(cb).__name__: cb.state_dict() for cb in self.callbacks}
+        return out
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.train_state.load_state_dict(saved["train_state"])
+        self.pass_schedule.load_state_dict(saved.get("pass_schedule", {}))
+        if self.loader is not None:
+            self.loader.load_state_dict(saved.get("data_cursor", {}).get("loader"))
+        self._saved_callbacks = dict(saved.get("callbacks", {}))
+        callbacks, self.callbacks = self.callbacks, []
+        self.add_callbacks(callbacks)

@@ -1,0 +1,120 @@
+"""A recipe's training and validation batches for one data-parallel rank.
+
+``data.source: pipeline`` reads tokenized shards through the data pipeline (``data_pipeline/``; the
+embedded mix is built offline on first use); ``data.source: synthetic`` uses :mod:`.synthetic`. Both
+give the same global batch for every DP size.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from fbt_megatron.recipe import Recipe
+
+VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
+
+
+def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequences: int,
+                       saved_cursor: dict | None = None):
+    """This rank's training batches from the global cursor. ``saved_cursor`` is the loader state a
+    checkpoint recorded: the data pipeline resumes from it and refuses a changed seed, mix, tokenizer or
+    split (a silently different data stream would make the resumed run a different experiment)."""
+    d = recipe.data
+    kw = dict(micro_batch_size=recipe.batch.micro_batch_size, global_batch_size=recipe.global_batch_size,
+              dp_rank=dp_rank, dp_size=dp_size, consumed_sequences=consumed_sequences)
+    if d.source == "synthetic":
+        from fbt_megatron.data.synthetic import SyntheticLoader
+
+        return SyntheticLoader(_synthetic_cfg(recipe), **kw)
+    return _data_pipeline_loader(recipe, split="train", state=saved_cursor, **kw)
+
+
+class TrainBatches:
+    """This rank's training batches as the run's data-loader state owner: ``load_state_dict`` takes the
+    loader state a checkpoint saved (None: none), :meth:`start` builds the loader at the trainer's
+    cursor (the data pipeline resumes from the saved state, see :func:`build_train_loader`)."""
+
+    def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int):
+        self.recipe, self.dp_rank, self.dp_size = recipe, dp_rank, dp_size
+        self._saved: dict | None = None
+        self.loader = None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self._saved = state
+
+    def start(self, consumed_sequences: int) -> "TrainBatches":
+        self.loader = build_train_loader(self.recipe, self.dp_rank, self.dp_size, consumed_sequences, self._saved)
+        return self
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict]:
+    """This rank's share of a fixed validation set (same set for every DP size)."""
+    d, mbs = recipe.data, recipe.batch.micro_batch_size
+    n = max(dp_size, d.valid_sequences - d.valid_sequences % dp_size)
+    if n % (mbs * dp_size):
+        mbs = 1
+    kw = dict(micro_batch_size=mbs, global_batch_size=n, dp_rank=dp_rank, dp_size=dp_size,
+              consumed_sequences=0)
+    if d.source == "synthetic":
+        from fbt_megatron.data.synthetic import SyntheticLoader
+
+        loader = SyntheticLoader(_synthetic_cfg(recipe), offset=VALID_OFFSET, **kw)
+    else:
+        loader = _data_pipeline_loader(recipe, split="valid", **kw)
+    it = iter(loader)
+    return [next(it) for _ in range(n // (mbs * dp_size))]
+
+
+def _synthetic_cfg(recipe: Recipe):
+    return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
+
+
+def prepare_data(recipe: Recipe, log) -> None:
+    """Build the embedded token mix if the recipe uses it and it is missing (offline, idempotent):
+    rank 0 builds, the others wait; then every rank reads the mix's ``data`` section."""
+    d = recipe.data
+    if d.source != "pipeline" or d.pipeline is not None:
+        return
+    from data_pipeline.embedded import build_embedded
+
+    kw = dict(seq_length=d.seq_length, progress=False, log=lambda m: log(f"[data] {m}"))
+    if dist.get_rank() == 0:
+        section = build_embedded(d.embedded_dir, **kw)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        section = build_embedded(d.embedded_dir, **dict(kw, log=lambda m: None))
+    d.pipeline = dict(section, seq_length=d.seq_length)
+
+
+def data_pipeline_config(recipe: Recipe):
+    """The recipe's ``data.pipeline`` section as the data pipeline's ``DataConfig``."""
+    from data_pipeline.config import DataConfig
+
+    cfg = dict(recipe.data.pipeline or {})
+    cfg["seq_length"] = recipe.data.seq_length
+    return DataConfig.model_validate(cfg)
+
+
+def check_tokenizer(recipe: Recipe) -> None:
+    if recipe.data.source != "pipeline":
+        return
+    from data_pipeline.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(data_pipeline_config(recipe).tokenizer).get_piece_size()
+    if vocab > recipe.model.vocab_size:
+        raise ValueError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
+                         f"vocabulary ({vocab})")
+
+
+def _data_pipeline_loader(recipe: Recipe, split: str, **kw):
+    from data_pipeline.loader import build_loader
+
+    # split="valid" reads only the held-out documents (data.pipeline.valid_documents per source), which
+    # the train split never contains.
+    return build_loader(data_pipeline_config(recipe), split=split, **kw)

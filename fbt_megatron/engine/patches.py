@@ -1,0 +1,54 @@
+"""The two places where the engine replaces a DeepSpeed method, and the DeepSpeed versions they were
+written against (``tests/test_engine_patches.py`` fails on any other version, so an upgrade is a
+deliberate re-check of both):
+
+1. :class:`SkippableStep` replaces the inner torch optimiser's ``step`` so a step can be skipped
+   entirely (non-finite loss) and so the engine learns whether DeepSpeed stepped at all (it does not
+   when it finds the gradient non-finite); plain AdamW runs chunk by chunk (:mod:`.optim_step`).
+2. :func:`replace_zero0_clipping` replaces ``DeepSpeedEngine.clip_fp32_gradients`` (called only at
+   ZeRO-0 in fp32, from ``_take_model_step``) with clipping that counts every parameter once over TP
+   and PP (see :meth:`Engine._clip_fp32_gradients`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fbt_megatron.engine.optim_step import chunked_adamw_step
+
+# DeepSpeed (major, minor) versions whose internals the patches below were checked against.
+PATCHED_DEEPSPEED = ((0, 19),)
+
+
+def deepspeed_version() -> tuple[int, int]:
+    import deepspeed
+
+    major, minor = deepspeed.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+class SkippableStep:
+    """Wraps the inner optimiser's ``step`` so the train step can skip one step entirely, and
+    records whether DeepSpeed called it (it does not when it finds the gradient non-finite)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.skip_next = False
+        self.stepped = False
+        self._step = optimizer.step
+        if type(optimizer) is torch.optim.AdamW:  # the same update, chunk by chunk (optim_step.py)
+            self._step = lambda *a, **k: chunked_adamw_step(optimizer)
+
+        def step(*args, **kwargs):
+            if self.skip_next:
+                return None
+            self.stepped = True
+            return self._step(*args, **kwargs)
+
+        optimizer.step = step
+
+
+def replace_zero0_clipping(ds, clip) -> None:
+    """ZeRO-0 fp32 clipping: DeepSpeed calls ``engine.clip_fp32_gradients()`` inside ``ds.step()``."""
+    if hasattr(ds, "clip_fp32_gradients"):
+        ds.clip_fp32_gradients = clip

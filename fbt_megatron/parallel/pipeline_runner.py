@@ -1,0 +1,260 @@
+"""Pipeline parallelism for multi-pass teacher forcing: the k passes of a step on a ring of stages.
+
+A k-pass micro-batch visits the stages k times. Pass j's top states leave the last stage and travel
+the ring back to the first stage (``next = (r+1) % P``, as in Megatron's interleaved schedule), where
+they become pass j+1's input by the model's one rule (``LatentFeedback.pass_input``: shifted, mixed,
+fused with the token embeddings; the embedding at document starts). Pass j of a
+micro-batch is therefore virtual chunk j of an interleaved schedule whose chunks share one set of
+weights; gradients travel the same ring backwards (first stage -> last stage carries the gradient of
+pass j's top states from pass j+1's backward).
+
+The order of ops is :mod:`.schedule`; the messages between stages are :mod:`.messages`; this module
+runs this rank's ops of a step.
+
+Tied embeddings across the first and last stage: both stages hold a copy of the word-embedding
+weight (Megatron's embedding group). During the step both use a *detached* copy, so their
+contributions collect outside the optimiser; after the schedule the two contributions are summed over
+the embedding group and each copy receives that sum in ONE final backward (the accumulation
+boundary): exactly one gradient accumulation and one optimiser update per step for the shared weight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fbt_megatron.parallel.messages import Channel
+from fbt_megatron.parallel.runner import StepOutput
+from fbt_megatron.parallel.schedule import FORWARD, Op, build_schedule, grad_passes_for
+
+
+@dataclass
+class _MicroBatch:
+    data: dict
+    # First stage: the embeddings and the token path sigmoid(W_G e), computed once per micro-batch
+    # (they do not change between passes; the gate only when some pass reads it). Pass
+    # min(grad_passes) uses their graphs, the other grad passes detached leaves whose accumulated
+    # gradients go through W_G and the embedding once, in that pass's backward.
+    embedded: torch.Tensor | None = None
+    embedded_leaf: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    gate_leaf: torch.Tensor | None = None
+    reset: torch.Tensor | None = None
+    attention: tuple | None = None  # (mask, rotary) of this row's documents, every stage
+    generator: torch.Generator | None = None
+    previous_top: torch.Tensor | None = None  # last stage: the previous pass's top state (residuals)
+
+
+def _default_backward(tensors, grads) -> None:
+    torch.autograd.backward(tensors, grads)
+
+
+class PipelineRunner:
+    """Runs this rank's share of a multi-pass step on its model stage (an :class:`FBTGPTModel`
+    built under Megatron's pipeline parallel state). With ``engine`` (an :class:`~fbt_megatron.engine.Engine`
+    wrapping ``model``) a training step's gradients go through DeepSpeed (:func:`.runner.engine_backward`,
+    then the accumulation boundary :func:`.runner.finish_backward`); without, through torch autograd."""
+
+    def __init__(self, model, engine=None):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.engine = model, engine
+        self.stages = ps.get_pipeline_model_parallel_world_size()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first = self.stage == 0
+        self.last = self.stage == self.stages - 1
+        gpt = model.gpt
+        self.tied = gpt.share_embeddings_and_output_weights and self.stages > 1 and (self.first or self.last)
+        self.embedding_group = ps.get_embedding_group() if self.tied else None
+        if model.config.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel with parallel.pipeline > 1 is not supported")
+        # A collective on the stage group before its first batch_isend_irecv: on NCCL, a batch that is
+        # the group's first collective must include every rank of the group (torch's documentation),
+        # and the first round of a schedule involves only the first two stages.
+        dist.all_reduce(torch.zeros(1, device=next(model.parameters()).device), group=self.pp_group)
+
+    def shared_weight(self) -> torch.Tensor | None:
+        """This stage's copy of the weight tied across the first and last stage (or None)."""
+        return self.model.gpt.shared_embedding_or_output_weight() if self.tied else None
+
+    # ------------------------------------------------------------------ the step
+    def run(self, micro_batches: list[dict], num_passes: int, *, training: bool, scale: float = 1.0,
+            jitter_seeds: list | None = None, backward=None, timings: bool = False) -> StepOutput:
+        """Forward (and backward if ``training`` and grad is enabled) of every micro-batch with
+        ``num_passes`` passes. Backward ops call ``backward(tensors, grads)``; the tied weight's
+        summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
+        when there is none; default: through the engine if the runner has one, else torch autograd).
+        Returns the loss sum and pass residuals, identical on every stage."""
+        from fbt_megatron.parallel.runner import engine_backward, finish_backward
+
+        through_engine = backward is None and self.engine is not None
+        if backward is None:
+            backward = engine_backward(self.engine) if through_engine else _default_backward
+        model, cfg = self.model, self.model.feedback_config
+        k = num_passes
+        if cfg.fusion == "off" and k != 1:
+            raise ValueError(f"num_passes={k} needs feedback (feedback.fusion='off' runs one pass)")
+        training = training and torch.is_grad_enabled()
+        grad_passes = grad_passes_for(k, cfg.grad_mode, training)
+        schedule = build_schedule(self.stages, len(micro_batches), k, grad_passes)
+        batch, seq_len = micro_batches[0]["input_ids"].shape
+        device = micro_batches[0]["input_ids"].device
+        dtype = model.config.params_dtype
+        channel = Channel(schedule, self.stage, self.stage_ranks, self.pp_group,
+                           (seq_len, batch, model.config.hidden_size), dtype, device)
+        self._tied_leaf = None
+        if self.tied and training:
+            self._tied_leaf = self.shared_weight().detach().requires_grad_()
+        self._ctx = dict(k=k, grad_passes=grad_passes, training=training, scale=scale, channel=channel,
+                         backward=backward, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
+        self._mbs = [_MicroBatch(b) for b in micro_batches]
+        self._saved: dict = {}
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._residuals = torch.zeros(max(k - 1, 0), dtype=torch.float64, device=device)
+        self._residual_max = torch.full((), -1.0, dtype=torch.float64, device=device)
+        seconds = []
+        for i, op in enumerate(schedule.ops[self.stage]):
+            t0, waited = time.perf_counter(), channel.waited
+            channel.exchange(i)  # the messages planned before this op (sends of the previous one)
+            if op.kind == FORWARD:
+                self._forward(op, jitter_seeds[op.micro_batch] if jitter_seeds else None)
+            else:
+                self._backward(op)
+            if timings:  # (op, start, end, seconds of it spent waiting for a message)
+                seconds.append((op, t0, time.perf_counter(), channel.waited - waited))
+        channel.finish()
+        if self._saved:
+            raise RuntimeError(f"pipeline step left {len(self._saved)} activations without a backward")
+        if self._tied_leaf is not None:  # the shared weight: one accumulation, summed over both stages
+            grad = self._tied_leaf.grad if self._tied_leaf.grad is not None else torch.zeros_like(self._tied_leaf)
+            dist.all_reduce(grad, group=self.embedding_group)
+            backward([self.shared_weight()], [grad])
+        sums = torch.cat([self._loss_sum.view(1), self._residuals])
+        dist.all_reduce(sums, group=self.pp_group)  # lives on the last stage: give it to every stage
+        dist.all_reduce(self._residual_max, op=dist.ReduceOp.MAX, group=self.pp_group)
+        self._mbs, self._saved = [], {}
+        if through_engine and training:
+            finish_backward(self.engine, self.model)
+        return StepOutput(sums[0], list(sums[1:]), self._residual_max if k > 1 else None, seconds)
+
+    # ------------------------------------------------------------------ ops
+    def _forward(self, op: Op, jitter_seed) -> None:
+        model, ctx, mb = self.model, self._ctx, self._mbs[op.micro_batch]
+        b, j, k = op.micro_batch, op.pass_index, ctx["k"]
+        grad = j in ctx["grad_passes"]
+        ring_in = None
+        if self.first:
+            if j == 0:
+                self._start_micro_batch(mb, jitter_seed)
+        with torch.set_grad_enabled(grad):
+            if self.first:
+                owner = not grad or j == min(ctx["grad_passes"])  # reads the graphs, not the leaves
+                embedded = mb.embedded if owner else mb.embedded_leaf
+                if model.feedback is None:
+                    x = embedded
+                else:
+                    if j > 0:
+                        ring_in = ctx["channel"].recv(("ring", self.stages - 1, b, j - 1))
+                        if grad and j - 1 in ctx["grad_passes"]:
+                            ring_in.requires_grad_()
+                    gate = mb.gate if owner else mb.gate_leaf
+                    x = model.feedback.pass_input(ring_in, embedded, gate, mb.reset, mb.generator)
+            else:
+                x = ctx["channel"].recv(("act", self.stage - 1, b, j))
+                if grad:
+                    x.requires_grad_()
+            out = model.run_stack(x, *self._attention(mb))
+            loss = None
+            if self.last:
+                loss = self._head(mb, out, j, grad)
+        if self.last:
+            if j > 0:
+                with torch.no_grad():
+                    prev = mb.previous_top
+                    r = ((out - prev).norm() / prev.norm().clamp_min(1e-12)).double()
+                    self._residuals[j - 1] += r
+                    if j == k - 1:
+                        self._residual_max = torch.maximum(self._residual_max, r)
+            mb.previous_top = out.detach() if j < k - 1 else None
+            if j < k - 1:
+                ctx["channel"].send(("ring", self.stage, b, j), 0, out)
+        else:
+            ctx["channel"].send(("act", self.stage, b, j), self.stage + 1, out)
+        if grad:
+            self._saved[(b, j)] = (x, out, loss, ring_in)
+        if j == k - 1 and not ctx["grad_passes"]:
+            self._mbs[b] = _MicroBatch({})  # forward only: drop the micro-batch's state now
+
+    def _attention(self, mb: _MicroBatch) -> tuple:
+        """(mask, rotary) for a micro-batch's packed documents (document-causal or causal, positions
+        per document), computed once per step on every stage from the batch's ``doc_start``."""
+        from fbt_megatron.model.fbt_gpt import reset_positions
+
+        if mb.attention is None:
+            data = mb.data
+            batch, seq_len = data["input_ids"].shape
+            mb.reset = reset_positions(data.get("doc_start"), batch, seq_len, data["input_ids"].device)
+            mask, positions = self.model.attention_inputs(mb.reset)  # as the whole model: from doc_start
+            mb.attention = (mask, self.model.rotary(positions), positions)
+        return mb.attention[:2]
+
+    def _start_micro_batch(self, mb: _MicroBatch, jitter_seed) -> None:
+        model, ctx, data = self.model, self._ctx, mb.data
+        ids = data["input_ids"]
+        self._attention(mb)
+        with torch.set_grad_enabled(bool(ctx["grad_passes"])):
+            mb.embedded = model.embed(ids, mb.attention[2], word_weight=self._tied_leaf)
+            if model.feedback is not None and model.feedback.needs_token_gate(ctx["k"]):
+                mb.gate = model.feedback.token_gate(mb.embedded)
+        if len(ctx["grad_passes"]) > 1:  # one graph per pass: the others read leaves
+            mb.embedded_leaf = mb.embedded.detach().requires_grad_()
+            if mb.gate is not None:
+                mb.gate_leaf = mb.gate.detach().requires_grad_()
+        cfg = model.feedback_config
+        if model.training and cfg.jitter_std > 0 and jitter_seed is not None:
+            mb.generator = torch.Generator(device=ids.device).manual_seed(int(jitter_seed))
+
+    def _head(self, mb: _MicroBatch, out, j: int, grad: bool):
+        ctx = self._ctx
+        k = ctx["k"]
+        if not (j == k - 1 or ctx["loss_on"] == "mean"):
+            return None
+        heads = k if ctx["loss_on"] == "mean" else 1
+        weight = self._tied_leaf if self._tied_leaf is not None else None
+        token_loss = self.model.head(out, mb.data["labels"], weight=weight)
+        tok_sum = (token_loss.float() * mb.data["loss_mask"]).sum()
+        self._loss_sum += tok_sum.detach().double() / heads
+        return tok_sum * (ctx["scale"] / heads) if grad else None
+
+    def _backward(self, op: Op) -> None:
+        ctx, mb = self._ctx, self._mbs[op.micro_batch]
+        b, j = op.micro_batch, op.pass_index
+        x, out, loss, ring_in = self._saved.pop((b, j))
+        tensors, grads = [], []
+        if loss is not None:
+            tensors.append(loss)
+            grads.append(None)
+        if not self.last:
+            tensors.append(out)
+            grads.append(ctx["channel"].recv(("grad", self.stage + 1, b, j)))
+        elif j + 1 in ctx["grad_passes"]:
+            tensors.append(out)
+            grads.append(ctx["channel"].recv(("ringgrad", 0, b, j + 1)))
+        final = j == min(ctx["grad_passes"])
+        if self.first and final:  # the other passes' gradients, through W_G and the embedding once
+            for graph, leaf in ((mb.gate, mb.gate_leaf), (mb.embedded, mb.embedded_leaf)):
+                if leaf is not None and leaf.grad is not None:
+                    tensors.append(graph)
+                    grads.append(leaf.grad)
+        ctx["backward"](tensors, grads)
+        if not self.first:
+            ctx["channel"].send(("grad", self.stage, b, j), self.stage - 1, x.grad)
+        elif j - 1 in ctx["grad_passes"]:
+            ctx["channel"].send(("ringgrad", self.stage, b, j), self.stages - 1, ring_in.grad)
+        if final:
+            self._mbs[b] = _MicroBatch({})  # this micro-batch is done on this stage

@@ -1,0 +1,96 @@
+"""One interface for running a step's micro-batches, whatever the pipeline size.
+
+:func:`get_runner` picks the runner once, by the pipeline-parallel size (as Megatron-Core's
+``get_forward_backward_func`` does): :class:`WholeModelRunner` when every rank holds the whole model
+(PP=1), :class:`~fbt_megatron.parallel.pipeline_runner.PipelineRunner` otherwise. Both have the same
+``run(micro_batches, num_passes, *, training, scale, jitter_seeds) -> StepOutput``: forward of every
+micro-batch with ``num_passes`` passes and, when ``training``, the backward of ``token loss * mask *
+scale`` (through the engine when the runner has one, up to the accumulation boundary). The train step
+and evaluation use only this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor  # sum over micro-batches of (token loss * mask), float64, same on all stages
+    residuals: list[torch.Tensor] = field(default_factory=list)  # per pass > 1, summed over micro-batches
+    last_residual_max: torch.Tensor | None = None  # the last pass's largest residual over micro-batches
+    op_seconds: list = field(default_factory=list)  # (op, start, end, waited) on this rank (benchmarks)
+
+
+def micro_batch_forward(model, batch: dict, num_passes: int, jseed: int | None = None):
+    return model(input_ids=batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"],
+                 num_passes=num_passes, jitter_seed=jseed)
+
+
+class WholeModelRunner:
+    """PP=1: each micro-batch goes forward through the whole model, then (training) backward.
+
+    ``model`` is what the forward is called on: the DeepSpeed engine's module wrapper (``engine.ds``, so
+    ZeRO-3 gathers its weights) or a bare model. With ``engine`` each micro-batch's backward goes
+    through ``engine.backward``, the last one at the accumulation boundary."""
+
+    def __init__(self, model, engine=None):
+        self.model, self.engine = model, engine
+
+    def run(self, micro_batches: list[dict], num_passes: int, *, training: bool, scale: float = 1.0,
+            jitter_seeds: list | None = None) -> StepOutput:
+        device = micro_batches[0]["input_ids"].device if micro_batches else None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        residuals, residual_max = None, None
+        for j, batch in enumerate(micro_batches):
+            # jitter_seeds[j]: global micro-batch dp_rank * len + j, contiguous DP blocks (see the loaders)
+            out = micro_batch_forward(self.model, batch, num_passes, jitter_seeds[j] if jitter_seeds else None)
+            tok_sum = (out.token_loss.float() * batch["loss_mask"]).sum()
+            if training:
+                if self.engine is not None:
+                    self.engine.backward(tok_sum * scale, is_boundary=j == len(micro_batches) - 1)
+                else:
+                    (tok_sum * scale).backward()
+            loss_sum += tok_sum.detach().to(torch.float64)
+            if out.pass_residuals:
+                r = torch.stack([x.detach().float() for x in out.pass_residuals])
+                residuals = r if residuals is None else residuals + r
+                last = out.pass_residuals[-1].detach().double()
+                residual_max = last if residual_max is None else torch.maximum(residual_max, last)
+        return StepOutput(loss_sum, [] if residuals is None else list(residuals), residual_max)
+
+
+def get_runner(model, engine=None):
+    """The runner for this rank's pipeline size. ``model``: the (stage's) FBT model, ``engine.model``
+    when training; with ``engine`` the whole-model forward goes through ``engine.ds``."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        from fbt_megatron.parallel.pipeline_runner import PipelineRunner
+
+        return PipelineRunner(model, engine=engine)
+    return WholeModelRunner(engine.ds if engine is not None else model, engine=engine)
+
+
+def engine_backward(engine):
+    """A ``backward(tensors, grads)`` for :meth:`PipelineRunner.run` that goes through DeepSpeed:
+    the vector-Jacobian product as the backward of the scalar sum(t * g) (exact: its gradient with
+    respect to t is g), so ZeRO's gradient hooks, loss scaling and reductions see an ordinary
+    ``engine.backward``. None of these calls is the accumulation boundary; see :func:`finish_backward`."""
+
+    def backward(tensors, grads):
+        surrogate = sum(t if g is None else (t * g).sum() for t, g in zip(tensors, grads))
+        engine.backward(surrogate, is_boundary=False)
+
+    return backward
+
+
+def finish_backward(engine, model) -> None:
+    """The accumulation boundary on this rank: one more backward, adding exactly zero to one
+    parameter's gradient (ZeRO-2 sets up its reduction buckets only when some parameter's gradient
+    arrives), so DeepSpeed runs its boundary reductions (ZeRO-0 all-reduce, ZeRO-1 reduce, ZeRO-2
+    epilogue) over what the step's backward calls accumulated."""
+    param = next(p for p in model.parameters() if p.requires_grad)
+    engine.backward((param * 0.0).sum(), is_boundary=True)

@@ -1,0 +1,50 @@
+"""``<run_dir>/metrics.jsonl``: one JSON line per step and per logged metrics (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fbt_megatron.train.callbacks.base import Logger, is_rank0, step_metrics
+
+
+class MetricsFile(Logger):
+    """One JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0): step, passes, loss, the global
+    batch's data checksum, counters, which (re)start of the job wrote it, and every scalar the other
+    loggers get (``train/...``, ``feedback/...``, ``perf/...``). Metrics logged outside a step (the
+    validation losses, ``val/loss_kK``) get a line of their own with ``"event": "metrics"``.
+    ``fbt slurm status`` reads it; the preemption and elastic tests compare its sample stream with an
+    uninterrupted run's."""
+
+    priority = 50
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.launch = {k: os.environ[v] for k, v in (("slurm_job", "SLURM_JOB_ID"),
+                                                     ("slurm_restart", "SLURM_RESTART_COUNT"),
+                                                     ("elastic_restart", "TORCHELASTIC_RESTART_COUNT"))
+                       if v in os.environ}
+        self.launch["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
+
+    def _write(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def on_step_end(self, trainer, r) -> None:
+        if not is_rank0():
+            return
+        s = trainer.state
+        self._write({"step": s.step, "passes": r.num_passes, "loss": r.loss, "skipped": r.skipped,
+                     "data_checksum": r.data_checksum, "consumed_sequences": s.consumed_sequences,
+                     "tokens_seen": s.tokens_seen, "seconds": r.seconds, "time": time.time(), **self.launch,
+                     **step_metrics(trainer, r)})
+
+    def log_metrics(self, trainer, metrics: dict) -> None:
+        if is_rank0():
+            self._write({"event": "metrics", "step": trainer.state.step, "tokens_seen": trainer.state.tokens_seen,
+                         "time": time.time(), **metrics})

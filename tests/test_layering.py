@@ -1,0 +1,126 @@
+"""Layers import only downward: every import inside ``fbt_megatron/`` and ``data_pipeline/`` (found with
+``ast``, also the ones inside functions) names a module of its own layer or a lower one.
+
+The order (docs/architecture.md, "Layout"): a module's layer is that of the longest prefix below that
+names it. Imports within one layer are free; an import of a higher layer fails this test with the
+file, the line and both layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fbt_megatron", "data_pipeline")
+
+LAYERS = {
+    # 1: runtime and configuration (the recipe schema with it)
+    "fbt_megatron": 1,  # the package's __init__ (version, runtime re-exports)
+    "fbt_megatron.runtime": 1,
+    "fbt_megatron.logs": 1,
+    "fbt_megatron.config": 1,
+    "fbt_megatron.recipe": 1,
+    "data_pipeline.config": 1,
+    "data_pipeline.errors": 1,
+    # 2: the data pipeline and the model
+    "data_pipeline": 2,
+    "fbt_megatron.data": 2,
+    "fbt_megatron.model": 2,
+    "fbt_megatron.passes": 2,
+    # 3: the DeepSpeed / Megatron engine glue
+    "fbt_megatron.engine": 3,
+    # 4: checkpoints and pipeline parallelism
+    "fbt_megatron.checkpoint": 4,
+    "fbt_megatron.parallel": 4,
+    # 5: training
+    "fbt_megatron.train": 5,
+    # 6: what uses a trained model or runs training elsewhere
+    "fbt_megatron.generate": 6,
+    "fbt_megatron.eval": 6,
+    "fbt_megatron.hf": 6,
+    "fbt_megatron.serving": 6,
+    "fbt_megatron.launch": 6,
+    "fbt_megatron.research": 6,
+    "fbt_megatron.demo": 6,
+    # 7: entry points and test support
+    "fbt_megatron.cli": 7,
+    "fbt_megatron.checkpoint.cli": 7,
+    "fbt_megatron.train.cli": 7,
+    "fbt_megatron.train.sft_cli": 7,
+    "data_pipeline.cli": 7,
+    "fbt_megatron.testing": 7,
+    "data_pipeline.testing": 7,
+}
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    return None
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of one of PACKAGES in ``path``; ``from x import y``
+    counts as importing ``x.y`` (a submodule or a name of ``x``: the longest layer prefix decides)."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = module_name(path, root).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package[:len(package) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{base}.{a.name}" if a.name != "*" else base) for a in node.names]
+    return [(line, name) for line, name in out if name.split(".")[0] in PACKAGES]
+
+
+def upward_imports(root: Path = ROOT) -> list[str]:
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            name_here = module_name(path, root)
+            mine = layer_of(name_here)
+            if mine is None:
+                problems.append(f"{path.relative_to(root)}: no layer declared for {name_here}")
+                continue
+            for line, name in imports(path, root):
+                theirs = layer_of(name)
+                if theirs is None:
+                    problems.append(f"{path.relative_to(root)}:{line}: imports {name}, which has no layer")
+                elif theirs > mine:
+                    problems.append(f"{path.relative_to(root)}:{line}: {name_here} (layer {mine}) "
+                                    f"imports {name} (layer {theirs})")
+    return problems
+
+
+def test_no_module_imports_a_higher_layer():
+    problems = upward_imports()
+    assert not problems, "upward imports:\n" + "\n".join(problems)
+
+
+def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    pkg = tmp_path / "fbt_megatron"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model" / "__init__.py").write_text("")
+    (pkg / "model" / "x.py").write_text("def f():\n    from ..train import run\n\nfrom . import y\n")
+    (pkg / "model" / "y.py").write_text("import fbt_megatron.config\n")
+    (tmp_path / "data_pipeline").mkdir()
+    problems = upward_imports(tmp_path)
+    assert problems == [
+        "fbt_megatron/model/x.py:2: fbt_megatron.model.x (layer 2) imports fbt_megatron.train.run (layer 5)"]
