@@ -75,3 +75,28 @@ def test_template_is_package_data():
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert "train.sbatch" in pyproject["tool"]["setuptools"]["package-data"]["fbt_megatron.launch"]
+
+
+def test_an_init_from_recipe_without_a_model_is_checked_against_the_checkpoints_model(tmp_path, capsys):
+    """A recipe with ``init_from`` and no ``model`` section trains the checkpoint's model (train/sft.py):
+    the submit's layout check uses that model, not the default one."""
+    import json
+
+    import yaml
+
+    ckpt = tmp_path / "base" / "checkpoints" / "step_3"
+    ckpt.mkdir(parents=True)
+    (ckpt.parent / "latest").write_text("step_3")
+    model = {"num_layers": 2, "hidden_size": 192, "num_attention_heads": 6, "vocab_size": 4096,
+             "max_sequence_length": 128}
+    (ckpt / "state.json").write_text(json.dumps({"step": 3, "recipe": {"model": model}}))
+    recipe = {"name": "sft", "run_dir": str(tmp_path / "sft"), "init_from": str(tmp_path / "base"),
+              "batch": {"global_batch_size": 4, "micro_batch_size": 1}, "data": {"seq_length": 128}}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(recipe))
+    args = lambda tp: ["submit", str(tmp_path / "sft.yaml"), "--nodes", "1", "--gpus-per-node", str(tp), "--cpu",
+                       "--dry-run", f"parallel.tensor={tp}"]  # noqa: E731
+    assert main(args(2)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    # TP=4 divides the default model (4 heads, hidden 128) but not the checkpoint's 6 heads
+    assert main(args(4)) == 2
+    assert "model.num_attention_heads=6 is not divisible by tensor parallel size 4" in capsys.readouterr().err
