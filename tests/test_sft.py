@@ -101,6 +101,23 @@ def test_resume_mid_sft_continues_exactly(fx, base, reference, tmp_path):
     assert losses(resumed) == pytest.approx(losses(ref)[2:], abs=TOL)
 
 
+def test_a_resume_takes_the_model_from_the_runs_own_checkpoint_not_init_from(fx, base, tmp_path):
+    import shutil
+
+    from fbt_megatron.checkpoint.manager import read_checkpoint_state
+
+    start = tmp_path / "start"
+    shutil.copytree(base, start)
+    recipe = sft_recipe(tmp_path / "sft", fx, start, train={"steps": 2, "stop_at_step": 1}, checkpoint={"at_end": True})
+    del recipe["model"]  # from init_from at the start, from the run's own checkpoint on the resume
+    run_distributed(sft_train_fn, 1, recipe)
+    shutil.rmtree(start)  # init_from is gone: a resume does not read it again
+    del recipe["train"]["stop_at_step"]
+    out = run_distributed(sft_train_fn, 1, recipe)[0]
+    assert out["history"][0][0] == 1 and len(out["history"]) == 1
+    assert read_checkpoint_state(tmp_path / "sft")["recipe"]["model"] == read_checkpoint_state(base)["recipe"]["model"]
+
+
 def test_sft_from_an_hf_import(fx, tmp_path):
     stock_llama(tmp_path / "llama")
     r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "-q", "convert", "from-hf", str(tmp_path / "llama"),

@@ -29,20 +29,24 @@ TEMPLATE_FILE = "chat_template.jinja"
 
 def resolve_init_sections(recipe: Recipe) -> Recipe:
     """Before validation against the layout: a recipe with ``init_from`` that sets no ``model`` (or
-    ``feedback``) section takes the checkpoint's, so an SFT recipe need not repeat the architecture."""
+    ``feedback``) section takes the checkpoint's, so an SFT recipe need not repeat the architecture.
+    When the run resumes its own checkpoints, the sections come from its latest one: ``init_from`` is
+    then not read (it may be gone)."""
     if not recipe.init_from:
         return recipe
     if {"model", "feedback"} <= recipe.model_fields_set:
         return recipe
     from fbt_megatron.checkpoint import CheckpointError
-    from fbt_megatron.checkpoint.manager import read_checkpoint_state
+    from fbt_megatron.checkpoint.manager import LATEST, read_checkpoint_state
     from fbt_megatron.config import saved_feedback_section
     from fbt_megatron.recipe import load_recipe
 
+    own = recipe.resolved_run_dir() / "checkpoints"
+    resuming = recipe.checkpoint.resume and (own / LATEST).exists()
     try:
-        saved = read_checkpoint_state(recipe.init_from).get("recipe") or {}
+        saved = read_checkpoint_state(own if resuming else recipe.init_from).get("recipe") or {}
     except (CheckpointError, OSError) as e:
-        raise RecipeError(f"recipe key 'init_from': {e}") from None
+        raise RecipeError(f"recipe key {'run_dir' if resuming else 'init_from'!r}: {e}") from None
     data = recipe.model_dump(mode="json", exclude_unset=True)
     taken = []
     if "model" not in recipe.model_fields_set and saved.get("model"):
