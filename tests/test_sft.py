@@ -167,7 +167,7 @@ def test_fbt_eval_applies_the_chat_template_and_pairs_lengths_per_problem(refere
     tasks = write_tasks(tmp_path / "tasks")
     env = dict(__import__("os").environ, HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"))
     r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "-q", "eval", str(run), "--tasks",
-                        str(tasks / "fbt_local_gen.yaml"), "--modes", "standard,fused", "--limit", "3",
+                        str(tasks / "fbt_local_gen.yaml"), "--modes", "fused,standard", "--limit", "3",
                         "--apply-chat-template", "--system-instruction", "Be brief.", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr

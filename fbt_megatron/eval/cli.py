@@ -121,11 +121,12 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
             by_problem = lm.generated_by_problem
             table[task][mode] = {"metric": metric, "value": value, **length_stats(by_problem),
                                  "tokens_by_problem": dict(by_problem)}
-            if mode != "standard" and "standard" in table[task]:
-                table[task][mode]["paired_with_standard"] = paired(table[task]["standard"]["tokens_by_problem"],
-                                                                   by_problem)
             bar.update(1)
     bar.close()
+    for row in table.values():  # after every mode ran: the pairing does not depend on the order of --modes
+        for mode, cell in row.items():
+            if mode != "standard" and "standard" in row:
+                cell["paired_with_standard"] = paired(row["standard"]["tokens_by_problem"], cell["tokens_by_problem"])
     return table
 
 
