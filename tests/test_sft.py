@@ -174,7 +174,8 @@ def test_fbt_eval_applies_the_chat_template_and_pairs_lengths_per_problem(refere
     table = json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"]["fbt_local_gen"]
     std, fused = table["standard"], table["fused"]
     assert len(std["tokens_by_problem"]) == 3 and set(std["tokens_by_problem"]) == set(fused["tokens_by_problem"])
-    for prompt in std["tokens_by_problem"]:  # lm-eval rendered each prompt with the run's chat template
+    assert set(std["prompts_by_problem"]) == set(std["tokens_by_problem"])  # problems are request indices
+    for prompt in std["prompts_by_problem"].values():  # lm-eval rendered each prompt with the run's chat template
         assert prompt.startswith("<|system|>\nBe brief.</s><|user|>\n") and prompt.endswith("</s><|assistant|>\n")
     assert std["mean_tokens"] == pytest.approx(sum(std["tokens_by_problem"].values()) / 3, abs=0.01)
     pair = fused["paired_with_standard"]
@@ -183,6 +184,33 @@ def test_fbt_eval_applies_the_chat_template_and_pairs_lengths_per_problem(refere
     assert pair["mean_diff"] == pytest.approx(sum(diffs) / 3, abs=0.01)
     md = (tmp_path / "out" / "eval.md").read_text()
     assert "Mean generated tokens" in md and "Per-problem pairing with standard decoding" in md
+
+
+def test_every_generation_counts_and_pairs_by_request_index():
+    """Repeats and identical prompts are separate problems (keyed by request index, not by text): the
+    length statistics count every generation."""
+    from types import SimpleNamespace
+
+    from lm_eval.api.model import CacheHook
+
+    from fbt_megatron.eval.lm_eval_model import FBTLM
+
+    class Text:
+        def generate(self, prompts, params, **_):
+            return [SimpleNamespace(text=p, tokens=[0] * n) for p, n in zip(prompts, lengths.pop(0))]
+
+    lm = FBTLM.__new__(FBTLM)
+    lm.text, lm.batch_size, lm.max_length, lm.seed, lm.padding, lm.chat_tokenizer = Text(), 8, 64, 0, "left", None
+    lm.generated_lengths, lm.generated_by_problem, lm.prompt_by_problem = [], {}, {}
+    lm.cache_hook = CacheHook(None)
+    lengths = [[3, 5, 10]]
+    reqs = [SimpleNamespace(args=(p, {"until": ["\n"], "max_gen_toks": 10})) for p in ["same", "same", "other"]]
+    assert lm.generate_until(reqs, disable_tqdm=True) == ["same", "same", "other"]
+    assert sorted(lm.generated_by_problem.values()) == [3, 5, 10]
+    assert lm.prompt_by_problem == {0: "same", 1: "same", 2: "other"}
+    from fbt_megatron.eval.lengths import length_stats
+
+    assert length_stats(lm.generated_by_problem) == {"median_tokens": 5, "mean_tokens": 6.0, "generations": 3}
 
 
 def test_length_pairing_is_per_problem():

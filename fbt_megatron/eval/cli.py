@@ -94,7 +94,8 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
              num_fewshot=None, batch_size=8, allow_code=False, seed=0, progress=True, chat=False,
              system_instruction=None, fewshot_as_multiturn=False) -> dict:
     """Run every task in every mode; returns {task: {mode: {metric, value, median_tokens, mean_tokens,
-    paired_with_standard, tokens_by_problem}}} (eval/lengths.py)."""
+    paired_with_standard, tokens_by_problem, prompts_by_problem}}} (eval/lengths.py; problems are request
+    indices, the request's position in the task)."""
     from fbt_megatron.eval.lengths import length_stats, paired
 
     import lm_eval
@@ -120,7 +121,7 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
             metric, value = main_metric(out["results"].get(task, {}))
             by_problem = lm.generated_by_problem
             table[task][mode] = {"metric": metric, "value": value, **length_stats(by_problem),
-                                 "tokens_by_problem": dict(by_problem)}
+                                 "tokens_by_problem": dict(by_problem), "prompts_by_problem": dict(lm.prompt_by_problem)}
             bar.update(1)
     bar.close()
     for row in table.values():  # after every mode ran: the pairing does not depend on the order of --modes

@@ -47,7 +47,10 @@ class FBTLM(TemplateLM):
         self.max_length = int(max_length or loaded.model_config.max_sequence_length)
         self.padding, self.seed = padding, int(seed)
         self.generated_lengths: list[int] = []  # tokens generated per generate_until request
-        self.generated_by_problem: dict[str, int] = {}  # the same, by request context (eval/lengths.py pairs modes)
+        # the same, by request index (the request's position in the task: every generation, also repeats and
+        # identical prompts, has its own; the same index is the same problem in every mode: eval/lengths.py pairs them)
+        self.generated_by_problem: dict[int, int] = {}
+        self.prompt_by_problem: dict[int, str] = {}  # the context each request index generated from
         self.chat_tokenizer = None
         if chat:  # lm-eval's apply_chat_template: the checkpoint's template, ids from the same tokenizer
             from data_pipeline.chat import chat_tokenizer
@@ -147,6 +150,7 @@ class FBTLM(TemplateLM):
         for i, req in enumerate(requests):  # batch requests that share generation settings
             groups.setdefault(repr(sorted(req.args[1].items(), key=lambda kv: kv[0])), []).append(i)
         out: list = [None] * len(requests)
+        first = len(self.generated_lengths)  # request indices continue over calls
         bar = tqdm(total=len(requests), desc="fbt generate_until", disable=disable_tqdm)
         for members in groups.values():
             params = self._sampling(requests[members[0]].args[1])
@@ -161,7 +165,8 @@ class FBTLM(TemplateLM):
                 for i, c in zip(idx, done):
                     out[i] = c.text
                     self.generated_lengths.append(len(c.tokens))
-                    self.generated_by_problem[requests[i].args[0]] = len(c.tokens)
+                    self.generated_by_problem[first + i] = len(c.tokens)
+                    self.prompt_by_problem[first + i] = requests[i].args[0]
                     self.cache_hook.add_partial("generate_until", requests[i].args, c.text)
                 bar.update(len(idx))
         bar.close()
