@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,35 +45,56 @@ def test_loss_mask_is_the_assistant_tokens_and_their_end_of_turn_token_by_token(
 
 
 def test_the_loader_puts_the_mask_on_the_labels(fx):
+    """Expected, position by position, from the stream layout (the planner's pieces: which document,
+    which slice, where) and each conversation's stored mask (mask.npy): the label of input position q
+    carries loss iff it is one of its conversation's assistant tokens (the packer's EOS after a
+    conversation never is) and the input is not EOS. Covers conversations cut by a row or micro-batch
+    boundary (a piece that starts inside its conversation: ``lo > 0``) and each conversation's last token."""
     from data_pipeline.chat import chat_tokenizer, encode_conversation
     from data_pipeline.config import DataConfig
-    from data_pipeline.loader import build_loader
+    from data_pipeline.loader import _Packer, build_loader
     from data_pipeline.shards import Dataset, DatasetReader
 
     cfg = DataConfig(**chat_data_section(fx), valid_documents=0)
-    batch = next(build_loader(cfg, micro_batch_size=4, global_batch_size=4, dp_rank=0, dp_size=1))
+    m = 4
+    loader = build_loader(cfg, micro_batch_size=m, global_batch_size=m, dp_rank=0, dp_size=1)
+    spec = loader._spec
+    planner, packer = spec.new_planner(), _Packer(spec)
     ds = Dataset.load(cfg.sources[0].path)
     reader = DatasetReader(ds)
     tok = chat_tokenizer(fx["tokenizer"])
-    eos = tok.eos_token_id
-    checked = 0
-    for row in range(4):
-        ids, lm, starts = batch["input_ids"][row], batch["loss_mask"][row], batch["doc_start"][row]
-        # each document start: find its conversation in the dataset and compare the mask on its labels
-        for s in starts.nonzero().flatten().tolist():
-            for sid in range(ds.num_samples):
-                toks = reader.get(sid)
-                n = min(len(toks), len(ids) - s)
-                if n >= 3 and ids[s:s + n].tolist() == toks[:n].tolist():
-                    dmask = reader.last_mask
-                    # label of input position s+i is token i+1: loss iff that token is an assistant token
-                    want = [float(dmask[i + 1]) for i in range(min(n, len(ids) - s) - 1)]
-                    assert lm[s:s + len(want)].tolist() == want
-                    checked += 1
-                    break
-        # never on a label that is not an assistant token of its conversation: no loss on EOS inputs
-        assert (lm[ids == eos] == 0).all()
-    assert checked >= 4
+    eos, S = tok.eos_token_id, cfg.seq_length
+    continued = crossing = last_tokens = 0
+    for u in range(8):
+        batch = next(loader)
+        a, n = spec.position(spec.first_sequence(u)), m * S + 1
+        stream, target = np.full(n, -1, np.int64), np.zeros(n, bool)
+        for src, sid, length, lo, hi, out in planner.pieces(a, a + n):
+            doc = reader.get(sid).tolist()
+            dmask = reader.last_mask
+            assert len(doc) == length - 1 and len(dmask) == len(doc)  # the packer appends one EOS
+            for j in range(lo, hi):
+                stream[out + j - lo] = doc[j] if j < len(doc) else eos
+                target[out + j - lo] = bool(dmask[j]) if j < len(doc) else False
+            continued += lo > 0
+            crossing += (out + hi - lo - 1) // S > out // S  # continues into the next row
+            last = out + len(doc) - 1 - lo  # stream position of the conversation's last token
+            if lo <= len(doc) - 1 < hi and last < m * S:
+                last_tokens += 1
+                assert dmask[-1] == 1 and doc[-1] == eos  # the assistant's end-of-turn: a target ...
+                assert not target[last + 1]  # ... the packer's EOS after it is not
+                lm_flat = batch["loss_mask"].flatten()
+                assert lm_flat[last] == 0  # no loss on the label after the conversation's last token
+                if last > 0:
+                    assert lm_flat[last - 1] == 1  # the end-of-turn token is learnt
+        assert (stream >= 0).all()
+        assert batch["input_ids"].flatten().tolist() == stream[:-1].tolist()
+        assert batch["labels"].flatten().tolist() == stream[1:].tolist()
+        want = (stream[:-1] != eos) & target[1:]
+        assert batch["loss_mask"].flatten().tolist() == want.astype(np.float32).tolist()
+        got_target = packer.micro_batch(u)["target"]
+        assert got_target.tolist() == target.tolist()
+    assert continued >= 2 and crossing >= 2 and last_tokens >= 4
     assert 0 < batch["loss_mask"].mean() < 0.5  # the prompts and headers carry no loss
     # the conversations' messages are in the dataset exactly as the template renders them
     ids0, mask0 = encode_conversation(tok, fx["conversations"][0]["messages"])
