@@ -64,27 +64,33 @@ def template_sha(template: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- tokenizer
-@functools.lru_cache(maxsize=4)
-def _fast_tokenizer(model_bytes: bytes, template: str):
-    """transformers' fast tokenizer of a sentencepiece model, built the way ``fbt convert to-hf``
-    builds the export's (``hf.export._convert_sentencepiece``): byte fallback, dummy prefix,
-    user-defined pieces, BOS/EOS/UNK named, no BOS added."""
+def sentencepiece_fast_tokenizer(model_bytes: bytes):
+    """transformers' fast tokenizer of a sentencepiece model (its bytes) that encodes like SentencePiece:
+    byte fallback, dummy prefix, user-defined pieces, BOS/EOS/UNK named, no BOS added (the data
+    pipeline adds none). ``fbt convert to-hf`` saves this one (``hf.export.write_tokenizer``), the chat
+    code renders with it: both give the same ids. A new one per call."""
     import sentencepiece as spm
     from transformers import PreTrainedTokenizerFast
 
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(model_bytes)
-    staging = Path(tempfile.mkdtemp(prefix="fbt-chat-tok-"))
+    staging = Path(tempfile.mkdtemp(prefix="fbt-sp-tok-"))
     try:
         (staging / "tokenizer.model").write_bytes(model_bytes)
         piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
-        tok = PreTrainedTokenizerFast.from_pretrained(str(staging), bos_token=piece(sp.bos_id()),
-                                                      eos_token=piece(sp.eos_id()), unk_token=piece(sp.unk_id()),
-                                                      local_files_only=True)
-        tok.chat_template = template
-        return tok
+        return PreTrainedTokenizerFast.from_pretrained(str(staging), bos_token=piece(sp.bos_id()),
+                                                       eos_token=piece(sp.eos_id()), unk_token=piece(sp.unk_id()),
+                                                       local_files_only=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _fast_tokenizer(model_bytes: bytes, template: str):
+    """:func:`sentencepiece_fast_tokenizer` with the chat template set (cached)."""
+    tok = sentencepiece_fast_tokenizer(model_bytes)
+    tok.chat_template = template
+    return tok
 
 
 def chat_tokenizer(model: str | os.PathLike | bytes, template: str | None = None):

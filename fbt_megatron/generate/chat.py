@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TEMPLATE_FILE = "chat_template.jinja"
+from data_pipeline.chat import TEMPLATE_FILE
 
 
 def find_chat_template(checkpoint: str | Path) -> str:

@@ -155,22 +155,10 @@ def _finish_tokenizer_config(out: Path, pad: str | None, max_length: int | None)
 
 
 def _convert_sentencepiece(model: Path, out: Path) -> None:
-    """transformers builds a fast tokenizer from the .model that encodes like SentencePiece (byte
-    fallback, dummy prefix, user-defined pieces); no BOS is added, as the data pipeline adds none."""
-    import sentencepiece as spm
-    from transformers import PreTrainedTokenizerFast
+    """The fast tokenizer the data pipeline's chat code uses (``data_pipeline.chat``), saved with the .model."""
+    from data_pipeline.chat import sentencepiece_fast_tokenizer
 
-    sp = spm.SentencePieceProcessor()
-    sp.Load(str(model))
-    staging = out / ".tokenizer_src"
-    staging.mkdir(exist_ok=True)
-    shutil.copyfile(model, staging / "tokenizer.model")
-    piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
-    tok = PreTrainedTokenizerFast.from_pretrained(str(staging), bos_token=piece(sp.bos_id()),
-                                                  eos_token=piece(sp.eos_id()), unk_token=piece(sp.unk_id()),
-                                                  local_files_only=True)
-    tok.save_pretrained(str(out))
-    shutil.rmtree(staging)
+    sentencepiece_fast_tokenizer(model.read_bytes()).save_pretrained(str(out))
     shutil.copyfile(model, out / "tokenizer.model")
 
 

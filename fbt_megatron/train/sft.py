@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from data_pipeline.chat import TEMPLATE_FILE
 from fbt_megatron.recipe import Recipe, RecipeError
-
-TEMPLATE_FILE = "chat_template.jinja"
 
 
 def resolve_init_sections(recipe: Recipe) -> Recipe:
