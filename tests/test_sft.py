@@ -160,6 +160,17 @@ def test_exported_chat_template_renders_the_ids_of_fbt_generate_chat(reference, 
     assert r.returncode == 2 and "--system applies to --chat" in r.stderr
 
 
+def test_generate_chat_echoes_the_rendered_prompt_streaming_or_not(reference):
+    run, _ = reference
+    cmd = [sys.executable, "-m", "fbt_megatron.cli", "-q", "generate", str(run), "--chat", "--system", "Be brief.",
+           "--prompt", "3+4?", "--max-new-tokens", "3"]
+    rendered = "<|system|>\nBe brief.</s><|user|>\n3+4?</s><|assistant|>\n"
+    for extra in ([], ["--no-stream"]):
+        r = subprocess.run(cmd + extra, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(rendered), (extra, r.stdout)
+
+
 def test_fbt_eval_applies_the_chat_template_and_pairs_lengths_per_problem(reference, tmp_path):
     from tests.test_eval_lm_eval import write_tasks
 

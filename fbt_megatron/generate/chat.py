@@ -35,6 +35,15 @@ def chat_prompt_ids(sp, template: str, prompts: list[str], system: str | None = 
     return [prompt_ids(tok, chat_messages(p, system)) for p in prompts]
 
 
+def chat_prompt_texts(sp, template: str, prompts: list[str], system: str | None = None) -> list[str]:
+    """The text of each rendered chat prompt (what :func:`chat_prompt_ids` encodes): what the model sees."""
+    from data_pipeline.chat import chat_messages, chat_tokenizer
+
+    tok = chat_tokenizer(sp.serialized_model_proto(), template)
+    return [tok.apply_chat_template(chat_messages(p, system), tokenize=False, add_generation_prompt=True)
+            for p in prompts]
+
+
 def export_chat_template(checkpoint: str | Path, out: Path) -> bool:
     """HF export: the checkpoint's chat template into ``tokenizer_config.json`` (``chat_template``, read by
     transformers 4.x and 5.x) and ``chat_template.jinja``; False when the checkpoint has none."""

@@ -97,12 +97,14 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
-    chat_ids = None
+    chat_ids, shown = None, prompts  # shown: each prompt as echoed, the text the model sees
     if args.chat:
-        from fbt_megatron.generate.chat import chat_prompt_ids, find_chat_template
+        from fbt_megatron.generate.chat import chat_prompt_ids, chat_prompt_texts, find_chat_template
 
         try:
-            chat_ids = chat_prompt_ids(gen.tokenizer, find_chat_template(gen.loaded.checkpoint), prompts, args.system)
+            template = find_chat_template(gen.loaded.checkpoint)
+            chat_ids = chat_prompt_ids(gen.tokenizer, template, prompts, args.system)
+            shown = chat_prompt_texts(gen.tokenizer, template, prompts, args.system)
         except FileNotFoundError as e:
             print(f"fbt generate: {e}", file=sys.stderr)
             runtime.shutdown()
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
             chunk = prompts[start:start + args.batch_size]
             ids = chat_ids[start:start + args.batch_size] if chat_ids is not None else None
             if stream:
-                sys.stdout.write(chunk[0])
+                sys.stdout.write(shown[start])
                 sys.stdout.flush()
             done = gen.generate(chunk, params, padding=args.padding, prompt_ids=ids,
                                 stream=(lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
                 elif stream:
                     say(f"\n[{len(c.tokens)} tokens, {c.finish_reason}]")
                 else:
-                    say(f"{c.prompt}{c.text}\n[{len(c.tokens)} tokens, {c.finish_reason}]\n")
+                    say(f"{shown[start + j]}{c.text}\n[{len(c.tokens)} tokens, {c.finish_reason}]\n")
         return 0
     finally:
         runtime.shutdown()
