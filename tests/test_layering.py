@@ -2,8 +2,10 @@
 ``ast``, also the ones inside functions) names a module of its own layer or a lower one.
 
 The order (docs/architecture.md, "Layout"): a module's layer is that of the longest prefix below that
-names it. Imports within one layer are free; an import of a higher layer fails this test with the
-file, the line and both layers.
+names it, except the root ``fbt_megatron``, which stands for the package's own ``__init__`` only (and the
+names it defines): a module of ``fbt_megatron`` under no other entry has no layer, and fails this test
+until its layer is declared. Imports within one layer are free; an import of a higher layer fails this
+test with the file, the line and both layers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ PACKAGES = ("fbt_megatron", "data_pipeline")
 
 LAYERS = {
     # 1: runtime and configuration (the recipe schema with it)
-    "fbt_megatron": 1,  # the package's __init__ (version, runtime re-exports)
+    "fbt_megatron": 1,  # the package's __init__ only (version, runtime re-exports): see EXACT
     "fbt_megatron.runtime": 1,
     "fbt_megatron.logs": 1,
     "fbt_megatron.config": 1,
@@ -54,11 +56,23 @@ LAYERS = {
 }
 
 
-def layer_of(module: str) -> int | None:
+# entries that name one module, not its submodules: a new subpackage of fbt_megatron must declare its layer
+EXACT = {"fbt_megatron"}
+DECLARE = "declare its layer in LAYERS (tests/test_layering.py; docs/architecture.md, \"Layout\")"
+
+
+def _is_module(root: Path, parts: list[str]) -> bool:
+    path = root.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or path.is_dir()
+
+
+def layer_of(module: str, root: Path = ROOT) -> int | None:
     parts = module.split(".")
     for n in range(len(parts), 0, -1):
         prefix = ".".join(parts[:n])
         if prefix in LAYERS:
+            if prefix in EXACT and n < len(parts) and _is_module(root, parts[:n + 1]):
+                return None  # a submodule under no entry of its own (not a name of the package's __init__)
             return LAYERS[prefix]
     return None
 
@@ -94,14 +108,15 @@ def upward_imports(root: Path = ROOT) -> list[str]:
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             name_here = module_name(path, root)
-            mine = layer_of(name_here)
+            mine = layer_of(name_here, root)
             if mine is None:
-                problems.append(f"{path.relative_to(root)}: no layer declared for {name_here}")
+                problems.append(f"{path.relative_to(root)}: no layer declared for {name_here}: {DECLARE}")
                 continue
             for line, name in imports(path, root):
-                theirs = layer_of(name)
+                theirs = layer_of(name, root)
                 if theirs is None:
-                    problems.append(f"{path.relative_to(root)}:{line}: imports {name}, which has no layer")
+                    problems.append(f"{path.relative_to(root)}:{line}: imports {name}, which has no layer: "
+                                    f"{DECLARE}")
                 elif theirs > mine:
                     problems.append(f"{path.relative_to(root)}:{line}: {name_here} (layer {mine}) "
                                     f"imports {name} (layer {theirs})")
@@ -124,3 +139,16 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):
     problems = upward_imports(tmp_path)
     assert problems == [
         "fbt_megatron/model/x.py:2: fbt_megatron.model.x (layer 2) imports fbt_megatron.train.run (layer 5)"]
+
+
+def test_an_undeclared_subpackage_has_no_layer(tmp_path):
+    pkg = tmp_path / "fbt_megatron"
+    (pkg / "newthing").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '0'\n")
+    (pkg / "runtime.py").write_text("from fbt_megatron import __version__\n")
+    (pkg / "newthing" / "__init__.py").write_text("")
+    (pkg / "newthing" / "x.py").write_text("")
+    (tmp_path / "data_pipeline").mkdir()
+    problems = upward_imports(tmp_path)
+    assert problems == [f"fbt_megatron/newthing/__init__.py: no layer declared for fbt_megatron.newthing: {DECLARE}",
+                        f"fbt_megatron/newthing/x.py: no layer declared for fbt_megatron.newthing.x: {DECLARE}"]

@@ -110,7 +110,8 @@ def _tiling_problems(key, shape, chunks) -> list[str]:
 def _model_problems(path: Path, meta: dict) -> list[str]:
     """Build the recipe's model at TP=1 in a world of one and compare keys and shapes."""
     from fbt_megatron import runtime
-    from fbt_megatron.checkpoint.shards import STATE_KEYS, param_specs, storage_key
+    from fbt_megatron.checkpoint.shards import param_specs, storage_key
+    from fbt_megatron.engine.zero_state import STATE_NAMES
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.recipe import load_saved_recipe
 
@@ -125,7 +126,7 @@ def _model_problems(path: Path, meta: dict) -> list[str]:
         runtime.shutdown()
     problems = []
     for spec in specs:
-        for which in STATE_KEYS:
+        for which in STATE_NAMES:
             key = storage_key(spec.key, which)
             if key not in meta:
                 problems.append(f"tensor {key} (parameter {spec.name}) is missing")

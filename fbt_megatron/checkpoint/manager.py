@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
 from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
-from fbt_megatron.checkpoint.shards import STATE_KEYS, Fragment, ParamSpec, StateFragments, storage_key
+from fbt_megatron.checkpoint.shards import Fragment, ParamSpec, StateFragments, storage_key
+from fbt_megatron.engine.zero_state import STATE_NAMES
 
 LATEST = "latest"
 FORMAT_VERSION = 2
@@ -143,7 +144,7 @@ def read_full_tensors(path: str | Path, keys=None) -> dict:
     return state
 
 
-def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_KEYS) -> None:
+def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_NAMES) -> None:
     stored = read_tensor_metadata(path)
     meta_file = path / "weights" / ".metadata"
     for spec in specs:
@@ -158,7 +159,7 @@ def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_KEYS) -> None:
 
 
 # ---------------------------------------------------------------------- reading tensors
-def _load_fragments(path: Path, fragments: list[Fragment], which=STATE_KEYS) -> None:
+def _load_fragments(path: Path, fragments: list[Fragment], which=STATE_NAMES) -> None:
     """Read every fragment's rectangles from ``path/weights`` straight into its tensors."""
     from megatron.core import dist_checkpointing
 

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # "param" = the fp32 master weights
-
 
 def storage_key(template_key: str, which: str) -> str:
     return template_key if which == "param" else f"optimizer.{which}.{template_key}"

@@ -9,13 +9,20 @@ its ``state_dict()`` / ``load_state_dict()``:
     pass_schedule    {"position": the step, **the pass schedule's settings}
     data_cursor      {"consumed_sequences": from train_state, "loader": the data loader's own state}
     recipe           the recipe the run trained with
-    callbacks        {name: state} of callbacks that have state (absent when none has)
+    callbacks        {key: state} of callbacks that have state (absent when none has); the key is the
+                     callback's ``state_key`` attribute, else its class name; two callbacks with one key
+                     are refused (their states would overwrite each other)
 
 The layout and the recipe are facts of the run, not owned state. ``fbt ckpt inspect`` and the HF export
 read these keys; the format is unchanged from the hand-assembled one it replaces.
 """
 
 from __future__ import annotations
+
+
+def callback_key(cb) -> str:
+    """The key of a callback's state in ``state.json``: its ``state_key``, else its class name."""
+    return getattr(cb, "state_key", None) or type(cb).__name__
 
 
 class TrainingState:
@@ -28,11 +35,18 @@ class TrainingState:
 
     def add_callbacks(self, callbacks) -> None:
         """Callbacks are state owners too when they have a ``state_dict`` (none of the shipped ones has);
-        one added after :meth:`load_state_dict` gets its saved state then."""
+        one added after :meth:`load_state_dict` gets its saved state then. Keys (:func:`callback_key`) must
+        be unique: a second callback with one key raises ``ValueError`` naming it."""
         for cb in callbacks:
             if hasattr(cb, "state_dict"):
+                key = callback_key(cb)
+                if any(callback_key(other) == key for other in self.callbacks):
+                    raise ValueError(
+                        f"two callbacks with state have the key {key!r} (class {type(cb).__qualname__}): their "
+                        "states would overwrite each other in the checkpoint; give each instance its own "
+                        "`state_key` attribute")
                 self.callbacks.append(cb)
-                state = self._saved_callbacks.get(type(cb).__name__)
+                state = self._saved_callbacks.get(key)
                 if state is not None:
                     cb.load_state_dict(state)
 
@@ -44,7 +58,7 @@ class TrainingState:
                                "loader": self.loader.state_dict() if self.loader is not None else None},
                "recipe": self.recipe.model_dump(mode="json")}
         if self.callbacks:
-            out["callbacks"] = {type(cb).__name__: cb.state_dict() for cb in self.callbacks}
+            out["callbacks"] = {callback_key(cb): cb.state_dict() for cb in self.callbacks}
         return out
 
     def load_state_dict(self, saved: dict) -> None:

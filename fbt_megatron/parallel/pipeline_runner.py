@@ -84,13 +84,15 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the step
     def run(self, micro_batches: list[dict], num_passes: int, *, training: bool, scale: float = 1.0,
-            jitter_seeds: list | None = None, backward=None, timings: bool = False) -> StepOutput:
+            jitter_seeds: list | None = None, backward=None, timings: bool = False, device=None) -> StepOutput:
         """Forward (and backward if ``training`` and grad is enabled) of every micro-batch with
         ``num_passes`` passes. Backward ops call ``backward(tensors, grads)``; the tied weight's
         summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
         when there is none; default: through the engine if the runner has one, else torch autograd).
         Returns the loss sum and pass residuals, identical on every stage."""
-        from fbt_megatron.parallel.runner import engine_backward, finish_backward
+        from fbt_megatron.parallel.runner import engine_backward, finish_backward, to_device
+
+        micro_batches = [to_device(b, device) for b in micro_batches]  # the schedule holds them all
 
         through_engine = backward is None and self.engine is not None
         if backward is None:

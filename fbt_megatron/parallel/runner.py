@@ -3,10 +3,12 @@
 :func:`get_runner` picks the runner once, by the pipeline-parallel size (as Megatron-Core's
 ``get_forward_backward_func`` does): :class:`WholeModelRunner` when every rank holds the whole model
 (PP=1), :class:`~fbt_megatron.parallel.pipeline_runner.PipelineRunner` otherwise. Both have the same
-``run(micro_batches, num_passes, *, training, scale, jitter_seeds) -> StepOutput``: forward of every
+``run(micro_batches, num_passes, *, training, scale, jitter_seeds, device) -> StepOutput``: forward of every
 micro-batch with ``num_passes`` passes and, when ``training``, the backward of ``token loss * mask *
-scale`` (through the engine when the runner has one, up to the accumulation boundary). The train step
-and evaluation use only this interface.
+scale`` (through the engine when the runner has one, up to the accumulation boundary). With ``device``
+the micro-batches may be on the host: the whole-model runner moves one at a time to ``device`` (peak memory
+of one micro-batch, as evaluation over many batches needs), the pipeline runner all of them up front (its
+schedule holds them all). The train step and evaluation use only this interface.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class StepOutput:
     residuals: list[torch.Tensor] = field(default_factory=list)  # per pass > 1, summed over micro-batches
     last_residual_max: torch.Tensor | None = None  # the last pass's largest residual over micro-batches
     op_seconds: list = field(default_factory=list)  # (op, start, end, waited) on this rank (benchmarks)
+
+
+def to_device(batch: dict, device) -> dict:
+    """``batch``'s tensors on ``device`` (as they are where ``device`` is None)."""
+    if device is None:
+        return batch
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 def micro_batch_forward(model, batch: dict, num_passes: int, jseed: int | None = None):
@@ -40,11 +49,13 @@ class WholeModelRunner:
         self.model, self.engine = model, engine
 
     def run(self, micro_batches: list[dict], num_passes: int, *, training: bool, scale: float = 1.0,
-            jitter_seeds: list | None = None) -> StepOutput:
-        device = micro_batches[0]["input_ids"].device if micro_batches else None
+            jitter_seeds: list | None = None, device=None) -> StepOutput:
+        if device is None:
+            device = micro_batches[0]["input_ids"].device if micro_batches else None
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         residuals, residual_max = None, None
         for j, batch in enumerate(micro_batches):
+            batch = to_device(batch, device)  # one micro-batch on the device at a time
             # jitter_seeds[j]: global micro-batch dp_rank * len + j, contiguous DP blocks (see the loaders)
             out = micro_batch_forward(self.model, batch, num_passes, jitter_seeds[j] if jitter_seeds else None)
             tok_sum = (out.token_loss.float() * batch["loss_mask"]).sum()

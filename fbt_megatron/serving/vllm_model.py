@@ -48,10 +48,11 @@ import logging
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
+
+from fbt_megatron.hf.modeling_fbt import LatentFeedback as HFLatentFeedback
 
 LLAMA_CLASS = {"norm_type": "RMSNorm", "mlp_gated": True, "position_embedding_type": "rope"}
 
@@ -74,27 +75,13 @@ def check_servable(config) -> None:
                          + ", ".join(wrong))
 
 
-class LatentFeedback(nn.Module):
-    """W_U (value_proj), W_G (gate_proj), h_init; the rule of the export's modelling file."""
+class LatentFeedback(HFLatentFeedback):
+    """W_U (value_proj), W_G (gate_proj), h_init: the export modelling file's module (the same parameter
+    names, so the export's ``feedback.*`` weights load as they are), on vLLM's flattened ``[N, D]`` tokens."""
 
     def __init__(self, config):
-        super().__init__()
-        d = config.hidden_size
-        self.mode = config.feedback_fusion
+        super().__init__(config)
         self.prefix_mixin = float(config.feedback_prefix_mixin)
-        self.value_proj = nn.Linear(d, d, bias=config.feedback_bias)
-        self.gate_proj = nn.Linear(d, d, bias=config.feedback_bias)
-        self.initial_state = nn.Parameter(torch.zeros(d))
-        self.plain_first_pass = config.feedback_first_input == "embedding"
-
-    def fed_back(self, top):
-        a = self.prefix_mixin
-        return (1.0 - a) * top + a * self.initial_state if a else top
-
-    def fuse(self, state, gate):
-        value = self.value_proj(state)
-        out = value * torch.sigmoid(gate) if self.mode == "glu" else value + gate
-        return out.expand(gate.shape)
 
     def stateless(self, emb, gate):
         return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, -1), gate)

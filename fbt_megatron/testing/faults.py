@@ -43,7 +43,7 @@ class _FaultyRunner:
         self.runner, self.fault, self.params = runner, fault, params
         self.model = runner.model
 
-    def run(self, micro_batches, num_passes, *, training, scale=1.0, jitter_seeds=None):
+    def run(self, micro_batches, num_passes, *, training, scale=1.0, jitter_seeds=None, **kw):
         kind, value = self.fault.split(":")
         factor = float(value) if value in ("nan", "inf") else 0.0
         hook = None
@@ -54,7 +54,7 @@ class _FaultyRunner:
             scale = scale * factor
         try:
             out = self.runner.run(micro_batches, num_passes, training=training, scale=scale,
-                                  jitter_seeds=jitter_seeds)
+                                  jitter_seeds=jitter_seeds, **kw)
         finally:
             if hook is not None:
                 hook.remove()

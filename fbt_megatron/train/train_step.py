@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fbt_megatron.parallel.runner import to_device
+
 
 @dataclass
 class StepResult:
@@ -44,10 +46,6 @@ class StepResult:
 def jitter_seed(seed: int, step: int, micro_batch: int) -> int:
     """Deterministic jitter noise per (run seed, step, global micro-batch index)."""
     return (seed * 1_000_003 + step * 10_007 + micro_batch) % (2**63 - 1)
-
-
-def _to_device(batch: dict, device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 class FBTTrainStep:
@@ -71,7 +69,7 @@ class FBTTrainStep:
         engine.train()
         engine.set_lr(lr)
         engine.set_step(step)
-        micro_batches = [_to_device(b, self.device) for b in micro_batches]
+        micro_batches = [to_device(b, self.device) for b in micro_batches]
         local_tokens = sum(b["loss_mask"].sum() for b in micro_batches).to(torch.float64)
         total_tokens = local_tokens.clone()
         dist.all_reduce(total_tokens, group=self.dp_group)
@@ -112,10 +110,11 @@ def evaluate(runner, batches: list[dict], num_passes: int, device) -> Evaluation
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     residual = torch.full((), -1.0, dtype=torch.float64, device=device)
-    batches = [_to_device(b, device) for b in batches]
-    out = runner.run(batches, num_passes, training=False)
+    # batches stay where they are: the runner moves them to the device (PP=1: one at a time, so peak memory
+    # does not grow with the number of validation batches)
+    out = runner.run(batches, num_passes, training=False, device=device)
     sums[0] += out.loss_sum
-    sums[1] += sum(b["loss_mask"].sum().double() for b in batches)
+    sums[1] += sum((b["loss_mask"].sum().double() for b in batches), torch.zeros((), dtype=torch.float64)).to(device)
     if out.last_residual_max is not None:
         residual = out.last_residual_max.double()
     group = ps.get_data_parallel_group()

@@ -36,15 +36,6 @@ class TrainState:
             if key in names:
                 setattr(self, key, value)
 
-    def to_json(self) -> dict:
-        return self.state_dict()
-
-    @classmethod
-    def from_json(cls, data: dict) -> "TrainState":
-        state = cls()
-        state.load_state_dict(data)
-        return state
-
 
 class NonFiniteLossError(RuntimeError):
     pass
