@@ -62,14 +62,9 @@ def sft_recipe(run_dir, fx: dict, init_from=None, **sections) -> dict:
 def sft_train_fn(recipe_data: dict, probe: str | None = None) -> dict:
     """``fbt sft``'s path in a (distributed) test process: the recipe resolved against ``init_from``
     (its model section when the recipe has none) and checked, then trained; returns the summary."""
-    from fbt_megatron.train.cli import sft_recipe as resolve
-    from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.training import PROBES
-    from fbt_megatron.train.run import train
+    from fbt_megatron.testing.training import train_fn
 
-    recipe = resolve(load_recipe(data=recipe_data), "sft")
-    result = train(recipe, print_fn=lambda *a, **k: None, extra_callbacks=[PROBES[probe]] if probe else ())
-    return dict(result.summary(), probe=result.metrics.get("probe"))
+    return train_fn(recipe_data, probe=probe, task="sft")
 
 
 def stock_llama(path, vocab_size: int = 512):

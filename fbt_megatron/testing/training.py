@@ -39,20 +39,24 @@ def tiny_recipe(run_dir: str, **sections) -> dict:
 
 
 def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None,
-             probe: str | None = None) -> dict:
+             probe: str | None = None, task: str | None = None) -> dict:
     """Run fbt_megatron.train.run.train in this (already distributed) process; return its summary
     (:meth:`TrainResult.summary`, with ``"probe"``: what the probe callback left).
     ``fault="<point>@<step>"`` kills the process (exit 17) at that point of a checkpoint save.
     ``inject_nonfinite``: steps whose loss is NaN, or {step: fault} (``testing.faults.FAULT_KINDS``).
     ``probe``: "final_params" (summary["probe"] = full fp32 parameters at the end), "step_states"
     (parameters, both AdamW moments and Adam's step count before training and after every step) or
-    "engine_info" (DeepSpeed's optimiser and dtypes)."""
+    "engine_info" (DeepSpeed's optimiser and dtypes).
+    ``task="sft"``: ``fbt sft``'s path (the recipe resolved against ``init_from`` and checked first)."""
     os.environ.update(env or {})
     from fbt_megatron.recipe import load_recipe
     from fbt_megatron.testing.faults import NonFiniteFaults
+    from fbt_megatron.train.cli import sft_recipe
     from fbt_megatron.train.run import train
 
     recipe = load_recipe(data=recipe_data)
+    if task == "sft":
+        recipe = sft_recipe(recipe, task)
     result = train(recipe, print_fn=lambda *a, **k: None,
                    wrap_step=NonFiniteFaults(inject_nonfinite) if inject_nonfinite else None,
                    checkpoint_fault_hook=kill_at(fault) if fault else None,
