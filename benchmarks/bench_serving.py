@@ -93,7 +93,7 @@ def main():
                  "repeat": args.repeat, "engine": {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True}}
                 for name, d in (("standard", "std"), ("feedback", "hf"))]
         (root / "request.json").write_text(json.dumps({"jobs": jobs}))
-        env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{REPO}", HF_HUB_OFFLINE="1",
+        env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{vllm_env.package_path(root / 'package')}", HF_HUB_OFFLINE="1",
                    VLLM_CPU_OMP_THREADS_BIND="nobind")
         subprocess.run([str(python), str(REPO / "tests" / "vllm_side.py"), str(root / "request.json"),
                         str(root / "result.json")], env=env, check=True, cwd=root)

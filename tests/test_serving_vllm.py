@@ -7,7 +7,8 @@ vLLM's CPU build runs in a venv of its own (tests/vllm_env.py: built once and ca
 skipped with the reason where it cannot be installed: no package index, a pip failure, the limit). Its side
 of each test is tests/vllm_side.py (or the server and tests/vllm_openai_client.py), run as fresh processes
 with HF_HUB_OFFLINE=1: the plugin is found through its entry point (declared from pyproject.toml by
-``vllm_env.plugin_path``; this checkout is on PYTHONPATH), or, for the refusal, not at all.
+``vllm_env.plugin_path``; this checkout's package is on PYTHONPATH, ``vllm_env.package_path``), or, for the
+refusal, not at all.
 
 The model: a stock Llama (head dimension 32, the smallest vLLM's CPU attention serves) imported with a fresh
 GLU fusion and prefix mixin 0.1, so the feedback path is live, exported both ways. The reference tokens are
@@ -90,13 +91,13 @@ def model(tmp_path_factory):
 
 
 def side_env(tmp: Path, plugin: bool, cli: bool = False) -> dict:
-    """The environment of a vLLM process: offline, one thread, this checkout (and the plugin) on PYTHONPATH;
+    """The environment of a vLLM process: offline, one thread, this checkout's package (and the plugin) on PYTHONPATH;
     ``cli``: the metadata the CPU wheel's ``vllm`` command needs (``vllm_env.cli_alias``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PLUGINS", "VIRTUAL_ENV")}
-    repo = str(vllm_env.REPO)
+    package = str(vllm_env.package_path(tmp / "package"))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp / "hf_home"), OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               PYTHONPATH=f"{vllm_env.plugin_path(tmp / 'plugin')}:{repo}" if plugin else repo)
+               PYTHONPATH=f"{vllm_env.plugin_path(tmp / 'plugin')}:{package}" if plugin else package)
     if cli:
         env["PYTHONPATH"] = f"{vllm_env.cli_alias(tmp / 'cli')}:{env['PYTHONPATH']}"
     return env

@@ -4,9 +4,11 @@ vLLM pins its own transformers (5.16-5.19 for 0.32) and pulls a web server stack
 of its own, built once and cached under ``$FBT_VLLM_ENVS`` (default ``~/.cache/fbt_megatron/vllm-envs``),
 keyed by the pins and this Python: the first build downloads and installs ~3 GB (284 s with pip's cache
 warm on a 2-core machine; longer on a cold cache or under load), later runs reuse it. fbt_megatron is not
-installed into it: the tests put the checkout under test on ``PYTHONPATH`` (``REPO``, this file's checkout)
-and declare the plugin's entry point from its pyproject.toml in a ``.dist-info`` of their own
-(``plugin_path``), so the cache does not depend on the checkout and every worktree tests its own plugin.
+installed into it: the tests put the checkout's ``fbt_megatron`` package on ``PYTHONPATH`` (``package_path``:
+the package alone, not the checkout's root, whose ``fbt_megatron.egg-info`` from ``pip install -e`` declares the
+plugin's entry point and would load the plugin where a test needs vLLM without it) and declare the entry point
+from pyproject.toml in a ``.dist-info`` of their own (``plugin_path``), so the cache does not depend on the
+checkout and every worktree tests its own plugin.
 
 What the CPU build needs here: the torchvision / torchaudio / torchcodec wheels it pulls in are CUDA builds
 that break ``import vllm`` on CPU (removed after the install); torch stays the CPU build this venv's
@@ -141,8 +143,18 @@ def _build(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def package_path(directory: Path) -> Path:
+    """A directory to put on ``PYTHONPATH`` that holds this checkout's ``fbt_megatron`` package and nothing else
+    (a link): no distribution metadata, so vLLM finds no plugin unless ``plugin_path`` is on the path too."""
+    link = Path(directory) / "fbt_megatron"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(REPO / "fbt_megatron", target_is_directory=True)
+    return Path(directory)
+
+
 def plugin_path(directory: Path) -> Path:
-    """A directory to put on ``PYTHONPATH`` (before the checkout) that declares pyproject.toml's
+    """A directory to put on ``PYTHONPATH`` (with ``package_path``) that declares pyproject.toml's
     ``vllm.general_plugins`` entry points, as ``pip install fbt_megatron`` would."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     plugins = project["entry-points"]["vllm.general_plugins"]
