@@ -3,6 +3,7 @@ PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, 
 
     python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
+                                     [--skip-passes] [--megatron-rope]
 
 Prints three tables:
 1. DP=1: for each model size and ZeRO stage 0/1/2/3, fbt tokens/s over the HF loop's tokens/s
@@ -112,6 +113,23 @@ def hf_step_fn(recipe):
     return step, sum(p.numel() for p in model.parameters())
 
 
+def with_megatron_rope(step_fn):
+    """``step_fn`` run with Megatron-Core's own RoPE, which the model replaces by model/rope.py's (cos/sin
+    once per forward): the RoPE change measured side by side (``--megatron-rope``)."""
+    from megatron.core.transformer import attention
+
+    from fbt_megatron.model import rope
+
+    def step(i, micro):
+        attention.apply_rotary_pos_emb = rope.MEGATRON_APPLY
+        try:
+            return step_fn(i, micro)
+        finally:
+            rope.install()
+
+    return step
+
+
 def batches(recipe, dp_rank, dp_size, steps):
     from fbt_megatron.data.loaders import build_train_loader
 
@@ -138,6 +156,8 @@ def dp1_table(a):
         variants, params = {}, {}
         for zero in (0, 1, 2, 3):
             variants[f"zero{zero}"], params[f"zero{zero}"] = fbt_step_fn(recipe_for(size, zero, a))
+        if a.megatron_rope:
+            variants["zero0-megatron-rope"] = with_megatron_rope(fbt_step_fn(recipe_for(size, 0, a))[0])
         variants["hf"], params["hf"] = hf_step_fn(recipe_for(size, 0, a))
         med = interleaved(variants, batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1), a.rounds)
         rows[size] = (params["zero0"], params["hf"], med)
@@ -173,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes-size", default="1.8M")
     ap.add_argument("--skip-dp2", action="store_true")
     ap.add_argument("--skip-passes", action="store_true")
+    ap.add_argument("--megatron-rope", action="store_true",
+                    help="table 1 gets a ZeRO-0 column with Megatron-Core's own RoPE (before model/rope.py)")
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
     for s in [*a.sizes, a.dp2_size, a.passes_size]:
@@ -203,10 +225,12 @@ def main(argv=None) -> int:
         dp2 = run_distributed(dp2_worker, 2, a.dp2_size, vars(a), layout=ParallelLayout(), timeout=3600)[0]
 
     print("\n1. DP=1: fbt tokens/s / HF LlamaForCausalLM loop tokens/s (goal >= 1.0)")
-    print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} " + " ".join(f"{'ZeRO-' + str(z):>7s}" for z in range(4)))
+    columns = [f"zero{z}" for z in range(4)] + (["zero0-megatron-rope"] if a.megatron_rope else [])
+    print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} "
+          + " ".join(f"{c.replace('zero', 'ZeRO-'):>7s}" for c in columns))
     for size, (p_fbt, p_hf, med) in rows.items():
         print(f"{size:>6s} {p_fbt / 1e6:10.1f}M {p_hf / 1e6:9.1f}M "
-              + " ".join(f"{med['hf'] / med[f'zero{z}']:7.3f}" for z in range(4)))
+              + " ".join(f"{med['hf'] / med[c]:{max(7, len(c))}.3f}" for c in columns))
     if dp2 is not None:
         print(f"\n2. DP=2 (2 processes, {a.dp2_size}): step time / ZeRO-0 step time (goal <= 1.10)")
         print("  " + "  ".join(f"ZeRO-{z}: {dp2[f'zero{z}'] / dp2['zero0']:.3f}" for z in (1, 2, 3))

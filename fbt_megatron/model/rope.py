@@ -1,0 +1,68 @@
+"""RoPE on Megatron's unfused path with cos/sin computed once per forward, not twice per layer.
+
+Megatron-Core's unfused ``apply_rotary_pos_emb`` (bshd layout) computes ``cos`` and ``sin`` of the
+frequency table on every call — for q and for k, in every layer, every pass — and ends with a
+``torch.cat`` of the rotated part and the pass-through part, a full copy of q and k even when the
+pass-through part is empty. Hugging Face's Llama computes cos/sin once per forward. This module keeps
+Megatron's formula, ``t·cos + rotate_half(t)·sin`` with the same ops in the same order (so the results
+are bitwise Megatron's), caches cos/sin per frequency tensor (the model hands every layer and every
+pass the same tensor in one forward, and activation recompute hands it again) and skips the final copy
+when the rotation covers the whole head.
+
+Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the packed THD layout
+(``cu_seqlens``, Transformer Engine's path on GPU), interleaved rotation, multi-latent attention, a YaRN
+``mscale`` other than 1, partial rotary, frequencies that require grad.
+
+:func:`install` puts :func:`apply_rotary_pos_emb` where Megatron's attention looks the function up
+(``megatron.core.transformer.attention.apply_rotary_pos_emb``); the model calls it when it is built.
+``tests/test_rope.py`` pins it to the Megatron-Core versions it was written against.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer import attention as megatron_attention
+
+MEGATRON_APPLY = rope_utils.apply_rotary_pos_emb  # Megatron's dispatcher: every case this module does not take
+
+
+class _CosSin:
+    """cos and sin of the last frequency tensor seen, per dtype (a weak reference: no tensor kept alive)."""
+
+    def __init__(self):
+        self._freqs = None
+        self._version = -1
+        self._by_dtype: dict = {}
+
+    def get(self, freqs: torch.Tensor, dtype: torch.dtype):
+        if self._freqs is None or self._freqs() is not freqs or self._version != freqs._version:
+            self._freqs, self._version, self._by_dtype = weakref.ref(freqs), freqs._version, {}
+        if dtype not in self._by_dtype:
+            self._by_dtype[dtype] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
+        return self._by_dtype[dtype]
+
+
+_CACHE = _CosSin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
+    """Megatron's ``apply_rotary_pos_emb`` (same arguments and results), cos/sin cached (module doc)."""
+    if (config.apply_rope_fusion or cu_seqlens is not None or config.rotary_interleaved
+            or config.multi_latent_attention or mscale != 1.0 or freqs.requires_grad
+            or freqs.shape[-1] != t.shape[-1]):
+        return MEGATRON_APPLY(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+    cos, sin = _CACHE.get(freqs, t.dtype)
+    return (t * cos) + (_rotate_half(t) * sin)
+
+
+def install() -> None:
+    """Make Megatron's attention layers use :func:`apply_rotary_pos_emb` (idempotent)."""
+    megatron_attention.apply_rotary_pos_emb = apply_rotary_pos_emb

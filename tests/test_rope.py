@@ -1,0 +1,128 @@
+"""RoPE with cos/sin computed once per forward (fbt_megatron/model/rope.py).
+
+The reference is RoPE's definition (each pair (x_i, x_{i+D/2}) rotated by the angle of its frequency),
+then Megatron-Core's own function: the cached path must give its values and gradients bitwise, in the
+layer and in the whole model, and hand every case it does not take to it."""
+
+import inspect
+
+import megatron.core
+import pytest
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer import attention as megatron_attention
+
+from fbt_megatron.model import rope
+from fbt_megatron.model.fbt_gpt import build_model, transformer_config
+from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+
+
+def rope_from_definition(t, angles):
+    """x_i cos a_i - x_{i+D/2} sin a_i and x_{i+D/2} cos a_i + x_i sin a_i, a = angles[..., :D/2]."""
+    half = t.shape[-1] // 2
+    a = angles[..., :half]
+    x1, x2 = t[..., :half], t[..., half:]
+    return torch.cat([x1 * a.cos() - x2 * a.sin(), x2 * a.cos() + x1 * a.sin()], dim=-1)
+
+
+def frequencies(s, b, d, seed=0):
+    """[S, B, 1, D] angles as Megatron lays them out (the D/2 frequencies twice)."""
+    g = torch.Generator().manual_seed(seed)
+    half = torch.rand(s, b, 1, d // 2, generator=g) * 6.0
+    return torch.cat([half, half], dim=-1)
+
+
+@pytest.fixture
+def config(single_process):
+    return transformer_config(tiny_model_config(**LLAMA))
+
+
+def test_equals_the_definition_and_megatron_bitwise(config):
+    s, b, heads, d = 7, 3, 4, 8
+    freqs = frequencies(s, b, d)
+    base = torch.randn(s, b, 3 * heads, d)
+    outs, grads = [], []
+    for fn in (rope.apply_rotary_pos_emb, rope.MEGATRON_APPLY):
+        mixed = base.clone().requires_grad_()
+        q = mixed[:, :, :heads]  # a strided view, as Megatron's split of the fused QKV projection gives
+        out = fn(q, freqs, config=config)
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        outs.append(out)
+        grads.append(mixed.grad)
+    torch.testing.assert_close(outs[0], rope_from_definition(base[:, :, :heads], freqs), rtol=0, atol=1e-6)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
+def test_a_new_frequency_tensor_is_not_served_from_the_cache(config):
+    t = torch.randn(5, 2, 2, 8)
+    first, second = frequencies(5, 2, 8, seed=1), frequencies(5, 2, 8, seed=2)
+    assert torch.equal(rope.apply_rotary_pos_emb(t, first, config), rope_from_definition(t, first))
+    assert torch.equal(rope.apply_rotary_pos_emb(t, second, config), rope_from_definition(t, second))
+    second.mul_(0.5)  # changed in place: a new version of the same tensor
+    torch.testing.assert_close(rope.apply_rotary_pos_emb(t, second, config), rope_from_definition(t, second),
+                               rtol=0, atol=1e-6)
+    # the same angles in another dtype
+    out = rope.apply_rotary_pos_emb(t.double(), second, config)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, rope_from_definition(t.double(), second.double()), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["cu_seqlens", "interleaved", "mscale", "partial"])
+def test_other_cases_go_to_megatron(config, case, monkeypatch):
+    calls = []
+
+    def megatron_apply(*args, **kwargs):
+        calls.append(kwargs)
+        return "megatron"
+
+    monkeypatch.setattr(rope, "MEGATRON_APPLY", megatron_apply)
+    t, freqs, kwargs = torch.randn(6, 1, 2, 8), frequencies(6, 1, 8), {}
+    if case == "cu_seqlens":
+        kwargs["cu_seqlens"] = torch.tensor([0, 3, 6], dtype=torch.int32)
+    elif case == "interleaved":
+        config.rotary_interleaved = True
+    elif case == "mscale":
+        kwargs["mscale"] = 1.5
+    else:
+        freqs = freqs[..., :4]  # rotary_percent < 1: part of each head passes through
+    assert rope.apply_rotary_pos_emb(t, freqs, config, **kwargs) == "megatron" and len(calls) == 1
+
+
+def _loss_and_grads(model, num_passes):
+    ids, labels, doc_start = make_inputs(seq=12)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, doc_start=doc_start, labels=labels, num_passes=num_passes,
+                 jitter_seed=7).token_loss.sum()  # the jitter drawn alike in both runs
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("num_passes", [1, 3])
+def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkeypatch, num_passes):
+    """The whole model (Llama-shaped, document-causal, k passes): loss and every gradient bitwise equal
+    with Megatron's own RoPE; cos is computed once per forward instead of twice per layer and pass."""
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(**LLAMA), feedback(fusion="glu"))
+    assert megatron_attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb  # installed by the model
+    cos_calls = []
+    real_cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda x: cos_calls.append(1) or real_cos(x))
+    ours = _loss_and_grads(model, num_passes)
+    assert len(cos_calls) == 1
+    monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb", rope.MEGATRON_APPLY)
+    cos_calls.clear()
+    theirs = _loss_and_grads(model, num_passes)
+    assert len(cos_calls) == 2 * LLAMA["num_layers"] * num_passes  # q and k, every layer, every pass
+    assert torch.equal(ours[0], theirs[0])
+    assert ours[1].keys() == theirs[1].keys()
+    for name in ours[1]:
+        assert torch.equal(ours[1][name], theirs[1][name]), name
+
+
+def test_written_for_this_megatron_core():
+    """The replacement takes Megatron's place by name and signature: an upgrade that changes either must
+    be checked again (pyproject pins megatron-core 0.16.x)."""
+    assert megatron.core.__version__.startswith("0.16."), megatron.core.__version__
+    assert hasattr(megatron_attention, "apply_rotary_pos_emb")
+    ours = list(inspect.signature(rope.apply_rotary_pos_emb).parameters)
+    assert list(inspect.signature(rope_utils.apply_rotary_pos_emb).parameters) == ours
