@@ -4,9 +4,12 @@ mask, and optionally FlexAttention with a document block mask (``--flex``: compi
 needs a C++ compiler and minutes of compile time on the first call).
 
     python benchmarks/bench_attention.py [--batch 8 --seq 128 --heads 8 --dim 64 --docs 3 --rounds 7] [--flex]
+                                         [--forward-only]
 
-Forward + backward of one layer's core attention; medians over interleaved rounds; printed as time and
-ratio to Megatron's unfused attention (lower is faster).
+Forward + backward of one layer's core attention (``--forward-only``: forward, no autograd); medians over
+interleaved rounds; printed as time and ratio to Megatron's unfused attention (lower is faster).
+FlexAttention has no backward on CPU (torch 2.13: "FlexAttention does not support backward on CPU"), so
+it cannot train there: ``--flex`` on CPU needs ``--forward-only``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ def main():
     ap.add_argument("--docs", type=int, default=3, help="documents per row")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--flex", action="store_true")
+    ap.add_argument("--forward-only", action="store_true")
     a = ap.parse_args()
+    if a.flex and not a.forward_only:
+        ap.error("FlexAttention has no backward on CPU (torch 2.13), so it cannot train here: add --forward-only "
+                 "to compare the forwards")
 
     import torch
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -75,6 +82,11 @@ def main():
         variants["flex (block mask)"] = (Flex(), None)
 
     def step(module, m):
+        if a.forward_only:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                module(q, k, v, m)
+                return time.perf_counter() - t0
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         t0 = time.perf_counter()
         out = module(*inputs, m)
@@ -88,7 +100,7 @@ def main():
         for name, (module, m) in variants.items():
             times[name].append(step(module, m))
     base = statistics.median(times["megatron unfused"])
-    print(f"core attention fwd+bwd, B={b} S={s} heads={h} d={d}, {a.docs} documents per row, "
+    print(f"core attention {'forward' if a.forward_only else 'fwd+bwd'}, B={b} S={s} heads={h} d={d}, {a.docs} documents per row, "
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
     for name, t in times.items():
         print(f"  {name:<20} {1e3 * statistics.median(t):8.2f} ms   ratio {statistics.median(t) / base:.3f}")
