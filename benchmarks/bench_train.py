@@ -227,10 +227,10 @@ def main(argv=None) -> int:
     print("\n1. DP=1: fbt tokens/s / HF LlamaForCausalLM loop tokens/s (goal >= 1.0)")
     columns = [f"zero{z}" for z in range(4)] + (["zero0-megatron-rope"] if a.megatron_rope else [])
     print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} "
-          + " ".join(f"{c.replace('zero', 'ZeRO-'):>7s}" for c in columns))
+          + " ".join(f"{c.replace('zero', 'ZeRO-'):>{max(7, len(c) + 1)}s}" for c in columns))
     for size, (p_fbt, p_hf, med) in rows.items():
         print(f"{size:>6s} {p_fbt / 1e6:10.1f}M {p_hf / 1e6:9.1f}M "
-              + " ".join(f"{med['hf'] / med[c]:{max(7, len(c))}.3f}" for c in columns))
+              + " ".join(f"{med['hf'] / med[c]:{max(7, len(c) + 1)}.3f}" for c in columns))
     if dp2 is not None:
         print(f"\n2. DP=2 (2 processes, {a.dp2_size}): step time / ZeRO-0 step time (goal <= 1.10)")
         print("  " + "  ".join(f"ZeRO-{z}: {dp2[f'zero{z}'] / dp2['zero0']:.3f}" for z in (1, 2, 3))

@@ -61,13 +61,33 @@ def test_a_new_frequency_tensor_is_not_served_from_the_cache(config):
     second.mul_(0.5)  # changed in place: a new version of the same tensor
     torch.testing.assert_close(rope.apply_rotary_pos_emb(t, second, config), rope_from_definition(t, second),
                                rtol=0, atol=1e-6)
-    # the same angles in another dtype
-    out = rope.apply_rotary_pos_emb(t.double(), second, config)
-    assert out.dtype == torch.float64
-    torch.testing.assert_close(out, rope_from_definition(t.double(), second.double()), rtol=0, atol=1e-6)
+    # a fresh tensor each call, freed after it: the allocator hands out the same address (and id) again
+    for seed in range(20):
+        out = rope.apply_rotary_pos_emb(t, frequencies(5, 2, 8, seed=100 + seed), config)
+        torch.testing.assert_close(out, rope_from_definition(t, frequencies(5, 2, 8, seed=100 + seed)),
+                                   rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["cu_seqlens", "interleaved", "mscale", "partial"])
+def test_each_dtype_gets_its_own_cos_sin(config):
+    """The same angles for a float64 then a bfloat16 tensor: each is Megatron's result in its own dtype
+    (a float64 cos served to bfloat16 would promote the result)."""
+    freqs = frequencies(5, 2, 8, seed=3)
+    t = torch.randn(5, 2, 2, 8, dtype=torch.float64)
+    for dtype in (torch.float64, torch.bfloat16, torch.float32):
+        x = t.to(dtype)
+        out = rope.apply_rotary_pos_emb(x, freqs, config)
+        assert out.dtype == dtype
+        assert torch.equal(out, rope.MEGATRON_APPLY(x, freqs, config=config))
+
+
+def test_inference_mode_tensors(config):
+    """Tensors made under torch.inference_mode have no version counter: computed, not cached."""
+    with torch.inference_mode():
+        t, freqs = torch.randn(5, 2, 2, 8), frequencies(5, 2, 8, seed=4)
+        assert torch.equal(rope.apply_rotary_pos_emb(t, freqs, config), rope.MEGATRON_APPLY(t, freqs, config=config))
+
+
+@pytest.mark.parametrize("case", ["cu_seqlens", "interleaved", "mscale", "partial", "fusion", "mla", "freqs_grad"])
 def test_other_cases_go_to_megatron(config, case, monkeypatch):
     calls = []
 
@@ -83,8 +103,14 @@ def test_other_cases_go_to_megatron(config, case, monkeypatch):
         config.rotary_interleaved = True
     elif case == "mscale":
         kwargs["mscale"] = 1.5
-    else:
+    elif case == "partial":
         freqs = freqs[..., :4]  # rotary_percent < 1: part of each head passes through
+    elif case == "fusion":
+        config.apply_rope_fusion = True
+    elif case == "mla":
+        config.multi_latent_attention = True
+    else:
+        freqs.requires_grad_()  # its gradient is Megatron's to compute
     assert rope.apply_rotary_pos_emb(t, freqs, config, **kwargs) == "megatron" and len(calls) == 1
 
 
@@ -97,12 +123,13 @@ def _loss_and_grads(model, num_passes):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("num_passes", [1, 3])
-def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkeypatch, num_passes):
-    """The whole model (Llama-shaped, document-causal, k passes): loss and every gradient bitwise equal
-    with Megatron's own RoPE; cos is computed once per forward instead of twice per layer and pass."""
+@pytest.mark.parametrize("num_passes,recompute", [(1, "none"), (3, "none"), (3, "full")])
+def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkeypatch, num_passes, recompute):
+    """The whole model (Llama-shaped, document-causal, k passes, with and without full activation
+    recompute): loss and every gradient bitwise equal with Megatron's own RoPE; cos is computed once per
+    forward and backward instead of twice per layer and pass (and again in recompute)."""
     torch.manual_seed(0)
-    model = build_model(tiny_model_config(**LLAMA), feedback(fusion="glu"))
+    model = build_model(tiny_model_config(**LLAMA, recompute=recompute), feedback(fusion="glu"))
     assert megatron_attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb  # installed by the model
     cos_calls = []
     real_cos = torch.cos
@@ -112,7 +139,8 @@ def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkey
     monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb", rope.MEGATRON_APPLY)
     cos_calls.clear()
     theirs = _loss_and_grads(model, num_passes)
-    assert len(cos_calls) == 2 * LLAMA["num_layers"] * num_passes  # q and k, every layer, every pass
+    recomputed = 2 if recompute == "full" else 1  # the forward, then again in backward
+    assert len(cos_calls) == 2 * LLAMA["num_layers"] * num_passes * recomputed  # q and k, every layer and pass
     assert torch.equal(ours[0], theirs[0])
     assert ours[1].keys() == theirs[1].keys()
     for name in ours[1]:

@@ -148,6 +148,8 @@ def package_path(directory: Path) -> Path:
     (a link): no distribution metadata, so vLLM finds no plugin unless ``plugin_path`` is on the path too."""
     link = Path(directory) / "fbt_megatron"
     link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() and link.resolve() != (REPO / "fbt_megatron").resolve():
+        link.unlink()  # left by another checkout
     if not link.is_symlink():
         link.symlink_to(REPO / "fbt_megatron", target_is_directory=True)
     return Path(directory)

@@ -5,9 +5,14 @@ frequency table on every call — for q and for k, in every layer, every pass �
 ``torch.cat`` of the rotated part and the pass-through part, a full copy of q and k even when the
 pass-through part is empty. Hugging Face's Llama computes cos/sin once per forward. This module keeps
 Megatron's formula, ``t·cos + rotate_half(t)·sin`` with the same ops in the same order (so the results
-are bitwise Megatron's), caches cos/sin per frequency tensor (the model hands every layer and every
-pass the same tensor in one forward, and activation recompute hands it again) and skips the final copy
-when the rotation covers the whole head.
+are bitwise Megatron's), caches cos/sin per frequency tensor and skips the final copy when the rotation
+covers the whole head. In a training or full-sequence forward the model hands every layer and every
+pass the same frequency tensor (and activation recompute hands it again), so cos/sin are computed once;
+decoding with Megatron's KV cache slices the table per layer, so there every call computes its own
+(as Megatron's function does). Tensors made under ``torch.inference_mode`` have no version counter:
+they are not cached. The cache key is the tensor's identity (a weak reference) and its version counter,
+so an in-place change through autograd's view of the tensor is seen; a write through ``.data`` is not
+(nothing here writes frequencies that way).
 
 Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the packed THD layout
 (``cu_seqlens``, Transformer Engine's path on GPU), interleaved rotation, multi-latent attention, a YaRN
@@ -29,20 +34,26 @@ from megatron.core.transformer import attention as megatron_attention
 MEGATRON_APPLY = rope_utils.apply_rotary_pos_emb  # Megatron's dispatcher: every case this module does not take
 
 
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype):
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
 class _CosSin:
-    """cos and sin of the last frequency tensor seen, per dtype (a weak reference: no tensor kept alive)."""
+    """cos and sin of the last frequency tensor seen, per dtype. The entry (weak reference, version,
+    values) is replaced as one attribute, so a reader never pairs one tensor's key with another's values;
+    the values of the last tensor stay until the next call (a few MB at most)."""
 
     def __init__(self):
-        self._freqs = None
-        self._version = -1
-        self._by_dtype: dict = {}
+        self._entry = (None, -1, {})
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype):
-        if self._freqs is None or self._freqs() is not freqs or self._version != freqs._version:
-            self._freqs, self._version, self._by_dtype = weakref.ref(freqs), freqs._version, {}
-        if dtype not in self._by_dtype:
-            self._by_dtype[dtype] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
-        return self._by_dtype[dtype]
+        ref, version, by_dtype = self._entry
+        if ref is None or ref() is not freqs or version != freqs._version:
+            by_dtype = {}
+            self._entry = (weakref.ref(freqs), freqs._version, by_dtype)
+        if dtype not in by_dtype:
+            by_dtype[dtype] = _cos_sin(freqs, dtype)
+        return by_dtype[dtype]
 
 
 _CACHE = _CosSin()
@@ -59,7 +70,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
             or config.multi_latent_attention or mscale != 1.0 or freqs.requires_grad
             or freqs.shape[-1] != t.shape[-1]):
         return MEGATRON_APPLY(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-    cos, sin = _CACHE.get(freqs, t.dtype)
+    cos, sin = _cos_sin(freqs, t.dtype) if freqs.is_inference() else _CACHE.get(freqs, t.dtype)
     return (t * cos) + (_rotate_half(t) * sin)
 
 
