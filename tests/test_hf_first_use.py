@@ -264,3 +264,47 @@ def test_to_hf_shows_progress_over_the_weight_bytes(export, tmp_path, single_pro
     err = capsys.readouterr().err
     size = tqdm.format_sizeof(total)
     assert "to-hf hf" in err and f"{size}/{size}" in err, (total, err[-500:])
+
+
+def _on_a_terminal(argv: list[str], cwd: Path, env: dict, timeout_s: float = 300) -> tuple[int, str]:
+    """Run ``argv`` with a pseudo-terminal as stdin/stdout/stderr (as a user at a shell does: transformers
+    asks its remote-code question only where ``input()`` can be answered); returns (exit code, output)."""
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every holder of the terminal's other end has closed it
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        else:
+            proc.kill()
+    finally:
+        os.close(master)
+    return proc.wait(), out.decode(errors="replace")
+
+
+def test_model_card_code_runs_on_a_terminal_without_a_question(export, tmp_path):
+    """The export's README.md code, run from the export folder on a terminal: it loads, generates and
+    prints without transformers asking "Do you wish to run the custom code?" (transformers 5's
+    AutoTokenizer reads config.json, which names the remote-code config, so the card passes
+    trust_remote_code to the tokenizer as to the model)."""
+    _, hf, _ = export
+    card = (hf / "README.md").read_text()
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'path = "."' in code and "AutoTokenizer.from_pretrained(path" in code, code
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
+    rc, out = _on_a_terminal([sys.executable, "-c", code], cwd=hf, env=env)
+    assert "custom code" not in out and "trust_remote_code" not in out, out[-3000:]
+    assert rc == 0, out[-3000:]

@@ -46,7 +46,11 @@ def model_card(config: dict, *, has_tokenizer: bool) -> str:
             f"{config.get('norm_type')}, {config.get('position_embedding_type')} positions, "
             f"vocabulary {config['vocab_size']}, {'tied' if config.get('tie_word_embeddings') else 'untied'} "
             "embeddings")
-    tok_line = ("tok = AutoTokenizer.from_pretrained(path)  # a stock tokenizer: no remote code\nids = tok(\"def add(a, b):\", return_tensors=\"pt\")"
+    # The tokenizer is a stock class, but transformers 5's AutoTokenizer reads config.json first, which
+    # names the remote-code FBTConfig: without trust_remote_code it asks "Do you wish to run the custom
+    # code?" (docs/hf.md). The model below needs trust_remote_code anyway.
+    tok_line = ("tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # a stock tokenizer class; "
+                "transformers 5 reads config.json first\nids = tok(\"def add(a, b):\", return_tensors=\"pt\")"
                 ".input_ids" if has_tokenizer else "ids = torch.tensor([[1, 2, 3]])  # no tokenizer was exported")
     decode = ("print(tok.decode(out[0]))" if has_tokenizer else "print(out[0].tolist())")
     return f"""---
