@@ -3,12 +3,15 @@ offline, fbt_megatron not on the path):
 
     python tests/hf_versions_side.py EXPORT_DIR REQUEST.pt RESULT.pt
 
-AutoTokenizer (no remote code) and its pad / padding side / model_max_length; AutoModelForCausalLM
+AutoTokenizer (a stock class) and its pad / padding side / model_max_length, with whether transformers
+asked its remote-code question (``input()`` answered "n", as a user pressing Enter does) without and
+with trust_remote_code; AutoModelForCausalLM
 (trust_remote_code); the forward's logits and loss with and without use_cache; greedy generate in each
 decoding mode with and without the KV cache; a batched text-generation pipeline against each prompt
 alone; and whether num_beams > 1 is refused.
 """
 
+import builtins
 import sys
 
 import torch
@@ -18,10 +21,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 export, request, result = sys.argv[1:4]
 req = torch.load(request)
 res = {"version": transformers.__version__}
-tok = AutoTokenizer.from_pretrained(export)  # a stock tokenizer class: no trust_remote_code
+questions = []
+
+
+def answer_no(prompt=""):  # transformers' "Do you wish to run the custom code? [y/N]"
+    questions.append(prompt)
+    return "n"
+
+
+builtins.input = answer_no
+asked = {}
+tok = AutoTokenizer.from_pretrained(export)  # a stock tokenizer class, without trust_remote_code
+asked["plain"] = len(questions)
+trusted = AutoTokenizer.from_pretrained(export, trust_remote_code=True)  # as the README and model card
+asked["trusted"] = len(questions) - asked["plain"]
 res["tokenizer"] = {"class": type(tok).__name__, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
                     "padding_side": tok.padding_side, "model_max_length": tok.model_max_length,
-                    "encodings": [tok.encode(t) for t in req["texts"]]}
+                    "encodings": [tok.encode(t) for t in req["texts"]], "asked": asked,
+                    "trusted": {"class": type(trusted).__name__, "encodings": [trusted.encode(t) for t in req["texts"]],
+                                "pad_token": trusted.pad_token, "padding_side": trusted.padding_side}}
 model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True).eval()
 ids = req["ids"]
 with torch.no_grad():

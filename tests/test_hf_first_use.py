@@ -91,6 +91,11 @@ def check_side(res: dict, run: Path, sp: Path, version: str) -> None:
     assert t["pad_token"] == "</s>" and t["pad_token_id"] == 2 and t["padding_side"] == "left", t
     assert t["model_max_length"] == 64, t  # the recipe's sequence length
     assert t["encodings"] == [load_tokenizer(sp).encode(x) for x in TEXTS]
+    # docs/hf.md: 4.x loads the stock class without a question; 5.x reads config.json first, which names
+    # the remote-code FBTConfig, and asks (a "no" loads the same tokenizer); trust_remote_code never asks.
+    assert t["asked"] == {"plain": int(int(version.split(".")[0]) >= 5), "trusted": 0}, (version, t["asked"])
+    assert t["trusted"] == {"class": t["class"], "encodings": t["encodings"], "pad_token": t["pad_token"],
+                            "padding_side": "left"}, t["trusted"]
     # The forward runs forward_passes (3) whatever use_cache says: same logits and loss both ways.
     fwd = res["forward"]
     assert torch.equal(fwd[True]["logits"], fwd[False]["logits"]) and torch.equal(fwd[True]["loss"], fwd[False]["loss"])
