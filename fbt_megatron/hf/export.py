@@ -104,9 +104,11 @@ def given_tokenizer(tokenizer: str | Path) -> tuple[str, Path]:
 
 def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int | None = None,
                     max_length: int | None = None) -> dict:
-    """Tokenizer files that ``AutoTokenizer`` loads without remote code; returns the special token ids
-    for the config. The tokenizer gets a pad token (the source's, else EOS) and pads on the left (for
-    batched generation), and ``model_max_length`` is ``max_length`` (the recipe's sequence length)."""
+    """Tokenizer files of a stock class (no remote code of its own; transformers 5's ``AutoTokenizer``
+    still asks about the model's remote-code config without ``trust_remote_code``, docs/hf.md); returns
+    the special token ids for the config. The tokenizer gets a pad token (the source's, else EOS) and
+    pads on the left (for batched generation), and ``model_max_length`` is ``max_length`` (the recipe's
+    sequence length)."""
     if source is None:
         return {}
     kind, where = source
