@@ -1,5 +1,8 @@
 """Training at PP=2 follows the PP=1 trajectory (loss and gradient norm per step, over the switch to
-feedback passes), with ZeRO data parallelism (PP=2 x DP=2), and resumes across PP=2 <-> PP=1."""
+feedback passes), with ZeRO data parallelism (PP=2 x DP=2), resumes across PP=2 <-> PP=1, and skips
+non-finite steps as PP=1 does."""
+
+import math
 
 import pytest
 
@@ -70,3 +73,27 @@ def test_resume_across_pipeline_layouts(reference, tmp_path, first, second):
     assert out_b["history"][0][0] == 3 and out_b["step"] == 6
     assert_follows(reference, out_a, (0, 3))
     assert_follows(reference, out_b, (3, 6))
+
+
+FAULTS = {1: "grad:nan", 3: "loss:inf", 4: "reported:nan"}
+
+
+def test_nonfinite_steps_are_skipped_alike_at_pp1_and_pp2(tmp_path):
+    """One runner interface: a non-finite gradient, a non-finite loss and a non-finite reported loss skip the
+    same steps at PP=2 as at PP=1 (the faults reach both runners the same way), and the finite steps around
+    them follow the same trajectory."""
+    def run(world, name, **parallel):
+        r = recipe(tmp_path / name, **parallel)
+        r["checkpoint"]["at_end"] = False
+        return run_distributed(train_fn, world, r, FAULTS)[0]
+
+    pp1, pp2 = run(1, "pp1", zero_stage=0), run(2, "pp2", pipeline=2, zero_stage=1)
+    for out in (pp1, pp2):
+        assert [h[3] for h in out["history"]] == [False, True, False, True, True, False]
+        assert out["skipped_steps"] == 3
+    assert [h[1] for h in pp2["history"]] == [h[1] for h in pp1["history"]]
+    for (step, _, a, _, _, ga), (_, _, b, _, _, gb) in zip(pp1["history"], pp2["history"]):
+        for x, y, what in ((a, b, "loss"), (ga, gb, "grad norm")):
+            assert math.isfinite(x) == math.isfinite(y), f"step {step}: {what} {x} (PP=1) vs {y} (PP=2)"
+            if math.isfinite(x):
+                assert abs(x - y) < TOL, f"step {step}: {what} {x} (PP=1) vs {y} (PP=2)"

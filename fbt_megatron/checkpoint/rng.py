@@ -11,10 +11,8 @@ import torch
 
 
 def _tracker():
-    try:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    except ImportError:
-        return None
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker  # megatron-core: a required dependency
+
     return get_cuda_rng_tracker()
 
 
@@ -24,17 +22,14 @@ def _as_bytes(state) -> torch.Tensor:
 
 
 def _tracker_states() -> dict:
-    tracker = _tracker()
-    if tracker is None:
-        return {}
     return {name: base64.b64encode(_as_bytes(st).numpy().tobytes()).decode()
-            for name, st in tracker.get_states().items()}
+            for name, st in _tracker().get_states().items()}
 
 
 def _set_tracker_states(saved: dict) -> None:
-    tracker = _tracker()
-    if tracker is None or not saved:
+    if not saved:
         return
+    tracker = _tracker()
     states = tracker.get_states()
     for name, b64 in saved.items():
         new = torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
