@@ -12,8 +12,8 @@ Prints three tables:
 3. FBT 2- and 3-pass step time over k x the 1-pass step time (ZeRO-1, goal <= 1.0).
 Defaults are the tiny recipe's batch (micro-batch 8 x 2 accumulation x 128 tokens = 2048 tokens per step).
 Every variant of a table is timed on the same batches in the same process, in interleaved rounds
-(one step of each variant per round) and the median is reported, so drifting machine load hits every
-variant alike. Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
+(one step of each variant per round, in an order rotated each round) and the median is reported, so
+drifting machine load hits every variant alike. Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
 and the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
 """
 
@@ -138,12 +138,16 @@ def batches(recipe, dp_rank, dp_size, steps):
 
 
 def interleaved(variants: dict, steps: list, rounds: int) -> dict:
-    """Median seconds per step of each variant: warm-up, then ``rounds`` rounds of one step each."""
+    """Median seconds per step of each variant: warm-up, then ``rounds`` rounds of one step each, the
+    order rotated every round (the same on every rank): a variant that always ran first, or always
+    right after the heaviest one, would carry that position's cost in every round."""
     times = {name: [] for name in variants}
     for name, fn in variants.items():
         fn(0, steps[0])
+    names = list(variants)
     for r in range(rounds):
-        for name, fn in variants.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = variants[name]
             t0 = time.perf_counter()
             fn(r + 1, steps[(r + 1) % len(steps)])
             times[name].append(time.perf_counter() - t0)
