@@ -100,3 +100,25 @@ def test_an_init_from_recipe_without_a_model_is_checked_against_the_checkpoints_
     # TP=4 divides the default model (4 heads, hidden 128) but not the checkpoint's 6 heads
     assert main(args(4)) == 2
     assert "model.num_attention_heads=6 is not divisible by tensor parallel size 4" in capsys.readouterr().err
+
+
+def test_submit_checks_an_sft_recipe_as_fbt_sft_does(tmp_path, capsys):
+    """A `task: sft` recipe is refused at submit (not on the nodes) when it trains on no chat data or
+    lets packed conversations attend to each other."""
+    import yaml
+
+    recipe = {"name": "sft", "task": "sft", "run_dir": str(tmp_path / "sft"),
+              "batch": {"global_batch_size": 4, "micro_batch_size": 1}, "data": {"seq_length": 128}}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(recipe))
+    args = ["submit", str(tmp_path / "sft.yaml"), "--nodes", "1", "--gpus-per-node", "1", "--cpu", "--dry-run"]
+    assert main(args) == 2
+    assert "recipe key 'data.pipeline': task=sft trains on chat datasets" in capsys.readouterr().err
+    assert main(args + ["task=pretrain"]) == 0, capsys.readouterr().err  # the same recipe pretrains
+    capsys.readouterr()
+    recipe["model"] = {"attention_mask": "causal"}
+    recipe["data"] = {"seq_length": 128, "source": "pipeline",
+                      "pipeline": {"sources": [{"name": "chat", "path": str(tmp_path / "chat"), "weight": 1.0}],
+                                   "tokenizer": str(tmp_path / "tok.model")}}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(args) == 2
+    assert "recipe key 'model.attention_mask'" in capsys.readouterr().err

@@ -129,3 +129,45 @@ def test_fused_prefill_problems_are_held_out_and_answers_parse():
     assert len({p for p, _ in problems}) == 50  # and distinct
     assert mod.final_answer("so x = 4.\n#### -1,234.") == "-1234"
     assert mod.final_answer("no answer line") is None
+
+
+def test_sft_math_problems_are_held_out_and_conversations_are_the_training_problems():
+    """tools/sft_math.py (issue 22): the measured problems never occur in the SFT conversations nor in the
+    pretraining documents (the embedded mix: 20,000 math documents, seed 0); each conversation is one
+    worked problem (user: question, assistant: the answer ending in ``#### N``)."""
+    from data_pipeline.embedded import math_documents
+    from fbt_megatron.research.sft import final_answer, held_out_problems, math_conversations
+
+    convs = math_conversations()
+    assert all([m["role"] for m in c["messages"]] == ["user", "assistant"] for c in convs)
+    assert all(final_answer(c["messages"][1]["content"]) is not None for c in convs)
+    trained = {c["messages"][0]["content"] for c in convs}
+    pretrained = {part.split("\nAnswer: ")[0].removeprefix("Question: ")
+                  for _, doc in math_documents(20_000, 0) for part in doc.split("\n\n")}
+    assert trained == pretrained  # SFT data: the math problems pretraining saw, as conversations
+    problems = held_out_problems(50)
+    assert len(problems) == 50 and len({q for q, _ in problems}) == 50
+    assert not any(q in trained for q, _ in problems)  # held out
+    assert all(final_answer(a) is not None for _, a in problems)
+
+
+def test_sft_results_name_the_command_that_reproduces_them():
+    """docs/results/sft.md quotes the command of the run recorded in sft.json, every argument that changes
+    the numbers included (it once left out --max-new-tokens 48: re-running it gave 64)."""
+    import importlib.util
+    import json
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("sft_math", root / "tools" / "sft_math.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    recorded = json.loads((root / "docs" / "results" / "sft.json").read_text())["args"]
+    a = mod.parser().parse_args(["run"])
+    assert set(vars(a)) - {"cmd", "work", "out", "force"} == set(mod.RESULT_ARGS)
+    a.__dict__.update(recorded)
+    command = mod.run_command(a)
+    again = vars(mod.parser().parse_args(shlex.split(command)[2:]))
+    assert {k: again[k] for k in mod.RESULT_ARGS} == {k: recorded[k] for k in mod.RESULT_ARGS}
+    assert f"_Produced by `{command}` on " in (root / "docs" / "results" / "sft.md").read_text()

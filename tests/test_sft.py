@@ -252,3 +252,34 @@ def test_sft_recipes_are_checked_before_anything_runs(fx, tmp_path):
         resolve(load_recipe(data=missing), "sft")
     # `fbt train` of the same recipe without task: sft trains on it as a pretraining run would
     assert resolve(load_recipe(data=dict(plain, task="pretrain")), None).task == "pretrain"
+
+
+def test_an_sft_recipe_without_a_schedule_gets_the_papers_mix_from_step_0(fx, base, tmp_path):
+    """The SFT phase's pass mix defaults to the paper's 75/22/3 from step 0, also when the model comes
+    from init_from (whose run switched at step 2 with another mix: its schedule is not inherited)."""
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.train.cli import sft_recipe as resolve
+
+    for keep_model in (True, False):
+        r = sft_recipe(tmp_path, fx, base)
+        del r["schedule"]
+        if not keep_model:
+            del r["model"]
+        s = resolve(load_recipe(data=r), "sft").schedule
+        assert (s.feedback_start_step, s.mix) == (0, [0.75, 0.22, 0.03]), keep_model
+
+
+def test_fbt_sft_is_task_sft(fx, tmp_path):
+    """`fbt sft RECIPE` runs a recipe that does not say `task: sft` as an SFT run: its plain-text source is
+    refused by name before anything runs (`fbt train` of the same recipe would pretrain on it)."""
+    import yaml
+
+    r = sft_recipe(tmp_path / "run", fx, train={"steps": 1})
+    del r["task"]
+    r["data"]["pipeline"] = chat_data_section(fx, name="text")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    out = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "-q", "sft", str(tmp_path / "r.yaml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "source 'text'" in out.stderr and "is not a chat dataset" in out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -145,7 +145,16 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
+# the arguments of ``run`` that change the numbers (the rest: where files go)
+RESULT_ARGS = ("seeds", "pretrain_steps", "sft_steps", "problems", "max_new_tokens", "max_tokens")
+
+
+def run_command(a) -> str:
+    """The ``run`` command line that reproduces ``a``'s results (every argument of RESULT_ARGS)."""
+    return "python tools/sft_math.py run " + " ".join(f"--{k.replace('_', '-')} {getattr(a, k)}" for k in RESULT_ARGS)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("conversations", help="write the embedded math problems as chat JSONL")
@@ -161,7 +170,11 @@ def main(argv=None) -> int:
     r.add_argument("--work", default="runs/sft_math")
     r.add_argument("--out", default="docs/results")
     r.add_argument("--force", action="store_true", help="train again runs that already finished")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
     if a.cmd == "conversations":
         from fbt_megatron.research.sft import write_conversations
@@ -199,8 +212,7 @@ def main(argv=None) -> int:
                 f(r["paired_mean_diff"], 2) if "paired_mean_diff" in r else "–",
                 " / ".join(map(str, r["paired_shorter_longer"])) if "paired_shorter_longer" in r else "–"] for r in rows]),
         "", "![SFT](sft.png)", "",
-        provenance(f"python tools/sft_math.py run --seeds {a.seeds} --pretrain-steps {a.pretrain_steps} "
-                   f"--sft-steps {a.sft_steps} --problems {a.problems}", time.perf_counter() - t0)])
+        provenance(run_command(a), time.perf_counter() - t0)])
     out = save(Path(a.out), "sft", md, {"args": vars(a), "rows": rows, "per_seed": per_seed})
     print(out.read_text())
     return 0

@@ -103,11 +103,13 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
 
 def _validate(spec: JobSpec, overrides: list[str]):
     from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
-    from fbt_megatron.train.sft import resolve_init_sections
+    from fbt_megatron.train.sft import check_sft, resolve_init_sections
 
     try:
-        # as `fbt train`/`fbt sft` will: init_from supplies the model/feedback sections the recipe omits
+        # as `fbt train`/`fbt sft` will: init_from supplies the model/feedback sections the recipe omits,
+        # and a `task: sft` recipe must name chat datasets and document-causal attention (train/sft.py)
         recipe = resolve_init_sections(load_recipe(spec.recipe, overrides))
+        check_sft(recipe)
         # The login node has no GPU: check the GPU-only switch (sequence parallelism) on the nodes.
         checked = recipe if spec.cpu else recipe.model_copy(
             update={"parallel": recipe.parallel.model_copy(update={"sequence_parallel": False})})
