@@ -1,0 +1,83 @@
+"""The engine's step around DeepSpeed (fbt_megatron/engine/engine.py): the gradient norm and what a
+one-rank data-parallel group skips.
+
+References are the formulas: the norm is sqrt(sum of squares) over every gradient element in float64;
+the update with DeepSpeed's gradient all-reduce switched back on is what the skip must reproduce."""
+
+import pytest
+import torch
+
+from fbt_megatron.engine.engine import NORM_CHUNK_ELEMENTS, squared_l2
+
+
+def test_squared_l2_is_the_sum_of_squares_in_float64():
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(3 * NORM_CHUNK_ELEMENTS + 17, generator=g) * 1e-3  # several pieces and a remainder
+    matrix = torch.randn(700, 300, generator=g)
+    strided = matrix.t()  # a non-contiguous gradient
+    for t in (big, matrix, strided, torch.randn(5, generator=g), torch.zeros(0)):
+        reference = sum(float(x) ** 2 for x in t.double().reshape(-1)) if t.numel() < 10 else \
+            float((t.double() ** 2).sum())
+        got = squared_l2(t)
+        assert got.dtype == torch.float64
+        assert abs(float(got) - reference) <= 1e-14 * max(reference, 1e-300)
+
+
+def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
+    from fbt_megatron import runtime
+    from fbt_megatron.data.loaders import build_train_loader
+    from fbt_megatron.engine import Engine
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.training import tiny_recipe
+    from fbt_megatron.train.train_step import FBTTrainStep
+
+    class TwoPasses:
+        def num_passes(self, step):
+            return 2
+
+    # grad_clip far below the gradient norm: the clipping coefficient (from the norm) shapes every update
+    recipe = load_recipe(data=tiny_recipe(tmp_path, optimizer={"lr": 3e-3, "grad_clip": 0.05}))
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
+    torch.manual_seed(0)
+    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    assert engine.ds.enable_backward_allreduce is False  # DP=1, ZeRO-0, fp32
+    if force_allreduce:
+        engine.ds.enable_backward_allreduce = True
+    calls = []
+    real = engine.ds.allreduce_gradients
+    monkeypatch.setattr(engine.ds, "allreduce_gradients", lambda *a, **k: calls.append(1) or real(*a, **k))
+    step = FBTTrainStep(engine, TwoPasses(), recipe.seed, runtime.device())
+    it = iter(build_train_loader(recipe, 0, 1, 0))
+    norms = []
+    for i in range(3):
+        micro = [next(it) for _ in range(recipe.accumulation_steps(1))]
+        norms.append(step(i + 1, micro, 3e-3).grad_norm)
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, norms, len(calls)
+
+
+def test_one_rank_zero0_skips_deepspeeds_all_reduce_and_updates_alike(single_process, tmp_path, monkeypatch):
+    """DP=1 at ZeRO-0: DeepSpeed's flatten / all-reduce / copy-back of every gradient is an identity,
+    skipped; three clipped AdamW steps give the same parameters bit for bit as with it switched on."""
+    skipped, skipped_norms, skipped_calls = _steps(single_process, tmp_path / "a", False, monkeypatch)
+    reduced, reduced_norms, reduced_calls = _steps(single_process, tmp_path / "b", True, monkeypatch)
+    assert skipped_calls == 0 and reduced_calls >= 3
+    assert all(n > 0.05 for n in skipped_norms)  # clipping was active
+    assert skipped_norms == reduced_norms
+    assert skipped.keys() == reduced.keys()
+    for name in skipped:
+        assert torch.equal(skipped[name], reduced[name]), name
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_other_stages_keep_deepspeeds_reduction(single_process, tmp_path, zero):
+    from fbt_megatron import runtime
+    from fbt_megatron.engine import Engine
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.training import tiny_recipe
+
+    recipe = load_recipe(data=tiny_recipe(tmp_path, parallel={"zero_stage": zero}))
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
+    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    assert engine.ds.enable_backward_allreduce is True
