@@ -128,13 +128,14 @@ def main():
         res = json.loads((root / "result.json").read_text())
         fbt = fbt_generate_seconds(root, prompts, args)
     generated = args.batch * args.tokens
-    tps = {name: generated / statistics.median(sec) for name, sec in seconds_by_export(res).items()}
-    tps["fbt generate"] = generated / statistics.median(fbt)
+    seconds = {**seconds_by_export(res), "fbt generate": fbt}
+    tps = {name: generated / statistics.median(sec) for name, sec in seconds.items()}
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch {args.batch}, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.tokens} new tokens, "
           f"threads {torch.get_num_threads()}; {args.rounds} rounds x {args.repeat} calls per export")
     for name, v in tps.items():
-        print(f"  {name:>14}: {v:8.1f} tokens/s")
+        print(f"  {name:>14}: {v:8.1f} tokens/s (median of {len(seconds[name])} calls; "
+              f"{generated / max(seconds[name]):.1f}-{generated / min(seconds[name]):.1f})")
     print(f"vLLM feedback / vLLM standard: {tps['feedback'] / tps['standard']:.3f}  (goal >= 0.95)")
     print(f"vLLM feedback / fbt generate (feedback, FUSED): {tps['feedback'] / tps['fbt generate']:.2f}")
 
