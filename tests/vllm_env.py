@@ -25,7 +25,7 @@ the test-time limit (``$FBT_VLLM_BUILD_TIMEOUT``, below) is for pytest run on it
 Never a hang, never a half-built venv used: the build runs in a ``.building-PID`` directory renamed into place
 only after ``import vllm, openai`` works there (``.complete``); pip runs in a process group of its own with
 ``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds
-(default 600: a cold build took 284 s with pip's cache warm, and the whole suite must stay under 30 minutes
+(default 600: a build took 284 s with pip's cache warm, 555 s on a fresh loaded machine; the whole suite must stay under 30 minutes
 on 2 cores; a build cut short leaves pip's download cache warmer for the next run); concurrent builders take
 turns on a lock file; a cached venv whose packages no longer resolve (``find_spec`` of vllm and openai) is
 removed and rebuilt; a build directory left by a killed build is removed by the next one.
