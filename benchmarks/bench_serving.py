@@ -7,8 +7,11 @@ One model (a Llama-class stock-initialised model imported with a fresh GLU fusio
 - vLLM feedback tokens/s over the project's generator (`FeedbackDecoder`, what `fbt generate` runs) in the
   same mode on the same checkpoint.
 Tokens/s = generated tokens of the batch / wall seconds of one `generate` call (prefill included), median
-of --repeat calls after a warm-up. Prints measured ratios; asserts nothing. vLLM runs in its own venv
-(tests/vllm_env.py, built on first use).
+of all timed calls: --rounds rounds, each an engine per export in alternating order (standard first in
+even rounds, feedback first in odd ones), --repeat calls per engine after a warm-up call, and before them
+one warm-up engine whose calls are not counted (``plan``: the first engine in a process was seen 20x slower
+per call than the later ones on a loaded machine, which a fixed order reads as a ratio of 14-20).
+Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 256 --layers 4 --batch 8 --tokens 64]
 """
@@ -56,6 +59,29 @@ def build(root: Path, args) -> list[list[int]]:
             for b in range(args.batch)]
 
 
+EXPORTS = {"standard": "std", "feedback": "hf"}
+
+
+def plan(rounds: int) -> list[tuple[str, str]]:
+    """(job name, export) in the order the engines start: a warm-up engine (not counted), then per round one
+    engine per export, the order alternating between rounds."""
+    jobs = [("warmup", "std")]
+    for r in range(rounds):
+        names = list(EXPORTS) if r % 2 == 0 else list(EXPORTS)[::-1]
+        jobs += [(f"{name}#{r}", EXPORTS[name]) for name in names]
+    return jobs
+
+
+def seconds_by_export(res: dict) -> dict[str, list[float]]:
+    """Every timed call's seconds per export, over the rounds (the warm-up engine left out)."""
+    out: dict[str, list[float]] = {name: [] for name in EXPORTS}
+    for job, r in res.items():
+        name = job.split("#")[0]
+        if name in out:
+            out[name] += r["seconds"]
+    return out
+
+
 def fbt_generate_seconds(root: Path, prompts, args) -> list[float]:
     from fbt_megatron.generate.decoder import FeedbackDecoder
     from fbt_megatron.generate.loading import load_for_inference
@@ -82,6 +108,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     import vllm_env
 
@@ -90,8 +117,9 @@ def main():
         root = Path(tmp)
         prompts = build(root, args)
         jobs = [{"name": name, "model": str(root / d), "prompts": prompts, "max_tokens": args.tokens,
-                 "repeat": args.repeat, "engine": {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True}}
-                for name, d in (("standard", "std"), ("feedback", "hf"))]
+                 "repeat": args.repeat if name != "warmup" else 1,
+                 "engine": {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True}}
+                for name, d in plan(args.rounds)]
         (root / "request.json").write_text(json.dumps({"jobs": jobs}))
         env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{vllm_env.package_path(root / 'package')}", HF_HUB_OFFLINE="1",
                    VLLM_CPU_OMP_THREADS_BIND="nobind")
@@ -100,13 +128,14 @@ def main():
         res = json.loads((root / "result.json").read_text())
         fbt = fbt_generate_seconds(root, prompts, args)
     generated = args.batch * args.tokens
-    tps = {name: generated / statistics.median(r["seconds"]) for name, r in res.items()}
-    tps["fbt generate"] = generated / statistics.median(fbt)
+    seconds = {**seconds_by_export(res), "fbt generate": fbt}
+    tps = {name: generated / statistics.median(sec) for name, sec in seconds.items()}
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch {args.batch}, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.tokens} new tokens, "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}; {args.rounds} rounds x {args.repeat} calls per export")
     for name, v in tps.items():
-        print(f"  {name:>14}: {v:8.1f} tokens/s")
+        print(f"  {name:>14}: {v:8.1f} tokens/s (median of {len(seconds[name])} calls; "
+              f"{generated / max(seconds[name]):.1f}-{generated / min(seconds[name]):.1f})")
     print(f"vLLM feedback / vLLM standard: {tps['feedback'] / tps['standard']:.3f}  (goal >= 0.95)")
     print(f"vLLM feedback / fbt generate (feedback, FUSED): {tps['feedback'] / tps['fbt generate']:.2f}")
 
