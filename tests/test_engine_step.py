@@ -32,9 +32,9 @@ def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
     from fbt_megatron.testing.training import tiny_recipe
     from fbt_megatron.train.train_step import FBTTrainStep
 
-    class TwoPasses:
+    class OneThenTwoPasses:  # the fusion takes no part in step 1: its gradients are missing there
         def num_passes(self, step):
-            return 2
+            return 1 if step == 1 else 2
 
     # grad_clip far below the gradient norm: the clipping coefficient (from the norm) shapes every update
     recipe = load_recipe(data=tiny_recipe(tmp_path, optimizer={"lr": 3e-3, "grad_clip": 0.05}))
@@ -47,18 +47,23 @@ def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
     calls = []
     real = engine.ds.allreduce_gradients
     monkeypatch.setattr(engine.ds, "allreduce_gradients", lambda *a, **k: calls.append(1) or real(*a, **k))
-    step = FBTTrainStep(engine, TwoPasses(), recipe.seed, runtime.device())
+    step = FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, runtime.device())
     it = iter(build_train_loader(recipe, 0, 1, 0))
     norms = []
     for i in range(3):
         micro = [next(it) for _ in range(recipe.accumulation_steps(1))]
         norms.append(step(i + 1, micro, 3e-3).grad_norm)
-    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, norms, len(calls)
+    opt = engine.torch_optimizer
+    state = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+             for n, p in engine.model.named_parameters()}
+    return state, norms, len(calls)
 
 
 def test_one_rank_zero0_skips_deepspeeds_all_reduce_and_updates_alike(single_process, tmp_path, monkeypatch):
     """DP=1 at ZeRO-0: DeepSpeed's flatten / all-reduce / copy-back of every gradient is an identity,
-    skipped; three clipped AdamW steps give the same parameters bit for bit as with it switched on."""
+    skipped, and its zero-fill of the gradients a step did not reach (the fusion in a 1-pass step) kept;
+    a 1-pass then two 2-pass clipped AdamW steps give the same parameters, moments and Adam step
+    counts bit for bit as with it switched on."""
     skipped, skipped_norms, skipped_calls = _steps(single_process, tmp_path / "a", False, monkeypatch)
     reduced, reduced_norms, reduced_calls = _steps(single_process, tmp_path / "b", True, monkeypatch)
     assert skipped_calls == 0 and reduced_calls >= 3
@@ -66,7 +71,9 @@ def test_one_rank_zero0_skips_deepspeeds_all_reduce_and_updates_alike(single_pro
     assert skipped_norms == reduced_norms
     assert skipped.keys() == reduced.keys()
     for name in skipped:
-        assert torch.equal(skipped[name], reduced[name]), name
+        (p, state), (p_ref, state_ref) = skipped[name], reduced[name]
+        assert torch.equal(p, p_ref), name
+        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state), name
 
 
 @pytest.mark.parametrize("zero", [1, 2])

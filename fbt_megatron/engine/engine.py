@@ -117,11 +117,14 @@ class Engine:
         self.model = self.ds.module
         if self.zero_stage == 3:
             self._register_shared_weights(deepspeed, self.model)
-        if self.dp_size == 1 and self._own_grad_norm:
-            # ZeRO-0 in fp32 over one data-parallel rank: DeepSpeed would still flatten every gradient
-            # into fresh buckets, "all-reduce" them over the group of one and copy them back after
-            # each boundary backward (28M parameters: a 118 MB copy there and back per step) — an
-            # identity (sum of one, divided by 1), so it is skipped.
+        # ZeRO-0 in fp32 over one data-parallel rank: DeepSpeed would still flatten every gradient into
+        # fresh buckets, "all-reduce" them over the group of one and copy them back after each boundary
+        # backward (28M parameters: a 118 MB copy there and back per step). That is an identity (sum of
+        # one, divided by 1) except that it zero-fills the gradients of parameters the step did not
+        # reach (the fusion in a 1-pass step), so AdamW steps them too: skipped, and the zero-fill kept
+        # (:meth:`backward`).
+        self._zero_fill_only = self.dp_size == 1 and self._own_grad_norm
+        if self._zero_fill_only:
             self.ds.enable_backward_allreduce = False
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(
@@ -179,6 +182,10 @@ class Engine:
         self.ds.set_gradient_accumulation_boundary(is_boundary)
         # The train step already normalised the loss over the whole global batch.
         self.ds.backward(loss, scale_wrt_gas=False)
+        if is_boundary and self._zero_fill_only:
+            for p in self.ds.module.parameters():  # what DeepSpeed's reduction does for them
+                if p.requires_grad and p.numel() and p.grad is None:
+                    p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
         if self._bf16_lp_grads_kept:
             # DeepSpeed's BF16_Optimizer has just added this micro-batch's bf16 gradients into its fp32
             # accumulators; it clears the bf16 ones only from a backward hook on the engine's forward
