@@ -1,6 +1,7 @@
 """Checkpoints in every parallel layout: each save layout resumes into other layouts (DP 1<->2<->4, TP 1<->2,
 ZeRO 0-3) and continues the uninterrupted run exactly: same samples, losses and gradient norms within 1e-5
-across the single-pass -> feedback switch, and the same final fp32 master weights and AdamW moments.
+(5e-5 for norms after a resume) across the single-pass -> feedback switch, and the same final fp32
+master weights and AdamW moments.
 
 Cheap by construction: each save layout trains once (to step 3) and every resume starts from a copy of its
 checkpoint; all runs of one process count share one set of processes (``run_distributed`` of a list of
@@ -95,7 +96,9 @@ def test_saves_stop_where_asked(matrix):
         assert out["step"] == SAVE_AT and out["checkpoint"], (s, out)
         # the runs before the save point follow the straight run too
         for h, ref in zip(out["history"], straight["history"]):
-            assert h[4] == ref[4] and abs(h[2] - ref[2]) < 1e-5 and abs(h[5] - ref[5]) < 1e-5, (s, h, ref)
+            # relative to max(1, value), as below (TP=2's summation order: 4.5e-6 of the norm measured)
+            assert h[4] == ref[4] and abs(h[2] - ref[2]) / max(1.0, abs(ref[2])) < 1e-5, (s, h, ref)
+            assert abs(h[5] - ref[5]) / max(1.0, abs(ref[5])) < 1e-5, (s, h, ref)
 
 
 @pytest.mark.parametrize("saved,resumed", RESUMES, ids=[f"{s}->{t}" for s, t in RESUMES])
@@ -107,10 +110,12 @@ def test_resume_continues_the_straight_run(matrix, saved, resumed):
     assert [h[4] for h in got] == [h[4] for h in ref]  # same samples
     assert [h[1] for h in got] == [h[1] for h in ref]  # same pass counts
     # Relative to the value: another layout's fp32 summation order moves the saved weights by ~1e-7, which
-    # a multi-pass step's gradient carries to ~5e-6 of its norm (measured after a TP=2 save: 4.6e-6).
+    # a multi-pass step's gradient carries to ~5e-6 of its norm (measured after a TP=2 save: 4.6e-6 on an
+    # AVX2 machine, 1.5e-5 on an AVX-512 one, whose kernels sum in another order); a state that is not
+    # restored is off by ~0.2 (seen when the fusion's Adam step count differed).
     loss_err = max(abs(a[2] - b[2]) / max(1.0, abs(b[2])) for a, b in zip(got, ref))
     norm_err = max(abs(a[5] - b[5]) / max(1.0, abs(b[5])) for a, b in zip(got, ref))
-    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err, got, ref)
+    assert loss_err < 1e-5 and norm_err < 5e-5, (loss_err, norm_err, got, ref)
     # The final fp32 masters and AdamW moments (what a checkpoint holds) equal the straight run's, up to
     # the summation-order noise of another layout (which Adam's normalised update turns into up to ~lr
     # on elements whose gradient is ~0; lr = 3e-3 here, so a state that was not restored is far off).
