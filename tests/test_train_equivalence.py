@@ -14,6 +14,10 @@ from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.testing.training import grad_norms, losses, tiny_recipe, train_fn
 
 TOL = 1e-5
+# Gradient norms after several multi-pass steps carry TP=2's summation order further: 4.5e-6 on an AVX2
+# machine, 1.5e-5 at step 5 on an AVX-512 one (the same on the code before this bound); a wrong DP or
+# accumulation scale moves a norm by a factor.
+NORM_TOL = 5e-5
 # After 6 AdamW steps at lr 3e-3: most elements agree to ~2e-7, but Adam normalises each gradient, so an
 # element whose gradient is ~0 at some step moves by a rounding-noise-signed fraction of lr (seen: one of
 # 16384 elements off by 2.4e-5 under TP=2). A wrong DP or accumulation scale is caught at 1e-5 by the
@@ -35,7 +39,7 @@ def assert_same_training(reference, summary, what):
     assert len(got) == len(ref)
     ref_norms, norms = grad_norms(reference), grad_norms(summary)
     rel = [abs(a - b) / a for a, b in zip(ref_norms, norms)]
-    assert max(rel) < TOL, f"{what}: per-step grad-norm relative diff {rel} ({ref_norms} vs {norms})"
+    assert max(rel) < NORM_TOL, f"{what}: per-step grad-norm relative diff {rel} ({ref_norms} vs {norms})"
     diffs = [abs(a - b) for a, b in zip(ref, got)]
     assert max(diffs) < TOL, f"{what}: per-step loss |diff| {diffs}"
     assert [h[1] for h in summary["history"]] == [h[1] for h in reference["history"]]
