@@ -44,6 +44,15 @@ def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
     assert engine.ds.enable_backward_allreduce is False  # DP=1, ZeRO-0, fp32
     if force_allreduce:
         engine.ds.enable_backward_allreduce = True
+    missing = []  # parameters without a gradient after DeepSpeed's backward, before any zero-fill
+    real_backward = engine.ds.backward
+
+    def backward(*a, **k):
+        out = real_backward(*a, **k)
+        missing.append(sum(p.grad is None for p in engine.ds.module.parameters() if p.requires_grad))
+        return out
+
+    monkeypatch.setattr(engine.ds, "backward", backward)
     calls = []
     real = engine.ds.allreduce_gradients
     monkeypatch.setattr(engine.ds, "allreduce_gradients", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -56,6 +65,8 @@ def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
     opt = engine.torch_optimizer
     state = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
              for n, p in engine.model.named_parameters()}
+    if not force_allreduce:
+        assert missing[0] > 0, "step 1 left no gradient missing: the zero-fill was not exercised"
     return state, norms, len(calls)
 
 
