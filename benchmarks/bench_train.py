@@ -3,7 +3,7 @@ PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, 
 
     python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
-                                     [--skip-passes] [--megatron-rope]
+                                     [--skip-passes] [--megatron-rope] [--same-process]
 
 Prints three tables:
 1. DP=1: for each model size and ZeRO stage 0/1/2/3, fbt tokens/s over the HF loop's tokens/s
@@ -11,9 +11,12 @@ Prints three tables:
 2. DP=2 (2 processes): ZeRO-1/2/3 step time over ZeRO-0 step time (goal <= 1.10);
 3. FBT 2- and 3-pass step time over k x the 1-pass step time (ZeRO-1, goal <= 1.0).
 Defaults are the tiny recipe's batch (micro-batch 8 x 2 accumulation x 128 tokens = 2048 tokens per step).
-Every variant of a table is timed on the same batches in the same process, in interleaved rounds
-(one step of each variant per round, in an order rotated each round) and the median is reported, so
-drifting machine load hits every variant alike. Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
+Every variant of tables 1 and 3 runs in a process of its own, as a training run does (one model per
+process), and all are timed on the same batches in interleaved rounds (one step of each variant per
+round, in an order rotated each round, the others waiting) and the median is reported, so drifting
+machine load hits every variant alike. In one shared process the variants' steps interfered through
+the allocator: at 28M the HF loop's step left fbt's next step 26k page faults (0 with fbt alone),
+while HF's had none (``--same-process`` keeps that placement, to compare). Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
 and the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
 """
 
@@ -141,29 +144,111 @@ def interleaved(variants: dict, steps: list, rounds: int) -> dict:
     """Median seconds per step of each variant: warm-up, then ``rounds`` rounds of one step each, the
     order rotated every round (the same on every rank): a variant that always ran first, or always
     right after the heaviest one, would carry that position's cost in every round."""
+    return interleaved_timed({name: timed(fn, steps) for name, fn in variants.items()}, rounds)
+
+
+def timed(fn, steps):
+    """``fn(i, micro)`` as ``(i, batch index) -> seconds`` over ``steps``."""
+    def run(i, j):
+        t0 = time.perf_counter()
+        fn(i, steps[j % len(steps)])
+        return time.perf_counter() - t0
+    return run
+
+
+def interleaved_timed(variants: dict, rounds: int) -> dict:
     times = {name: [] for name in variants}
-    for name, fn in variants.items():
-        fn(0, steps[0])
+    for fn in variants.values():
+        fn(0, 0)
     names = list(variants)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = variants[name]
-            t0 = time.perf_counter()
-            fn(r + 1, steps[(r + 1) % len(steps)])
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(variants[name](r + 1, r + 1))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _variant_worker(conn, spec, a_dict, threads):
+    """A variant in a process of its own: builds its step and the batches, then times one step per
+    ``(i, batch index)`` it is sent, until it is sent None."""
+    import torch
+
+    from fbt_megatron import runtime
+    from fbt_megatron.engine import ensure_ds_accelerator
+
+    ensure_ds_accelerator()
+    torch.set_num_threads(threads)
+    runtime.init_distributed()
+    a = argparse.Namespace(**a_dict)
+    kind, size, zero, passes = spec
+    recipe = recipe_for(size, zero, a)
+    fn, params = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
+    if kind == "fbt-megatron-rope":
+        fn = with_megatron_rope(fn)
+    steps = batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1)
+    conn.send(params)
+    while (msg := conn.recv()) is not None:
+        conn.send(timed(fn, steps)(*msg))
+    runtime.shutdown()
+
+
+class VariantProcess:
+    """One variant's step in a spawned process; calling it runs one step there and returns its seconds."""
+
+    def __init__(self, spec, a):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_variant_worker, args=(child, spec, vars(a), a.threads), daemon=True)
+        self.proc.start()
+        self.params = self._recv()
+
+    def _recv(self):
+        if not self.conn.poll(3600):
+            raise TimeoutError("a benchmark variant's process did not answer within an hour")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"a benchmark variant's process died (exit code {self.proc.exitcode})") from None
+
+    def __call__(self, i, j):
+        self.conn.send((i, j))
+        return self._recv()
+
+    def close(self):
+        self.conn.send(None)
+        self.proc.join(60)
+
+
+def measure(specs: dict, a) -> tuple[dict, dict]:
+    """Median step seconds and parameter counts of ``specs`` (name -> (kind, size, zero, passes)): each
+    in its own process, or all in this one with ``--same-process``."""
+    if a.same_process:
+        fns, params = {}, {}
+        for name, (kind, size, zero, passes) in specs.items():
+            recipe = recipe_for(size, zero, a)
+            fn, params[name] = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
+            fns[name] = with_megatron_rope(fn) if kind == "fbt-megatron-rope" else fn
+        size = next(iter(specs.values()))[1]
+        return interleaved(fns, batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1), a.rounds), params
+    procs = {}
+    try:
+        for name, spec in specs.items():
+            procs[name] = VariantProcess(spec, a)
+        return interleaved_timed(procs, a.rounds), {name: p.params for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.close()
 
 
 def dp1_table(a):
     rows = {}
     for size in a.sizes:
-        variants, params = {}, {}
-        for zero in (0, 1, 2, 3):
-            variants[f"zero{zero}"], params[f"zero{zero}"] = fbt_step_fn(recipe_for(size, zero, a))
+        specs = {f"zero{zero}": ("fbt", size, zero, 1) for zero in (0, 1, 2, 3)}
         if a.megatron_rope:
-            variants["zero0-megatron-rope"] = with_megatron_rope(fbt_step_fn(recipe_for(size, 0, a))[0])
-        variants["hf"], params["hf"] = hf_step_fn(recipe_for(size, 0, a))
-        med = interleaved(variants, batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1), a.rounds)
+            specs["zero0-megatron-rope"] = ("fbt-megatron-rope", size, 0, 1)
+        specs["hf"] = ("hf", size, 0, 1)
+        med, params = measure(specs, a)
         rows[size] = (params["zero0"], params["hf"], med)
         print(f"  [{size}: fbt {params['zero0'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
               + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
@@ -182,8 +267,7 @@ def dp2_worker(size, a_dict):
 
 
 def passes_table(a, size):
-    variants = {f"k={k}": fbt_step_fn(recipe_for(size, 1, a), passes=k)[0] for k in (1, 2, 3)}
-    return interleaved(variants, batches(recipe_for(size, 1, a), 0, 1, a.rounds + 1), a.rounds)
+    return measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)[0]
 
 
 def main(argv=None) -> int:
@@ -199,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-passes", action="store_true")
     ap.add_argument("--megatron-rope", action="store_true",
                     help="table 1 gets a ZeRO-0 column with Megatron-Core's own RoPE (before model/rope.py)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="tables 1 and 3: every variant in this process (the placement before 2026-12-02)")
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
     for s in [*a.sizes, a.dp2_size, a.passes_size]:
@@ -211,9 +297,11 @@ def main(argv=None) -> int:
     from fbt_megatron.engine import ensure_ds_accelerator
 
     ensure_ds_accelerator()
-    torch.set_num_threads(os.cpu_count() or 1)
+    a.threads = os.cpu_count() or 1
+    torch.set_num_threads(a.threads)
     print(f"threads={torch.get_num_threads()} micro_batch={a.micro_batch} seq={a.seq} accumulation={a.accumulation} "
-          f"rounds={a.rounds} (tokens per step {a.micro_batch * a.seq * a.accumulation})", flush=True)
+          f"rounds={a.rounds} (tokens per step {a.micro_batch * a.seq * a.accumulation}); variants "
+          + ("in this process" if a.same_process else "in a process each"), flush=True)
 
     a.dp = 1
     runtime.init_distributed()

@@ -99,3 +99,60 @@ def test_other_stages_keep_deepspeeds_reduction(single_process, tmp_path, zero):
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
     assert engine.ds.enable_backward_allreduce is True
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero):
+    """Every call of the inner optimiser (torch's fused AdamW, on the model's parameters at ZeRO-0 and
+    on DeepSpeed's flat fp32 partitions at ZeRO-1/3) moves each parameter and moment as decoupled AdamW
+    does, written out here from Loshchilov & Hutter's formula in float64, over three steps (a 1-pass
+    step, then 2-pass ones) with each group's own learning rate and weight decay."""
+    from fbt_megatron import runtime
+    from fbt_megatron.data.loaders import build_train_loader
+    from fbt_megatron.engine import Engine
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.training import tiny_recipe
+    from fbt_megatron.train.train_step import FBTTrainStep
+
+    class OneThenTwoPasses:
+        def num_passes(self, step):
+            return 1 if step == 1 else 2
+
+    recipe = load_recipe(data=tiny_recipe(tmp_path, parallel={"zero_stage": zero},
+                                          optimizer={"lr": 3e-3, "weight_decay": 0.1, "betas": [0.8, 0.9]}))
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
+    torch.manual_seed(0)
+    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    opt = engine.torch_optimizer
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    calls, checked = [], [0]
+    real_step = engine.skipper._step
+
+    def step_and_check(*a, **k):
+        before = [(group, p, p.detach().double().clone(), p.grad.detach().double().clone(),
+                   opt.state[p]["exp_avg"].double().clone(), opt.state[p]["exp_avg_sq"].double().clone(),
+                   float(opt.state[p]["step"]))
+                  for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        out = real_step(*a, **k)
+        for group, p, p0, g, m0, v0, t0 in before:
+            (b1, b2), lr, wd, eps, t = group["betas"], group["lr"], group["weight_decay"], group["eps"], t0 + 1
+            m = b1 * m0 + (1 - b1) * g
+            v = b2 * v0 + (1 - b2) * g * g
+            ref = p0 * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+            state = opt.state[p]
+            assert float(state["step"]) == t
+            torch.testing.assert_close(state["exp_avg"].double(), m, rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(state["exp_avg_sq"].double(), v, rtol=1e-5, atol=1e-12)
+            torch.testing.assert_close(p.detach().double(), ref, rtol=1e-6, atol=1e-7)
+            checked[0] += int((p.detach().double() != p0).sum())  # moved (a zero gradient without decay does not)
+        calls.append(len(before))
+        return out
+
+    engine.skipper._step = step_and_check
+    step = FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, runtime.device())
+    it = iter(build_train_loader(recipe, 0, 1, 0))
+    for i in range(3):
+        step(i + 1, [next(it) for _ in range(recipe.accumulation_steps(1))], 3e-3)
+    assert len(calls) >= 3 and all(calls)  # ZeRO-1/2 step one parameter group per call
+    assert checked[0] >= 2 * sum(p.numel() for p in engine.model.parameters())

@@ -6,7 +6,6 @@
 * :mod:`.patches` - the two DeepSpeed methods the engine replaces, pinned to the DeepSpeed versions checked.
 * :mod:`.engine` - :class:`Engine`: DeepSpeed initialised over the model, the step protocol (lr, skip, norm).
 * :mod:`.zero_state` - where this rank's fp32 masters and AdamW moments live inside DeepSpeed (ZeRO 0-3).
-* :mod:`.optim_step` - AdamW's update chunk by chunk over a flat partition.
 
 Importing this package does not import DeepSpeed (``ensure_ds_accelerator`` must run first).
 """

@@ -59,8 +59,11 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
         "gradient_clipping": o.grad_clip,
         "optimizer": {
             "type": "AdamW",
+            # torch's fused AdamW: one kernel per tensor doing every element-wise op of the update (CPU and
+            # CUDA); the unfused one streams a flat ZeRO partition through memory ~8 times (28M elements,
+            # 2 threads: 18 ms fused, 112 ms unfused, 72 ms unfused in cache-sized chunks)
             "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                       "torch_adam": True, "adam_w_mode": True},
+                       "torch_adam": True, "adam_w_mode": True, "fused": True},
         },
         "zero_optimization": {"stage": recipe.parallel.zero_stage},
         "steps_per_print": 10**9,

@@ -8,7 +8,7 @@ On GPU (or with ``precision: bf16`` / ``FBT_DTYPE=bf16``) the model is bf16 with
 accumulation and an fp32 (configurable) data-parallel reduction, as Megatron does with its fp32
 main grads; see :func:`precision_config`.
 
-The optimiser is ``torch.optim.AdamW`` (``"torch_adam": true``) with two parameter groups: weight
+The optimiser is torch's fused ``torch.optim.AdamW`` (``"torch_adam": true, "fused": true``) with two parameter groups: weight
 decay on matrices, none on norms, biases and ``h_init`` (and on embeddings unless
 ``optimizer.decay_embeddings``). A step is skipped without touching weights, moments or Adam's step
 count when the loss is non-finite (the train step says so) or the gradient is: DeepSpeed's ZeRO 1-3
@@ -144,10 +144,12 @@ class Engine:
         opt = self.torch_optimizer
         # ZeRO-3 puts its fp32 partitions into the param groups only during a step.
         zero3_flat = list(getattr(self.ds.optimizer, "fp32_partitioned_groups_flat", None) or [])
+        # the fused kernel wants each step count on its parameter's device, as torch's own lazy init puts it
+        on_param_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
         for p in [p for group in opt.param_groups for p in group["params"]] + zero3_flat:
             if not opt.state.get(p):
                 opt.state[p] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device if on_param_device else None),
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }

@@ -4,7 +4,7 @@ deliberate re-check of both):
 
 1. :class:`SkippableStep` replaces the inner torch optimiser's ``step`` so a step can be skipped
    entirely (non-finite loss) and so the engine learns whether DeepSpeed stepped at all (it does not
-   when it finds the gradient non-finite); plain AdamW runs chunk by chunk (:mod:`.optim_step`).
+   when it finds the gradient non-finite).
 2. :func:`replace_zero0_clipping` replaces ``DeepSpeedEngine.clip_fp32_gradients`` (called only at
    ZeRO-0 in fp32, from ``_take_model_step``) with clipping that counts every parameter once over TP
    and PP (see :meth:`Engine._clip_fp32_gradients`).
@@ -13,8 +13,6 @@ deliberate re-check of both):
 from __future__ import annotations
 
 import torch
-
-from fbt_megatron.engine.optim_step import chunked_adamw_step
 
 # DeepSpeed (major, minor) versions whose internals the patches below were checked against.
 PATCHED_DEEPSPEED = ((0, 19),)
@@ -36,8 +34,6 @@ class SkippableStep:
         self.skip_next = False
         self.stepped = False
         self._step = optimizer.step
-        if type(optimizer) is torch.optim.AdamW:  # the same update, chunk by chunk (optim_step.py)
-            self._step = lambda *a, **k: chunked_adamw_step(optimizer)
 
         def step(*args, **kwargs):
             if self.skip_next:
