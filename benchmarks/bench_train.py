@@ -3,7 +3,7 @@ PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, 
 
     python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
-                                     [--skip-passes] [--megatron-rope] [--same-process]
+                                     [--skip-passes] [--megatron-rope] [--same-process] [--stages 0,1,2,3]
 
 Prints three tables:
 1. DP=1: for each model size and ZeRO stage 0/1/2/3, fbt tokens/s over the HF loop's tokens/s
@@ -144,7 +144,8 @@ def interleaved(variants: dict, steps: list, rounds: int) -> dict:
     """Median seconds per step of each variant: warm-up, then ``rounds`` rounds of one step each, the
     order rotated every round (the same on every rank): a variant that always ran first, or always
     right after the heaviest one, would carry that position's cost in every round."""
-    return interleaved_timed({name: timed(fn, steps) for name, fn in variants.items()}, rounds)
+    times = interleaved_timed({name: timed(fn, steps) for name, fn in variants.items()}, rounds)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def timed(fn, steps):
@@ -157,6 +158,7 @@ def timed(fn, steps):
 
 
 def interleaved_timed(variants: dict, rounds: int) -> dict:
+    """Seconds per step of each variant, one per round (see :func:`interleaved`)."""
     times = {name: [] for name in variants}
     for fn in variants.values():
         fn(0, 0)
@@ -164,7 +166,7 @@ def interleaved_timed(variants: dict, rounds: int) -> dict:
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(variants[name](r + 1, r + 1))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def _variant_worker(conn, spec, a_dict, threads):
@@ -221,7 +223,7 @@ class VariantProcess:
 
 
 def measure(specs: dict, a) -> tuple[dict, dict]:
-    """Median step seconds and parameter counts of ``specs`` (name -> (kind, size, zero, passes)): each
+    """Step seconds per round and parameter counts of ``specs`` (name -> (kind, size, zero, passes)): each
     in its own process, or all in this one with ``--same-process``."""
     if a.same_process:
         fns, params = {}, {}
@@ -229,8 +231,8 @@ def measure(specs: dict, a) -> tuple[dict, dict]:
             recipe = recipe_for(size, zero, a)
             fn, params[name] = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
             fns[name] = with_megatron_rope(fn) if kind == "fbt-megatron-rope" else fn
-        size = next(iter(specs.values()))[1]
-        return interleaved(fns, batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1), a.rounds), params
+        steps = batches(recipe_for(next(iter(specs.values()))[1], 0, a), 0, 1, a.rounds + 1)
+        return interleaved_timed({name: timed(fn, steps) for name, fn in fns.items()}, a.rounds), params
     procs = {}
     try:
         for name, spec in specs.items():
@@ -244,12 +246,15 @@ def measure(specs: dict, a) -> tuple[dict, dict]:
 def dp1_table(a):
     rows = {}
     for size in a.sizes:
-        specs = {f"zero{zero}": ("fbt", size, zero, 1) for zero in (0, 1, 2, 3)}
+        specs = {f"zero{zero}": ("fbt", size, zero, 1) for zero in a.stages}
         if a.megatron_rope:
             specs["zero0-megatron-rope"] = ("fbt-megatron-rope", size, 0, 1)
         specs["hf"] = ("hf", size, 0, 1)
-        med, params = measure(specs, a)
-        rows[size] = (params["zero0"], params["hf"], med)
+        times, params = measure(specs, a)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        # HF's step over fbt's in the same round: the drift of the machine between rounds cancels
+        paired = {name: sorted(h / t for h, t in zip(times["hf"], ts)) for name, ts in times.items()}
+        rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired)
         print(f"  [{size}: fbt {params['zero0'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
               + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
     return rows
@@ -267,7 +272,8 @@ def dp2_worker(size, a_dict):
 
 
 def passes_table(a, size):
-    return measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)[0]
+    times = measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)[0]
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main(argv=None) -> int:
@@ -283,10 +289,14 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-passes", action="store_true")
     ap.add_argument("--megatron-rope", action="store_true",
                     help="table 1 gets a ZeRO-0 column with Megatron-Core's own RoPE (before model/rope.py)")
+    ap.add_argument("--stages", default="0,1,2,3", help="table 1's ZeRO stages (e.g. 0 for the goal's pair alone)")
     ap.add_argument("--same-process", action="store_true",
                     help="tables 1 and 3: every variant in this process (the placement before 2026-12-02)")
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
+    a.stages = [int(z) for z in a.stages.split(",") if z]
+    if not a.stages or any(z not in (0, 1, 2, 3) for z in a.stages):
+        ap.error(f"--stages {a.stages}: ZeRO stages from 0, 1, 2, 3")
     for s in [*a.sizes, a.dp2_size, a.passes_size]:
         if s not in SIZES:
             ap.error(f"unknown size {s!r}; allowed: {sorted(SIZES)}")
@@ -317,12 +327,16 @@ def main(argv=None) -> int:
         dp2 = run_distributed(dp2_worker, 2, a.dp2_size, vars(a), layout=ParallelLayout(), timeout=3600)[0]
 
     print("\n1. DP=1: fbt tokens/s / HF LlamaForCausalLM loop tokens/s (goal >= 1.0)")
-    columns = [f"zero{z}" for z in range(4)] + (["zero0-megatron-rope"] if a.megatron_rope else [])
+    columns = [f"zero{z}" for z in a.stages] + (["zero0-megatron-rope"] if a.megatron_rope else [])
     print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} "
           + " ".join(f"{c.replace('zero', 'ZeRO-'):>{max(7, len(c) + 1)}s}" for c in columns))
-    for size, (p_fbt, p_hf, med) in rows.items():
+    for size, (p_fbt, p_hf, med, _) in rows.items():
         print(f"{size:>6s} {p_fbt / 1e6:10.1f}M {p_hf / 1e6:9.1f}M "
               + " ".join(f"{med['hf'] / med[c]:{max(7, len(c) + 1)}.3f}" for c in columns))
+    print("   the same, per round (HF's step / fbt's in that round): median [lowest - highest]")
+    for size, (_, _, _, paired) in rows.items():
+        print(f"{size:>6s} " + "  ".join(f"{c.replace('zero', 'ZeRO-')} {statistics.median(paired[c]):.3f} "
+                                         f"[{paired[c][0]:.2f}-{paired[c][-1]:.2f}]" for c in columns))
     if dp2 is not None:
         print(f"\n2. DP=2 (2 processes, {a.dp2_size}): step time / ZeRO-0 step time (goal <= 1.10)")
         print("  " + "  ".join(f"ZeRO-{z}: {dp2[f'zero{z}'] / dp2['zero0']:.3f}" for z in (1, 2, 3))

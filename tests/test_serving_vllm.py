@@ -135,14 +135,20 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     """The plugin (found through pyproject's entry point, no --trust-remote-code): latent feedback with FUSED
     prefill (the export's default) and with the exact prefill (`--hf-overrides`) give `fbt generate`'s tokens
     in the same mode for a batch of prompts of different lengths; `feedback_decoding: standard` gives the
-    standard tokens."""
+    standard tokens. A config the plugin cannot serve is refused at engine start naming each field."""
     run, hf, std, refs = model
+    unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm"}
     res = run_side(vllm_python, [job("fused", hf), job("exact", hf, engine={"hf_overrides": {"prefill_passes": "exact"}}),
-                                 job("standard", hf, engine={"hf_overrides": {"feedback_decoding": "standard"}})],
+                                 job("standard", hf, engine={"hf_overrides": {"feedback_decoding": "standard"}}),
+                                 job("unservable", hf, engine={"hf_overrides": unservable}, error=True)],
                    tmp_path, plugin=True)
     assert res["fused"]["tokens"] == refs["fused"]
     assert res["exact"]["tokens"] == refs["exact"]
     assert res["standard"]["tokens"] == refs["standard"]
+    err = res["unservable"]["error"]
+    assert err is not None and "serves Llama-class FBT exports only" in err, err
+    for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'"):
+        assert field in err, (field, err)
 
 
 def test_plugin_preemption(vllm_python, model, tmp_path):

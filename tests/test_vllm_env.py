@@ -58,10 +58,44 @@ def test_setup_step(outcome, code, monkeypatch, capsys):
     assert {"built": "ready in", "cannot install": "will skip", "timeout": "ran out of time"}[outcome] in out
 
 
-def test_make_test_builds_the_venv_before_pytest():
-    """`make test` runs the setup step (tests/vllm_env.py) before pytest."""
-    out = subprocess.run(["make", "-n", "-C", str(REPO), "test", f"VENV={Path(sys.executable).parent.parent}"],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
-    setup = [i for i, line in enumerate(out) if line.endswith("tests/vllm_env.py")]
-    tests = [i for i, line in enumerate(out) if "-m pytest" in line]
-    assert setup and tests and setup[0] < tests[0], out
+def _fake_venv(tmp_path, setup_code: int, pytest_code: int) -> Path:
+    """A venv whose python logs each call (its arguments and FBT_VLLM_SETUP_TIMED_OUT) and exits with
+    ``setup_code`` for the setup step, ``pytest_code`` for pytest."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    (venv / "bin" / "python").write_text(
+        "#!/bin/sh\n"
+        f'echo "$* | ${{FBT_VLLM_SETUP_TIMED_OUT:-}}" >> {log}\n'
+        f'case "$1" in tests/vllm_env.py) exit {setup_code};; -m) exit {pytest_code};; esac\nexit 0\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".fbt-installed").touch()  # newer than pyproject.toml: make does not reinstall
+    return venv
+
+
+@pytest.mark.parametrize("setup_code, pytest_code, make_fails", [(0, 0, False), (0, 3, True), (1, 0, True), (1, 3, True)])
+def test_make_test_runs_pytest_after_the_setup_step_whatever_it_gave(tmp_path, setup_code, pytest_code, make_fails):
+    """`make test` runs the setup step (tests/vllm_env.py), then pytest even when the setup ran out of time
+    (telling pytest so: the serving tests report it instead of building again), and fails if either did."""
+    venv = _fake_venv(tmp_path, setup_code, pytest_code)
+    r = subprocess.run(["make", "-s", "-C", str(REPO), "test", f"VENV={venv}"], capture_output=True, text=True)
+    assert (r.returncode != 0) == make_fails, (r.returncode, r.stdout, r.stderr)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split(" | ")[0] for c in calls] == ["tests/vllm_env.py", "-m pytest -q tests"], calls
+    timed_out = calls[1].split(" | ")[1]
+    assert bool(timed_out) == (setup_code != 0), calls
+
+
+def test_setup_timed_out_is_reported_without_a_second_build(tmp_path, monkeypatch):
+    """With FBT_VLLM_SETUP_TIMED_OUT set (by `make test`), ensure() raises BuildTimeout naming the setup step
+    and starts no build (nothing is written to the cache); in CI the serving tests then fail."""
+    monkeypatch.setenv("FBT_VLLM_ENVS", str(tmp_path / "envs"))
+    monkeypatch.setenv(vllm_env.SETUP_TIMED_OUT, "exit 1, see its output above")
+    with pytest.raises(vllm_env.BuildTimeout, match="setup step .* ran out of time: exit 1"):
+        vllm_env.ensure()
+    assert not (tmp_path / "envs").exists()
+    monkeypatch.setenv("CI", "true")
+    try:
+        vllm_env.ensure()
+    except vllm_env.BuildTimeout as e:
+        assert vllm_env.skip_or_fail(e)[0] == "fail"
