@@ -3,12 +3,16 @@
 One model (a Llama-class stock-initialised model imported with a fresh GLU fusion), exported both ways
 (`to-hf` and `to-hf --standard`), the same batch of prompts, greedy, fixed output length:
 - vLLM tokens/s: the feedback export through the plugin (FUSED prefill) over the `--standard` export in
-  stock vLLM (the paper's claim: two D x D matmuls per token, goal >= 0.95);
+  stock vLLM (the paper's claim: two D x D matmuls per token, goal >= 0.95); and the same with one prefill
+  pass (``prefill_passes: 1``), which leaves out FUSED's second pass over the prompt: the per-token cost of
+  the feedback alone;
 - vLLM feedback tokens/s over the project's generator (`FeedbackDecoder`, what `fbt generate` runs) in the
   same mode on the same checkpoint.
 Tokens/s = generated tokens of the batch / wall seconds of one `generate` call (prefill included), median
-of all timed calls: --rounds rounds, each an engine per export in alternating order (standard first in
-even rounds, feedback first in odd ones), --repeat calls per engine after a warm-up call, and before them
+of all timed calls: --rounds rounds, each an engine per variant in an order rotated every round, each
+engine in a process of its own (engines started one after another in one process slowed the later ones:
+the plugin's engines measured 0.75-0.93 of standard there and 1.0 alone), --repeat
+calls per engine after a warm-up call, and before them
 one warm-up engine whose calls are not counted (``plan``: the first engine in a process was seen 20x slower
 per call than the later ones on a loaded machine, which a fixed order reads as a ratio of 14-20).
 Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
@@ -59,21 +63,22 @@ def build(root: Path, args) -> list[list[int]]:
             for b in range(args.batch)]
 
 
-EXPORTS = {"standard": "std", "feedback": "hf"}
+EXPORTS = {"standard": "std", "feedback": "hf", "feedback, 1 prefill pass": "hf"}  # variant -> export
+OVERRIDES = {"feedback, 1 prefill pass": {"prefill_passes": 1}}  # vLLM's hf_overrides of a variant
 
 
 def plan(rounds: int) -> list[tuple[str, str]]:
     """(job name, export) in the order the engines start: a warm-up engine (not counted), then per round one
-    engine per export, the order alternating between rounds."""
+    engine per variant, the order rotated by one every round."""
     jobs = [("warmup", "std")]
+    names = list(EXPORTS)
     for r in range(rounds):
-        names = list(EXPORTS) if r % 2 == 0 else list(EXPORTS)[::-1]
-        jobs += [(f"{name}#{r}", EXPORTS[name]) for name in names]
+        jobs += [(f"{name}#{r}", EXPORTS[name]) for name in names[r % len(names):] + names[:r % len(names)]]
     return jobs
 
 
 def seconds_by_export(res: dict) -> dict[str, list[float]]:
-    """Every timed call's seconds per export, over the rounds (the warm-up engine left out)."""
+    """Every timed call's seconds per variant, over the rounds (the warm-up engine left out)."""
     out: dict[str, list[float]] = {name: [] for name in EXPORTS}
     for job, r in res.items():
         name = job.split("#")[0]
@@ -108,7 +113,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     import vllm_env
 
@@ -116,16 +121,20 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prompts = build(root, args)
+        engine = {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True}
         jobs = [{"name": name, "model": str(root / d), "prompts": prompts, "max_tokens": args.tokens,
                  "repeat": args.repeat if name != "warmup" else 1,
-                 "engine": {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True}}
-                for name, d in plan(args.rounds)]
-        (root / "request.json").write_text(json.dumps({"jobs": jobs}))
+                 "engine": {**engine, **({"hf_overrides": OVERRIDES[variant]} if variant in OVERRIDES else {})}}
+                for name, d in plan(args.rounds) for variant in [name.split("#")[0]]]
         env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{vllm_env.package_path(root / 'package')}", HF_HUB_OFFLINE="1",
                    VLLM_CPU_OMP_THREADS_BIND="nobind")
-        subprocess.run([str(python), str(REPO / "tests" / "vllm_side.py"), str(root / "request.json"),
-                        str(root / "result.json")], env=env, check=True, cwd=root)
-        res = json.loads((root / "result.json").read_text())
+        res = {}
+        for i, job in enumerate(jobs):  # an engine per process, as a server runs one
+            request, result = root / f"request{i}.json", root / f"result{i}.json"
+            request.write_text(json.dumps({"jobs": [job]}))
+            subprocess.run([str(python), str(REPO / "tests" / "vllm_side.py"), str(request), str(result)],
+                           env=env, check=True, cwd=root)
+            res.update(json.loads(result.read_text()))
         fbt = fbt_generate_seconds(root, prompts, args)
     generated = args.batch * args.tokens
     seconds = {**seconds_by_export(res), "fbt generate": fbt}
@@ -134,9 +143,11 @@ def main():
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.tokens} new tokens, "
           f"threads {torch.get_num_threads()}; {args.rounds} rounds x {args.repeat} calls per export")
     for name, v in tps.items():
-        print(f"  {name:>14}: {v:8.1f} tokens/s (median of {len(seconds[name])} calls; "
+        print(f"  {name:>24}: {v:8.1f} tokens/s (median of {len(seconds[name])} calls; "
               f"{generated / max(seconds[name]):.1f}-{generated / min(seconds[name]):.1f})")
     print(f"vLLM feedback / vLLM standard: {tps['feedback'] / tps['standard']:.3f}  (goal >= 0.95)")
+    print(f"vLLM feedback, 1 prefill pass / vLLM standard: {tps['feedback, 1 prefill pass'] / tps['standard']:.3f}"
+          "  (FUSED's second prefill pass left out)")
     print(f"vLLM feedback / fbt generate (feedback, FUSED): {tps['feedback'] / tps['fbt generate']:.2f}")
 
 

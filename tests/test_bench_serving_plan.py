@@ -25,12 +25,18 @@ def _load():
 bench = _load()
 
 
-def test_plan_warms_up_then_alternates():
-    assert bench.plan(2) == [("warmup", "std"), ("standard#0", "std"), ("feedback#0", "hf"),
-                             ("feedback#1", "hf"), ("standard#1", "std")]
+def test_plan_warms_up_then_rotates():
+    one = "feedback, 1 prefill pass"
+    assert bench.plan(3) == [("warmup", "std"),
+                             ("standard#0", "std"), ("feedback#0", "hf"), (f"{one}#0", "hf"),
+                             ("feedback#1", "hf"), (f"{one}#1", "hf"), ("standard#1", "std"),
+                             (f"{one}#2", "hf"), ("standard#2", "std"), ("feedback#2", "hf")]
+    assert bench.OVERRIDES == {one: {"prefill_passes": 1}}
 
 
 def test_seconds_leave_out_the_warmup():
     res = {"warmup": {"seconds": [9.0]}, "standard#0": {"seconds": [1.0, 2.0]}, "feedback#0": {"seconds": [3.0]},
-           "feedback#1": {"seconds": [4.0]}, "standard#1": {"seconds": [5.0]}}
-    assert bench.seconds_by_export(res) == {"standard": [1.0, 2.0, 5.0], "feedback": [3.0, 4.0]}
+           "feedback#1": {"seconds": [4.0]}, "standard#1": {"seconds": [5.0]},
+           "feedback, 1 prefill pass#0": {"seconds": [6.0]}}
+    assert bench.seconds_by_export(res) == {"standard": [1.0, 2.0, 5.0], "feedback": [3.0, 4.0],
+                                            "feedback, 1 prefill pass": [6.0]}
