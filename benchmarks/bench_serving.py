@@ -10,11 +10,11 @@ One model (a Llama-class stock-initialised model imported with a fresh GLU fusio
   same mode on the same checkpoint.
 Tokens/s = generated tokens of the batch / wall seconds of one `generate` call (prefill included), median
 of all timed calls: --rounds rounds, each an engine per variant in an order rotated every round, each
-engine in a process of its own (engines started one after another in one process slowed the later ones:
-the plugin's engines measured 0.75-0.93 of standard there and 1.0 alone), --repeat
-calls per engine after a warm-up call, and before them
-one warm-up engine whose calls are not counted (``plan``: the first engine in a process was seen 20x slower
-per call than the later ones on a loaded machine, which a fixed order reads as a ratio of 14-20).
+engine in a process of its own, as a server runs one (in one process each engine inherits what the
+previous ones left: memory, threads), --repeat calls per engine after a warm-up call, and before them one
+warm-up engine whose calls are not counted (``plan``; kept from the one-process placement, where the
+first engine was seen 20x slower per call than the later ones on a loaded machine: it now warms the
+machine and the OS's file cache).
 Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 256 --layers 4 --batch 8 --tokens 64]

@@ -203,6 +203,7 @@ class VariantProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_variant_worker, args=(child, spec, vars(a), a.threads), daemon=True)
         self.proc.start()
+        child.close()  # only the child holds its end: a child that dies is an EOF here at once
         self.params = self._recv()
 
     def _recv(self):
@@ -211,15 +212,22 @@ class VariantProcess:
         try:
             return self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"a benchmark variant's process died (exit code {self.proc.exitcode})") from None
+            self.proc.join(30)
+            raise RuntimeError(f"a benchmark variant's process died (exit code {self.proc.exitcode}; its "
+                               "traceback is above)") from None
 
     def __call__(self, i, j):
         self.conn.send((i, j))
         return self._recv()
 
     def close(self):
-        self.conn.send(None)
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):  # the child is gone already: its error is the one to report
+            pass
         self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.terminate()
 
 
 def measure(specs: dict, a) -> tuple[dict, dict]:
@@ -255,7 +263,7 @@ def dp1_table(a):
         # HF's step over fbt's in the same round: the drift of the machine between rounds cancels
         paired = {name: sorted(h / t for h, t in zip(times["hf"], ts)) for name, ts in times.items()}
         rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired)
-        print(f"  [{size}: fbt {params['zero0'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
+        print(f"  [{size}: fbt {params[f'zero{a.stages[0]}'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
               + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
     return rows
 

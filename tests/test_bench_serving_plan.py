@@ -1,5 +1,5 @@
-"""benchmarks/bench_serving.py's engine order (no vLLM needed): a warm-up engine not counted, then the two
-exports in alternating order, so the first engine's start-up costs are no part of either export's tokens/s."""
+"""benchmarks/bench_serving.py's engine order (no vLLM needed): a warm-up engine not counted, then the
+variants in an order rotated every round, so no variant always runs first or right after the same one."""
 
 import importlib.util
 import os

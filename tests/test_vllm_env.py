@@ -5,6 +5,7 @@ machine does not skip the serving tests for time."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ def test_time_limit_is_build_timeout(tmp_path, monkeypatch):
     """A real build (in a fresh cache) with a 1 s limit: BuildTimeout, no venv left behind."""
     monkeypatch.setenv("FBT_VLLM_ENVS", str(tmp_path))
     monkeypatch.setenv("FBT_VLLM_BUILD_TIMEOUT", "1")
+    monkeypatch.delenv(vllm_env.SETUP_TIMED_OUT, raising=False)  # set by `make test` after a setup timeout
     with pytest.raises(vllm_env.BuildTimeout, match="did not finish within"):
         vllm_env.ensure()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -73,17 +75,20 @@ def _fake_venv(tmp_path, setup_code: int, pytest_code: int) -> Path:
     return venv
 
 
-@pytest.mark.parametrize("setup_code, pytest_code, make_fails", [(0, 0, False), (0, 3, True), (1, 0, True), (1, 3, True)])
+@pytest.mark.parametrize("setup_code, pytest_code, make_fails", [(0, 0, False), (0, 3, True), (1, 0, True), (1, 3, True),
+                                                                  (2, 0, True)])
 def test_make_test_runs_pytest_after_the_setup_step_whatever_it_gave(tmp_path, setup_code, pytest_code, make_fails):
-    """`make test` runs the setup step (tests/vllm_env.py), then pytest even when the setup ran out of time
-    (telling pytest so: the serving tests report it instead of building again), and fails if either did."""
+    """`make test` runs the setup step (tests/vllm_env.py), then pytest whatever the step gave; a timeout (exit
+    1) is told to pytest (the serving tests report it instead of building again), nothing else is (an
+    inherited flag is cleared); the target fails if either did."""
     venv = _fake_venv(tmp_path, setup_code, pytest_code)
-    r = subprocess.run(["make", "-s", "-C", str(REPO), "test", f"VENV={venv}"], capture_output=True, text=True)
+    env = dict(os.environ, FBT_VLLM_SETUP_TIMED_OUT="inherited")  # as inside a `make test` after a timeout
+    r = subprocess.run(["make", "-s", "-C", str(REPO), "test", f"VENV={venv}"], capture_output=True, text=True, env=env)
     assert (r.returncode != 0) == make_fails, (r.returncode, r.stdout, r.stderr)
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert [c.split(" | ")[0] for c in calls] == ["tests/vllm_env.py", "-m pytest -q tests"], calls
     timed_out = calls[1].split(" | ")[1]
-    assert bool(timed_out) == (setup_code != 0), calls
+    assert bool(timed_out) == (setup_code == 1), calls
 
 
 def test_setup_timed_out_is_reported_without_a_second_build(tmp_path, monkeypatch):
@@ -95,7 +100,6 @@ def test_setup_timed_out_is_reported_without_a_second_build(tmp_path, monkeypatc
         vllm_env.ensure()
     assert not (tmp_path / "envs").exists()
     monkeypatch.setenv("CI", "true")
-    try:
+    with pytest.raises(vllm_env.BuildTimeout) as e:
         vllm_env.ensure()
-    except vllm_env.BuildTimeout as e:
-        assert vllm_env.skip_or_fail(e)[0] == "fail"
+    assert vllm_env.skip_or_fail(e.value)[0] == "fail"
