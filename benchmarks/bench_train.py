@@ -144,29 +144,31 @@ def interleaved(variants: dict, steps: list, rounds: int) -> dict:
     """Median seconds per step of each variant: warm-up, then ``rounds`` rounds of one step each, the
     order rotated every round (the same on every rank): a variant that always ran first, or always
     right after the heaviest one, would carry that position's cost in every round."""
-    times = interleaved_timed({name: timed(fn, steps) for name, fn in variants.items()}, rounds)
+    times, _ = interleaved_timed({name: timed(fn, steps) for name, fn in variants.items()}, rounds)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def timed(fn, steps):
-    """``fn(i, micro)`` as ``(i, batch index) -> seconds`` over ``steps``."""
+    """``fn(i, micro)`` as ``(i, batch index) -> (wall seconds, CPU seconds of the process's threads)``."""
     def run(i, j):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(i, steps[j % len(steps)])
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
     return run
 
 
 def interleaved_timed(variants: dict, rounds: int) -> dict:
-    """Seconds per step of each variant, one per round (see :func:`interleaved`)."""
-    times = {name: [] for name in variants}
+    """Wall and CPU seconds per step of each variant, one per round (see :func:`interleaved`)."""
+    times, cpu = {name: [] for name in variants}, {name: [] for name in variants}
     for fn in variants.values():
         fn(0, 0)
     names = list(variants)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(variants[name](r + 1, r + 1))
-    return times
+            wall, used = variants[name](r + 1, r + 1)
+            times[name].append(wall)
+            cpu[name].append(used)
+    return times, cpu
 
 
 def _variant_worker(conn, spec, a_dict, threads):
@@ -231,7 +233,7 @@ class VariantProcess:
 
 
 def measure(specs: dict, a) -> tuple[dict, dict]:
-    """Step seconds per round and parameter counts of ``specs`` (name -> (kind, size, zero, passes)): each
+    """Step seconds per round (wall, CPU) and parameter counts of ``specs`` (name -> (kind, size, zero, passes)): each
     in its own process, or all in this one with ``--same-process``."""
     if a.same_process:
         fns, params = {}, {}
@@ -258,11 +260,12 @@ def dp1_table(a):
         if a.megatron_rope:
             specs["zero0-megatron-rope"] = ("fbt-megatron-rope", size, 0, 1)
         specs["hf"] = ("hf", size, 0, 1)
-        times, params = measure(specs, a)
+        (times, cpu), params = measure(specs, a)
         med = {name: statistics.median(ts) for name, ts in times.items()}
+        med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
         # HF's step over fbt's in the same round: the drift of the machine between rounds cancels
         paired = {name: sorted(h / t for h, t in zip(times["hf"], ts)) for name, ts in times.items()}
-        rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired)
+        rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired, med_cpu)
         print(f"  [{size}: fbt {params[f'zero{a.stages[0]}'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
               + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
     return rows
@@ -280,7 +283,7 @@ def dp2_worker(size, a_dict):
 
 
 def passes_table(a, size):
-    times = measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)[0]
+    times = measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)[0][0]
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -338,13 +341,16 @@ def main(argv=None) -> int:
     columns = [f"zero{z}" for z in a.stages] + (["zero0-megatron-rope"] if a.megatron_rope else [])
     print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} "
           + " ".join(f"{c.replace('zero', 'ZeRO-'):>{max(7, len(c) + 1)}s}" for c in columns))
-    for size, (p_fbt, p_hf, med, _) in rows.items():
+    for size, (p_fbt, p_hf, med, _, _) in rows.items():
         print(f"{size:>6s} {p_fbt / 1e6:10.1f}M {p_hf / 1e6:9.1f}M "
               + " ".join(f"{med['hf'] / med[c]:{max(7, len(c) + 1)}.3f}" for c in columns))
     print("   the same, per round (HF's step / fbt's in that round): median [lowest - highest]")
-    for size, (_, _, _, paired) in rows.items():
+    for size, (_, _, _, paired, _) in rows.items():
         print(f"{size:>6s} " + "  ".join(f"{c.replace('zero', 'ZeRO-')} {statistics.median(paired[c]):.3f} "
                                          f"[{paired[c][0]:.2f}-{paired[c][-1]:.2f}]" for c in columns))
+    print("   the same in CPU seconds (all threads of each process: time stolen by the VM's host left out, OpenMP's spin-waits counted): HF's / fbt's")
+    for size, (_, _, _, _, cpu) in rows.items():
+        print(f"{size:>6s} " + "  ".join(f"{c.replace('zero', 'ZeRO-')} {cpu['hf'] / cpu[c]:.3f}" for c in columns))
     if dp2 is not None:
         print(f"\n2. DP=2 (2 processes, {a.dp2_size}): step time / ZeRO-0 step time (goal <= 1.10)")
         print("  " + "  ".join(f"ZeRO-{z}: {dp2[f'zero{z}'] / dp2['zero0']:.3f}" for z in (1, 2, 3))
