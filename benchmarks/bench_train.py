@@ -171,6 +171,15 @@ def interleaved_timed(variants: dict, rounds: int) -> dict:
     return times, cpu
 
 
+def build_variant(spec, a):
+    """``spec`` = (kind, size, ZeRO stage, passes) -> (step function, parameter count); kind "hf", "fbt",
+    or "fbt-megatron-rope"."""
+    kind, size, zero, passes = spec
+    recipe = recipe_for(size, zero, a)
+    fn, params = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
+    return (with_megatron_rope(fn) if kind == "fbt-megatron-rope" else fn), params
+
+
 def _variant_worker(conn, spec, a_dict, threads):
     """A variant in a process of its own: builds its step and the batches, then times one step per
     ``(i, batch index)`` it is sent, until it is sent None."""
@@ -183,15 +192,11 @@ def _variant_worker(conn, spec, a_dict, threads):
     torch.set_num_threads(threads)
     runtime.init_distributed()
     a = argparse.Namespace(**a_dict)
-    kind, size, zero, passes = spec
-    recipe = recipe_for(size, zero, a)
-    fn, params = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
-    if kind == "fbt-megatron-rope":
-        fn = with_megatron_rope(fn)
-    steps = batches(recipe_for(size, 0, a), 0, 1, a.rounds + 1)
+    fn, params = build_variant(spec, a)
+    step = timed(fn, batches(recipe_for(spec[1], 0, a), 0, 1, a.rounds + 1))
     conn.send(params)
     while (msg := conn.recv()) is not None:
-        conn.send(timed(fn, steps)(*msg))
+        conn.send(step(*msg))
     runtime.shutdown()
 
 
@@ -232,15 +237,13 @@ class VariantProcess:
             self.proc.terminate()
 
 
-def measure(specs: dict, a) -> tuple[dict, dict]:
+def measure(specs: dict, a) -> tuple[tuple[dict, dict], dict]:
     """Step seconds per round (wall, CPU) and parameter counts of ``specs`` (name -> (kind, size, zero, passes)): each
     in its own process, or all in this one with ``--same-process``."""
     if a.same_process:
         fns, params = {}, {}
-        for name, (kind, size, zero, passes) in specs.items():
-            recipe = recipe_for(size, zero, a)
-            fn, params[name] = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
-            fns[name] = with_megatron_rope(fn) if kind == "fbt-megatron-rope" else fn
+        for name, spec in specs.items():
+            fns[name], params[name] = build_variant(spec, a)
         steps = batches(recipe_for(next(iter(specs.values()))[1], 0, a), 0, 1, a.rounds + 1)
         return interleaved_timed({name: timed(fn, steps) for name, fn in fns.items()}, a.rounds), params
     procs = {}
@@ -283,7 +286,7 @@ def dp2_worker(size, a_dict):
 
 
 def passes_table(a, size):
-    times = measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)[0][0]
+    (times, _), _ = measure({f"k={k}": ("fbt", size, 1, k) for k in (1, 2, 3)}, a)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

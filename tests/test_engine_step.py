@@ -24,24 +24,39 @@ def test_squared_l2_is_the_sum_of_squares_in_float64():
         assert abs(float(got) - reference) <= 1e-14 * max(reference, 1e-300)
 
 
-def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
+class OneThenTwoPasses:  # the fusion takes no part in step 1: its gradients are missing there
+    def num_passes(self, step):
+        return 1 if step == 1 else 2
+
+
+def _engine(tmp_path, **sections):
+    """(recipe, Engine) of the tiny recipe with ``sections``, at DP=1, model initialised from seed 0."""
     from fbt_megatron import runtime
-    from fbt_megatron.data.loaders import build_train_loader
     from fbt_megatron.engine import Engine
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.recipe import load_recipe
     from fbt_megatron.testing.training import tiny_recipe
-    from fbt_megatron.train.train_step import FBTTrainStep
 
-    class OneThenTwoPasses:  # the fusion takes no part in step 1: its gradients are missing there
-        def num_passes(self, step):
-            return 1 if step == 1 else 2
-
-    # grad_clip far below the gradient norm: the clipping coefficient (from the norm) shapes every update
-    recipe = load_recipe(data=tiny_recipe(tmp_path, optimizer={"lr": 3e-3, "grad_clip": 0.05}))
+    recipe = load_recipe(data=tiny_recipe(tmp_path, **sections))
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     torch.manual_seed(0)
-    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    return recipe, Engine(build_model(recipe.model, recipe.feedback), recipe)
+
+
+def _train(recipe, engine, steps: int = 3) -> list:
+    """``steps`` optimiser steps of FBTTrainStep (1 pass, then 2) on the recipe's data; their results."""
+    from fbt_megatron import runtime
+    from fbt_megatron.data.loaders import build_train_loader
+    from fbt_megatron.train.train_step import FBTTrainStep
+
+    step = FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, runtime.device())
+    it = iter(build_train_loader(recipe, 0, 1, 0))
+    return [step(i + 1, [next(it) for _ in range(recipe.accumulation_steps(1))], 3e-3) for i in range(steps)]
+
+
+def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
+    # grad_clip far below the gradient norm: the clipping coefficient (from the norm) shapes every update
+    recipe, engine = _engine(tmp_path, optimizer={"lr": 3e-3, "grad_clip": 0.05})
     assert engine.ds.enable_backward_allreduce is False  # DP=1, ZeRO-0, fp32
     if force_allreduce:
         engine.ds.enable_backward_allreduce = True
@@ -57,12 +72,7 @@ def _steps(single_process, tmp_path, force_allreduce: bool, monkeypatch):
     calls = []
     real = engine.ds.allreduce_gradients
     monkeypatch.setattr(engine.ds, "allreduce_gradients", lambda *a, **k: calls.append(1) or real(*a, **k))
-    step = FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, runtime.device())
-    it = iter(build_train_loader(recipe, 0, 1, 0))
-    norms = []
-    for i in range(3):
-        micro = [next(it) for _ in range(recipe.accumulation_steps(1))]
-        norms.append(step(i + 1, micro, 3e-3).grad_norm)
+    norms = [r.grad_norm for r in _train(recipe, engine)]
     opt = engine.torch_optimizer
     state = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
              for n, p in engine.model.named_parameters()}
@@ -90,15 +100,7 @@ def test_one_rank_zero0_skips_deepspeeds_all_reduce_and_updates_alike(single_pro
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_other_stages_keep_deepspeeds_reduction(single_process, tmp_path, zero):
-    from fbt_megatron import runtime
-    from fbt_megatron.engine import Engine
-    from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.training import tiny_recipe
-
-    recipe = load_recipe(data=tiny_recipe(tmp_path, parallel={"zero_stage": zero}))
-    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
-    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    _, engine = _engine(tmp_path, parallel={"zero_stage": zero})
     assert engine.ds.enable_backward_allreduce is True
 
 
@@ -108,23 +110,8 @@ def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero
     on DeepSpeed's flat fp32 partitions at ZeRO-1/3) moves each parameter and moment as decoupled AdamW
     does, written out here from Loshchilov & Hutter's formula in float64, over three steps (a 1-pass
     step, then 2-pass ones) with each group's own learning rate and weight decay."""
-    from fbt_megatron import runtime
-    from fbt_megatron.data.loaders import build_train_loader
-    from fbt_megatron.engine import Engine
-    from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.training import tiny_recipe
-    from fbt_megatron.train.train_step import FBTTrainStep
-
-    class OneThenTwoPasses:
-        def num_passes(self, step):
-            return 1 if step == 1 else 2
-
-    recipe = load_recipe(data=tiny_recipe(tmp_path, parallel={"zero_stage": zero},
-                                          optimizer={"lr": 3e-3, "weight_decay": 0.1, "betas": [0.8, 0.9]}))
-    runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
-    torch.manual_seed(0)
-    engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
+    recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero},
+                             optimizer={"lr": 3e-3, "weight_decay": 0.1, "betas": [0.8, 0.9]})
     opt = engine.torch_optimizer
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
     calls, checked = [], [0]
@@ -151,10 +138,7 @@ def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero
         return out
 
     engine.skipper._step = step_and_check
-    step = FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, runtime.device())
-    it = iter(build_train_loader(recipe, 0, 1, 0))
-    for i in range(3):
-        step(i + 1, [next(it) for _ in range(recipe.accumulation_steps(1))], 3e-3)
+    _train(recipe, engine)
     assert len(calls) >= 3 and all(calls)  # ZeRO-1/2 step one parameter group per call
     # ZeRO-3 leaves its parameters empty outside a forward: their full size is ds_numel
     assert checked[0] >= 2 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters())
