@@ -43,13 +43,14 @@ def _engine(tmp_path, **sections):
     return recipe, Engine(build_model(recipe.model, recipe.feedback), recipe)
 
 
-def _train(recipe, engine, steps: int = 3) -> list:
-    """``steps`` optimiser steps of FBTTrainStep (1 pass, then 2) on the recipe's data; their results."""
+def _train(recipe, engine, steps: int = 3, schedule=None) -> list:
+    """``steps`` optimiser steps of FBTTrainStep (1 pass, then 2, unless ``schedule``) on the recipe's data;
+    their results."""
     from fbt_megatron import runtime
     from fbt_megatron.data.loaders import build_train_loader
     from fbt_megatron.train.train_step import FBTTrainStep
 
-    step = FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, runtime.device())
+    step = FBTTrainStep(engine, schedule or OneThenTwoPasses(), recipe.seed, runtime.device())
     it = iter(build_train_loader(recipe, 0, 1, 0))
     return [step(i + 1, [next(it) for _ in range(recipe.accumulation_steps(1))], 3e-3) for i in range(steps)]
 
@@ -142,3 +143,21 @@ def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero
     assert len(calls) >= 3 and all(calls)  # ZeRO-1/2 step one parameter group per call
     # ZeRO-3 leaves its parameters empty outside a forward: their full size is ds_numel
     assert checked[0] >= 2 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters())
+
+
+def test_zero3_step_after_a_multi_pass_step_has_no_stale_fusion_gradient(single_process, tmp_path):
+    """A 2-pass step, then 1-pass steps (the fusion unreached): ZeRO-3 gives the gradient norms and the
+    later losses of ZeRO-0 (whose unreached parameters get a zero gradient). Before, ZeRO-3 stepped the fusion
+    with the 2-pass step's gradient again in every later 1-pass step and counted it in the norm."""
+    class TwoThenOnePass:
+        def num_passes(self, step):
+            return 2 if step == 1 else 1
+
+    runs = {}
+    for zero in (0, 3):
+        recipe, engine = _engine(tmp_path / f"z{zero}", parallel={"zero_stage": zero}, optimizer={"lr": 3e-3})
+        results = _train(recipe, engine, steps=4, schedule=TwoThenOnePass())
+        runs[zero] = [(r.loss, r.grad_norm) for r in results]
+    for (loss0, norm0), (loss3, norm3) in zip(runs[0], runs[3]):
+        assert abs(loss3 - loss0) <= 1e-5 * max(1.0, abs(loss0)), runs
+        assert abs(norm3 - norm0) <= 5e-5 * max(1.0, norm0), runs

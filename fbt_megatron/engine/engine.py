@@ -211,8 +211,24 @@ class Engine:
         if norm is None:
             reported = self.ds.get_global_grad_norm()
             norm = None if reported is None else float(reported)
+        if self.zero_stage == 3:
+            self._clear_zero3_grad_partitions()
         applied = self.skipper.stepped and not skip  # not stepped: DeepSpeed found a non-finite norm
         return StepOutcome(applied=applied, grad_norm=norm)
+
+    def _clear_zero3_grad_partitions(self) -> None:
+        """ZeRO-3 keeps each parameter's fp32 gradient partition in one flat buffer that a step's first
+        reduction overwrites (later micro-batches add to it) and hands every partition to AdamW. A parameter
+        the step did not reach (the fusion in a 1-pass step) was never overwritten: AdamW stepped it with the
+        gradient of the last step that reached it, and the norm and clipping counted that gradient again
+        (a 2-pass step's fusion gradient of norm 37 carried through three 1-pass steps). Cleared after each
+        step, an unreached parameter has the zero gradient ZeRO-0/1/2 give it."""
+        flat = getattr(self.ds.optimizer, "grad_partitions_flat_buffer", None)
+        if flat is not None:
+            flat.zero_()
+        elif not getattr(self.ds.optimizer, "offload_optimizer", False):
+            raise RuntimeError("DeepSpeed's ZeRO-3 optimizer has no grad_partitions_flat_buffer: the stale-"
+                               "gradient clearing (Engine._clear_zero3_grad_partitions) needs re-checking")
 
     def grad_norm_before_step(self) -> float:
         """ZeRO-0: the global L2 norm of the (already DP-averaged) gradients, every parameter counted
