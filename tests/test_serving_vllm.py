@@ -134,15 +134,18 @@ def test_stock_vllm(vllm_python, model, tmp_path):
 def test_plugin_feedback(vllm_python, model, tmp_path):
     """The plugin (found through pyproject's entry point, no --trust-remote-code): latent feedback with FUSED
     prefill (the export's default) and with the exact prefill (`--hf-overrides`) give `fbt generate`'s tokens
-    in the same mode for a batch of prompts of different lengths; `feedback_decoding: standard` gives the
-    standard tokens. A config the plugin cannot serve is refused at engine start naming each field."""
+    in the same mode for a batch of prompts of different lengths, the decode steps through the decode-only
+    path; `feedback_decoding: standard` gives the standard tokens. A config the plugin cannot serve is refused at engine start naming each field."""
     run, hf, std, refs = model
     unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm"}
-    res = run_side(vllm_python, [job("fused", hf), job("exact", hf, engine={"hf_overrides": {"prefill_passes": "exact"}}),
+    res = run_side(vllm_python, [job("fused", hf, step_kinds=True), job("exact", hf, engine={"hf_overrides": {"prefill_passes": "exact"}}),
                                  job("standard", hf, engine={"hf_overrides": {"feedback_decoding": "standard"}}),
                                  job("unservable", hf, engine={"hf_overrides": unservable}, error=True)],
                    tmp_path, plugin=True)
     assert res["fused"]["tokens"] == refs["fused"]
+    # the prompts' prefill took the general path, the decode steps after it the decode-only one
+    kinds = res["fused"]["step_kinds"]
+    assert kinds.get("general", 0) >= 1 and kinds.get("decode", 0) >= NEW_TOKENS - 1, kinds
     assert res["exact"]["tokens"] == refs["exact"]
     assert res["standard"]["tokens"] == refs["standard"]
     err = res["unservable"]["error"]

@@ -4,10 +4,12 @@
 
 REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
 "repeat": N (timed generate calls after the first), "error": true (the engine must fail to start),
-"preemptions": true (count the scheduler's preemptions: vLLM's ``vllm:num_preemptions`` counter)}]}.
+"preemptions": true (count the scheduler's preemptions: vLLM's ``vllm:num_preemptions`` counter),
+"step_kinds": true (the plugin's forwards by path, ``FBTForCausalLM.step_kinds``, over all calls)}]}.
 Each job starts an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: no
 engine or worker processes to start, ~5 s per engine instead of ~60 s), generates greedily, shuts it down.
-RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s", "preemptions"} or {"error": message}}.
+RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s", "preemptions", "step_kinds"} or
+{"error": message}}.
 """
 
 import gc
@@ -50,6 +52,8 @@ def run(job):
             llm.generate(prompts, params, use_tqdm=False)
             seconds.append(time.perf_counter() - t)
         res = {"tokens": [list(o.outputs[0].token_ids) for o in out], "seconds": seconds, "start_s": start}
+        if job.get("step_kinds"):
+            res["step_kinds"] = llm.apply_model(lambda model: dict(model.step_kinds))[0]
         if job.get("preemptions"):
             res["preemptions"] = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         return res

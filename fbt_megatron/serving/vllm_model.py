@@ -14,7 +14,9 @@ token whose previous position was computed in an earlier step (a decode token; a
 cached prefix or a chunk) reads ``h_{t-1}`` at the previous position's slot, found through the request's
 block table as attention finds its keys. So the state follows vLLM's own cache bookkeeping: no request ids,
 nothing to free (a freed block's states are overwritten with its next keys), and a request that vLLM
-preempts and recomputes rebuilds its states as it rebuilds its keys.
+preempts and recomputes rebuilds its states as it rebuilds its keys. A decode-only step (one new token per
+request: most steps) finds the previous slots with a few tensor ops (``decode_layout``); any other step goes
+through ``step_layout``, which also checks the block table against the step's slot mapping.
 
 **Prefill** (tokens whose previous position is in the same step): ``prefill_passes`` (config field; vLLM's
 ``--hf-overrides '{"prefill_passes": "exact"}'``):
@@ -45,6 +47,7 @@ refused naming the field.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -128,6 +131,23 @@ def step_layout(meta, positions: torch.Tensor, block_size: int):
     return n, starts, prev_slot, int(lengths.max().item()) if len(lengths) else 0, req
 
 
+def decode_layout(meta, positions: torch.Tensor, block_size: int):
+    """A decode-only step (``max_query_len == 1``: one token per request row, row i = token i): for its ``n``
+    tokens, the slot holding h_{t-1} (the token's own slot at position 0, where the caller takes the stateless
+    input instead) and whether a previous position exists; a few tensor ops instead of :func:`step_layout`'s
+    (most steps are decode steps). None for any other step (padded rows too): :func:`step_layout` then, whose
+    block-table check every prefill step runs."""
+    n = int(meta.num_actual_tokens)
+    table = meta.block_table
+    if getattr(meta, "max_query_len", None) != 1 or meta.query_start_loc.shape[0] != n + 1 or table.shape[0] < n:
+        return None
+    pos = positions[:n]
+    before = (pos - 1).clamp_min(0)
+    rows = torch.arange(n, device=table.device)
+    prev_slot = table[rows, before // block_size].long() * block_size + before % block_size
+    return prev_slot, pos > 0
+
+
 def _find_model_runner():
     """A weak reference to the vLLM model runner building this model (the caller frame whose ``self`` has an
     ``input_batch``: ``GPUModelRunner.load_model`` and the CPU runner's override), or None. A stopgap for
@@ -165,7 +185,8 @@ class FBTForCausalLM(LlamaForCausalLM):
         self.prefill_passes = getattr(config, "prefill_passes", 2)
         self.block_size = vllm_config.cache_config.block_size
         self.states = FeedbackStates()
-        self.last_passes = 0  # passes of the latest forward (read by tests and the benchmark)
+        self.last_passes = 0  # passes of the latest forward
+        self.step_kinds = Counter()  # forwards by path: "stateless", "decode", "general" (read by the tests)
         self._runner = _find_model_runner()
         if self._runner is None and self.prefill_passes != "exact" and self.feedback is not None:
             logging.getLogger("fbt_megatron.serving").warning(
@@ -214,11 +235,26 @@ class FBTForCausalLM(LlamaForCausalLM):
         meta = self._metadata()
         if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs
             self.last_passes = 1
+            self.step_kinds["stateless"] += 1
             return self._stack(base, positions, intermediate_tensors)
 
-        n, starts, prev_slot, longest, req = step_layout(meta, positions, self.block_size)
-        states = self.states.ensure(int(max(meta.slot_mapping[:n].max().item(), prev_slot.max().item())) + 1
-                                    if n else 1, emb)
+        # every previous position's state was written in an earlier step, where its slot was in the step's
+        # slot mapping: the state cache covers this step's own slots, so it covers theirs
+        n = int(meta.num_actual_tokens)
+        slots = meta.slot_mapping[:n].long()
+        states = self.states.ensure(int(slots.max()) + 1, emb)
+        decode = decode_layout(meta, positions, self.block_size)
+        if decode is not None:  # one new token per request (most steps): h_{t-1} from the cache, one pass
+            prev_slot, carried = decode
+            fed = torch.where(carried.unsqueeze(-1), fb.fuse(fb.fed_back(states[prev_slot]), gate[:n]), base[:n])
+            x = fed if base.shape[0] == n else torch.cat([fed, base[n:]])
+            top = self._stack(x, positions, intermediate_tensors)
+            states[slots] = top[:n].to(states.dtype)
+            self.last_passes = 1
+            self.step_kinds["decode"] += 1
+            return top
+
+        _, starts, prev_slot, longest, req = step_layout(meta, positions, self.block_size)
         carried = prev_slot >= 0  # h_{t-1} from an earlier step
         x = base.clone()
         if bool(carried.any()):
@@ -260,7 +296,8 @@ class FBTForCausalLM(LlamaForCausalLM):
             if converged:  # the recurrence's fixed point: further passes change nothing
                 break
         self.last_passes = done
-        states[meta.slot_mapping[:n].long()] = top[:n].to(states.dtype)
+        self.step_kinds["general"] += 1
+        states[slots] = top[:n].to(states.dtype)
         return top
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
