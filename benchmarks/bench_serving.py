@@ -9,12 +9,12 @@ One model (a Llama-class stock-initialised model imported with a fresh GLU fusio
 - vLLM feedback tokens/s over the project's generator (`FeedbackDecoder`, what `fbt generate` runs) in the
   same mode on the same checkpoint.
 Tokens/s = generated tokens of the batch / wall seconds of one `generate` call (prefill included), median
-of all timed calls: --rounds rounds, each an engine per variant in an order rotated every round, each
-engine in a process of its own, as a server runs one (in one process each engine inherits what the
-previous ones left: memory, threads), --repeat calls per engine after a warm-up call, and before them one
-warm-up engine whose calls are not counted (``plan``; kept from the one-process placement, where the
-first engine was seen 20x slower per call than the later ones on a loaded machine: it now warms the
-machine and the OS's file cache).
+of the timed calls. Each variant's engine runs in a process of its own (as a server runs one) kept for the
+whole run, and the engines take turns: one untimed round, then --rounds rounds of one call per engine in
+an order rotated every round, so drifting machine load hits every variant alike; the ratio is printed of
+the medians and per round (standard's call over the variant's in that round: median and range). Before,
+each engine ran its calls in one go, one engine after the other, and the calls of one engine ranged over
+±20 %: two runs on the idle machine gave FUSED / standard 0.914 and 0.778.
 Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 256 --layers 4 --batch 8 --tokens 64]
@@ -67,24 +67,66 @@ EXPORTS = {"standard": "std", "feedback": "hf", "feedback, 1 prefill pass": "hf"
 OVERRIDES = {"feedback, 1 prefill pass": {"prefill_passes": 1}}  # vLLM's hf_overrides of a variant
 
 
-def plan(rounds: int) -> list[tuple[str, str]]:
-    """(job name, export) in the order the engines start: a warm-up engine (not counted), then per round one
-    engine per variant, the order rotated by one every round."""
-    jobs = [("warmup", "std")]
+def order(rounds: int) -> list[list[str]]:
+    """The variants' turns in each round: the order rotated by one every round, so no variant always runs first
+    or right after the same one."""
     names = list(EXPORTS)
-    for r in range(rounds):
-        jobs += [(f"{name}#{r}", EXPORTS[name]) for name in names[r % len(names):] + names[:r % len(names)]]
-    return jobs
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
 
 
-def seconds_by_export(res: dict) -> dict[str, list[float]]:
-    """Every timed call's seconds per variant, over the rounds (the warm-up engine left out)."""
-    out: dict[str, list[float]] = {name: [] for name in EXPORTS}
-    for job, r in res.items():
-        name = job.split("#")[0]
-        if name in out:
-            out[name] += r["seconds"]
-    return out
+def paired_ratios(seconds: dict[str, list[float]], name: str) -> list[float]:
+    """Per round: standard's seconds / ``name``'s seconds (= name's tokens/s over standard's) in that round."""
+    return [s / v for s, v in zip(seconds["standard"], seconds[name])]
+
+
+class EngineProcess:
+    """One variant's vLLM engine in a process of its own (as a server runs one), kept for the whole run
+    (``tests/vllm_side.py --calls``): calling it makes one timed ``generate`` there and returns its seconds."""
+
+    def __init__(self, python: Path, job: dict, env: dict, root: Path, slug: str):
+        (root / f"{slug}.json").write_text(json.dumps(job))
+        self.name, self.log = job["name"], root / f"{slug}.log"
+        read, write = os.pipe()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [str(python), str(REPO / "tests" / "vllm_side.py"), "--calls", str(root / f"{slug}.json"), str(write)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=root,
+                pass_fds=(write,))
+        os.close(write)  # the child's end: a dying child is an end of file at once
+        self.answers = os.fdopen(read)
+        self.start_s = self._answer()["start_s"]
+
+    def _answer(self) -> dict:
+        line = self.answers.readline()
+        if not line:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"the {self.name!r} engine's process ended (exit {self.proc.wait()}):\n{tail}")
+        return json.loads(line)
+
+    def __call__(self) -> float:
+        self.proc.stdin.write("call\n")
+        self.proc.stdin.flush()
+        return self._answer()["seconds"]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.answers.close()
+
+
+def timed_rounds(engines: dict, rounds: int) -> dict[str, list[float]]:
+    """One untimed round, then ``rounds`` rounds of one call per engine in rotated order: seconds per variant."""
+    seconds = {name: [] for name in engines}
+    for r, turn in enumerate(order(rounds + 1)):
+        for name in turn:
+            took = engines[name]()
+            if r:
+                seconds[name].append(took)
+    return seconds
 
 
 def fbt_generate_seconds(root: Path, prompts, args) -> list[float]:
@@ -112,8 +154,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="fbt generate's timed calls")
+    ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
     import vllm_env
 
@@ -121,33 +163,37 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prompts = build(root, args)
-        engine = {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True}
-        jobs = [{"name": name, "model": str(root / d), "prompts": prompts, "max_tokens": args.tokens,
-                 "repeat": args.repeat if name != "warmup" else 1,
-                 "engine": {**engine, **({"hf_overrides": OVERRIDES[variant]} if variant in OVERRIDES else {})}}
-                for name, d in plan(args.rounds) for variant in [name.split("#")[0]]]
+        # Prefix caching off for every variant: the calls repeat the same prompts, which the cache would serve
+        # without a prefill to the variants that keep it (standard, one prefill pass) and not to FUSED (whose
+        # K passes run over the whole prompt: the plugin turns it off); a server's prompts differ.
+        engine = {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True,
+                  "enable_prefix_caching": False}
         env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{vllm_env.package_path(root / 'package')}", HF_HUB_OFFLINE="1",
                    VLLM_CPU_OMP_THREADS_BIND="nobind")
-        res = {}
-        for i, job in enumerate(jobs):  # an engine per process, as a server runs one
-            request, result = root / f"request{i}.json", root / f"result{i}.json"
-            request.write_text(json.dumps({"jobs": [job]}))
-            subprocess.run([str(python), str(REPO / "tests" / "vllm_side.py"), str(request), str(result)],
-                           env=env, check=True, cwd=root)
-            res.update(json.loads(result.read_text()))
-        fbt = fbt_generate_seconds(root, prompts, args)
+        engines = {}
+        try:
+            for i, name in enumerate(EXPORTS):  # started one after the other: a start takes both cores
+                job = {"name": name, "model": str(root / EXPORTS[name]), "prompts": prompts, "max_tokens": args.tokens,
+                       "engine": {**engine, **({"hf_overrides": OVERRIDES[name]} if name in OVERRIDES else {})}}
+                engines[name] = EngineProcess(python, job, env, root, f"engine{i}")
+            seconds = timed_rounds(engines, args.rounds)
+        finally:
+            for e in engines.values():
+                e.close()
+        seconds["fbt generate"] = fbt_generate_seconds(root, prompts, args)
     generated = args.batch * args.tokens
-    seconds = {**seconds_by_export(res), "fbt generate": fbt}
     tps = {name: generated / statistics.median(sec) for name, sec in seconds.items()}
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch {args.batch}, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.tokens} new tokens, "
-          f"threads {torch.get_num_threads()}; {args.rounds} rounds x {args.repeat} calls per export")
+          f"threads {torch.get_num_threads()}; {args.rounds} rounds of one call per engine (fbt generate: "
+          f"{args.repeat} calls)")
     for name, v in tps.items():
         print(f"  {name:>24}: {v:8.1f} tokens/s (median of {len(seconds[name])} calls; "
               f"{generated / max(seconds[name]):.1f}-{generated / min(seconds[name]):.1f})")
-    print(f"vLLM feedback / vLLM standard: {tps['feedback'] / tps['standard']:.3f}  (goal >= 0.95)")
-    print(f"vLLM feedback, 1 prefill pass / vLLM standard: {tps['feedback, 1 prefill pass'] / tps['standard']:.3f}"
-          "  (FUSED's second prefill pass left out)")
+    for name, what in [("feedback", "goal >= 0.95"), ("feedback, 1 prefill pass", "FUSED's second prefill pass left out")]:
+        pairs = paired_ratios(seconds, name)
+        print(f"vLLM {name} / vLLM standard: {tps[name] / tps['standard']:.3f} of the medians, "
+              f"{statistics.median(pairs):.3f} per round [{min(pairs):.3f}-{max(pairs):.3f}]  ({what})")
     print(f"vLLM feedback / fbt generate (feedback, FUSED): {tps['feedback'] / tps['fbt generate']:.2f}")
 
 

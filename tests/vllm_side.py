@@ -1,6 +1,7 @@
 """The vLLM side of the serving tests and benchmark, run with the vLLM venv's python (tests/vllm_env.py):
 
     python tests/vllm_side.py REQUEST.json RESULT.json
+    python tests/vllm_side.py --calls JOB.json ANSWER_FD   (the benchmark: one engine kept for timed calls)
 
 REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
 "repeat": N (timed generate calls after the first), "error": true (the engine must fail to start),
@@ -8,6 +9,9 @@ REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]],
 "step_kinds": true (the plugin's forwards by path, ``FBTForCausalLM.step_kinds``, over all calls)}]}.
 Each job starts an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: no
 engine or worker processes to start, ~5 s per engine instead of ~60 s), generates greedily, shuts it down.
+``--calls``: the job's engine starts and makes one untimed call, then each line read on stdin makes one timed
+call; every answer (the start, then each call's seconds) is a JSON line on file descriptor ANSWER_FD (vLLM logs
+to stdout); end of stdin shuts the engine down.
 RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s", "preemptions", "step_kinds"} or
 {"error": message}}.
 """
@@ -63,7 +67,30 @@ def run(job):
         gc.collect()
 
 
+def serve_calls(job, answer_fd: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    answers = os.fdopen(answer_fd, "w", buffering=1)
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], **{**ENGINE, **job.get("engine", {})})
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+        llm.generate(prompts, params, use_tqdm=False)
+        answers.write(json.dumps({"start_s": time.perf_counter() - t0}) + "\n")
+        for _ in sys.stdin:
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            answers.write(json.dumps({"seconds": time.perf_counter() - t}) + "\n")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--calls":
+        serve_calls(json.load(open(sys.argv[2])), int(sys.argv[3]))
+        sys.exit(0)
     request, result = sys.argv[1:3]
     jobs = json.load(open(request))["jobs"]
     results = {}

@@ -1,0 +1,61 @@
+"""benchmarks/bench_serving.py's bookkeeping (no vLLM needed): the variants' turns rotate every round, so no
+variant always runs first or right after the same one; the untimed round is left out; a per-round ratio pairs
+the calls of one round; an engine process that dies is an error naming it, not a hang."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _load():
+    """The benchmark module, with the environment and sys.path its import sets (FBT_DEVICE=cpu...) put back."""
+    env, path = dict(os.environ), list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_serving", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serving.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+
+
+bench = _load()
+ONE = "feedback, 1 prefill pass"
+
+
+def test_turns_rotate_every_round():
+    assert bench.order(3) == [["standard", "feedback", ONE], ["feedback", ONE, "standard"],
+                              [ONE, "standard", "feedback"]]
+    assert bench.OVERRIDES == {ONE: {"prefill_passes": 1}}
+
+
+def test_untimed_round_left_out_and_rounds_paired():
+    calls = []
+
+    def engine(name):
+        def call():
+            calls.append(name)
+            return {"standard": 1.0, "feedback": 2.0, ONE: 4.0}[name] * len(calls)
+        return call
+
+    seconds = bench.timed_rounds({n: engine(n) for n in bench.EXPORTS}, rounds=2)
+    assert calls == ["standard", "feedback", ONE, "feedback", ONE, "standard", ONE, "standard", "feedback"]
+    # call k (1-based) takes base x k seconds; the first round's three calls are not counted
+    assert seconds == {"standard": [6.0, 8.0], "feedback": [8.0, 18.0], ONE: [20.0, 28.0]}
+    assert bench.paired_ratios(seconds, "feedback") == [6.0 / 8.0, 8.0 / 18.0]
+
+
+def test_a_dying_engine_process_is_an_error_naming_it(tmp_path):
+    """A child that exits before answering (here: a python that cannot run the side script's engine) ends the
+    benchmark with its name and log tail at once."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'no vllm here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"'standard' engine's process ended \(exit 3\)[\s\S]*no vllm here"):
+        bench.EngineProcess(fake, {"name": "standard"}, dict(os.environ), tmp_path, "engine0")
