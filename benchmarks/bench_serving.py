@@ -13,8 +13,9 @@ of the timed calls. Each variant's engine runs in a process of its own (as a ser
 whole run, and the engines take turns: one untimed round, then --rounds rounds of one call per engine in
 an order rotated every round, so drifting machine load hits every variant alike; the ratio is printed of
 the medians and per round (standard's call over the variant's in that round: median and range). Before,
-each engine ran its calls in one go, one engine after the other, and the calls of one engine ranged over
-±20 %: two runs on the idle machine gave FUSED / standard 0.914 and 0.778.
+each engine ran its calls in one go, one engine after the other (and standard served the repeated prompts
+from its prefix cache); the calls of one engine ranged over ±20 %: two runs on the idle machine gave FUSED /
+standard 0.914 and 0.778. Each engine makes two untimed calls (one at its start, one in the untimed round).
 Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 256 --layers 4 --batch 8 --tokens 64]
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -81,31 +83,46 @@ def paired_ratios(seconds: dict[str, list[float]], name: str) -> list[float]:
 
 class EngineProcess:
     """One variant's vLLM engine in a process of its own (as a server runs one), kept for the whole run
-    (``tests/vllm_side.py --calls``): calling it makes one timed ``generate`` there and returns its seconds."""
+    (``tests/vllm_side.py --calls``): calling it makes one timed ``generate`` there and returns its seconds.
+    A child that dies, or answers nothing within ``timeout`` seconds, is an error naming it with its log's
+    tail (the child is killed)."""
 
-    def __init__(self, python: Path, job: dict, env: dict, root: Path, slug: str):
+    def __init__(self, python: Path, job: dict, env: dict, root: Path, slug: str, timeout: float = 900.0):
         (root / f"{slug}.json").write_text(json.dumps(job))
-        self.name, self.log = job["name"], root / f"{slug}.log"
+        self.name, self.log, self.timeout = job["name"], root / f"{slug}.log", timeout
         read, write = os.pipe()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [str(python), str(REPO / "tests" / "vllm_side.py"), "--calls", str(root / f"{slug}.json"), str(write)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=root,
-                pass_fds=(write,))
+                [str(python), str(REPO / "tests" / "vllm_side.py"), "--calls", str(root / f"{slug}.json"),
+                 str(write)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                cwd=root, pass_fds=(write,))
         os.close(write)  # the child's end: a dying child is an end of file at once
         self.answers = os.fdopen(read)
-        self.start_s = self._answer()["start_s"]
+        try:
+            self._answer()  # started, and its untimed first call made
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, what: str):
+        self.proc.kill()
+        code = self.proc.wait()
+        raise RuntimeError(f"the {self.name!r} engine's process {what} (exit {code}):\n{self.log.read_text()[-3000:]}")
 
     def _answer(self) -> dict:
+        if not select.select([self.answers], [], [], self.timeout)[0]:
+            self._fail(f"answered nothing in {self.timeout:.0f} s")
         line = self.answers.readline()
         if not line:
-            tail = self.log.read_text()[-3000:]
-            raise RuntimeError(f"the {self.name!r} engine's process ended (exit {self.proc.wait()}):\n{tail}")
+            self._fail("ended")
         return json.loads(line)
 
     def __call__(self) -> float:
-        self.proc.stdin.write("call\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("call\n")
+            self.proc.stdin.flush()
+        except OSError:  # the child is gone
+            self._fail("ended")
         return self._answer()["seconds"]
 
     def close(self) -> None:
@@ -164,8 +181,8 @@ def main():
         root = Path(tmp)
         prompts = build(root, args)
         # Prefix caching off for every variant: the calls repeat the same prompts, which the cache would serve
-        # without a prefill to the variants that keep it (standard, one prefill pass) and not to FUSED (whose
-        # K passes run over the whole prompt: the plugin turns it off); a server's prompts differ.
+        # to standard without a prefill, while the plugin's config hook turns it off for any K-pass prefill
+        # (one pass included); a server's prompts differ.
         engine = {"max_model_len": 512, "max_num_batched_tokens": 4096, "skip_tokenizer_init": True,
                   "enable_prefix_caching": False}
         env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{vllm_env.package_path(root / 'package')}", HF_HUB_OFFLINE="1",

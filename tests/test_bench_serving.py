@@ -1,6 +1,7 @@
 """benchmarks/bench_serving.py's bookkeeping (no vLLM needed): the variants' turns rotate every round, so no
 variant always runs first or right after the same one; the untimed round is left out; a per-round ratio pairs
-the calls of one round; an engine process that dies is an error naming it, not a hang."""
+the calls of one round; an engine process that dies (before its first answer or between calls) or hangs is an
+error naming it, not a hang."""
 
 import importlib.util
 import os
@@ -51,11 +52,34 @@ def test_untimed_round_left_out_and_rounds_paired():
     assert bench.paired_ratios(seconds, "feedback") == [6.0 / 8.0, 8.0 / 18.0]
 
 
+def _fake_python(tmp_path, body: str) -> Path:
+    """A stand-in for the vLLM venv's python: called as ``python vllm_side.py --calls JOB ANSWER_FD``."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n" + body)
+    fake.chmod(0o755)
+    return fake
+
+
+def test_an_engine_dying_between_calls_or_hanging_is_an_error_naming_it(tmp_path):
+    # the started answer on the answer descriptor (python: the shell cannot name a descriptor above 9)
+    answer = tmp_path / "answer.py"
+    answer.write_text("import os, sys\nos.write(int(sys.argv[1]), b'{}\\n')\n")
+    answers_once = f'{sys.executable} {answer} "$4"\n'
+    dies = bench.EngineProcess(_fake_python(tmp_path, answers_once + "echo 'gone' >&2\nexit 5\n"),
+                               {"name": "feedback"}, dict(os.environ), tmp_path, "engine1")
+    with pytest.raises(RuntimeError, match=r"'feedback' engine's process ended \(exit 5\)[\s\S]*gone"):
+        dies()
+    hangs = bench.EngineProcess(_fake_python(tmp_path, answers_once + "sleep 60\n"), {"name": "standard"},
+                                dict(os.environ), tmp_path, "engine2", timeout=1.0)
+    with pytest.raises(RuntimeError, match=r"'standard' engine's process answered nothing in 1 s"):
+        hangs()
+    assert hangs.proc.poll() is not None  # killed, not left running
+    hangs.close()
+
+
 def test_a_dying_engine_process_is_an_error_naming_it(tmp_path):
     """A child that exits before answering (here: a python that cannot run the side script's engine) ends the
     benchmark with its name and log tail at once."""
-    fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\necho 'no vllm here' >&2\nexit 3\n")
-    fake.chmod(0o755)
+    fake = _fake_python(tmp_path, "echo 'no vllm here' >&2\nexit 3\n")
     with pytest.raises(RuntimeError, match=r"'standard' engine's process ended \(exit 3\)[\s\S]*no vllm here"):
         bench.EngineProcess(fake, {"name": "standard"}, dict(os.environ), tmp_path, "engine0")

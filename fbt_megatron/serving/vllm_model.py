@@ -194,7 +194,8 @@ class FBTForCausalLM(LlamaForCausalLM):
         self.prefill_passes = getattr(config, "prefill_passes", 2)
         self.block_size = vllm_config.cache_config.block_size
         self.states = FeedbackStates()
-        self.last_passes = 0  # passes of the latest forward
+        self.last_passes = 0  # passes of the latest forward (for debugging: nothing reads it)
+        self._layout_checked = False  # step_layout's block-table check has run once
         self.step_kinds = Counter()  # forwards by path: "stateless", "decode", "general" (read by the tests)
         self._runner = _find_model_runner()
         if self._runner is None and self.prefill_passes != "exact" and self.feedback is not None:
@@ -247,14 +248,17 @@ class FBTForCausalLM(LlamaForCausalLM):
             self.step_kinds["stateless"] += 1
             return self._stack(base, positions, intermediate_tensors)
 
-        # every previous position's state was written in an earlier step, where its slot was in the step's
-        # slot mapping: the state cache covers this step's own slots, so it covers theirs
         n = int(meta.num_actual_tokens)
         slots = meta.slot_mapping[:n].long()
-        states = self.states.ensure(int(slots.max()) + 1, emb)
         decode = decode_layout(meta, positions, self.block_size)
+        if decode is not None and not self._layout_checked:  # the block-table check once, on the first one
+            step_layout(meta, positions, self.block_size)
+        self._layout_checked = True
         if decode is not None:  # one new token per request (most steps): h_{t-1} from the cache, one pass
             prev_slot, carried = decode
+            # the bound counts the previous slots too: a block filled outside this engine's steps (a KV
+            # connector) is an error here, not an index past the cache
+            states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
             fed = torch.where(carried.unsqueeze(-1), fb.fuse(fb.fed_back(states[prev_slot]), gate[:n]), base[:n])
             x = fed if base.shape[0] == n else torch.cat([fed, base[n:]])
             top = self._stack(x, positions, intermediate_tensors)
@@ -264,6 +268,7 @@ class FBTForCausalLM(LlamaForCausalLM):
             return top
 
         _, starts, prev_slot, longest, req = step_layout(meta, positions, self.block_size)
+        states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
         carried = prev_slot >= 0  # h_{t-1} from an earlier step
         x = base.clone()
         if bool(carried.any()):
@@ -319,8 +324,10 @@ class FBTForCausalLM(LlamaForCausalLM):
         if missing:
             raise ValueError(f"the export has no {sorted(missing)}: not an FBT export with feedback_fusion="
                              f"{self.feedback.mode!r}")
-        with torch.no_grad():
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        with torch.no_grad():  # through each parameter's loader, as vLLM's layers load (and reload) theirs
             for k, p in self.feedback.named_parameters():
-                p.copy_(own[f"feedback.{k}"].to(p))
+                getattr(p, "weight_loader", default_weight_loader)(p, own[f"feedback.{k}"].to(p.dtype))
         loaded = super().load_weights((k, v) for k, v in weights if k not in names)
         return set(loaded) | names
