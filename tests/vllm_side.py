@@ -4,16 +4,15 @@
     python tests/vllm_side.py --calls JOB.json ANSWER_FD   (the benchmark: one engine kept for timed calls)
 
 REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
-"repeat": N (timed generate calls after the first), "error": true (the engine must fail to start),
+"error": true (the engine must fail to start),
 "preemptions": true (count the scheduler's preemptions: vLLM's ``vllm:num_preemptions`` counter),
 "step_kinds": true (the plugin's forwards by path, ``FBTForCausalLM.step_kinds``, over all calls)}]}.
 Each job starts an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: no
 engine or worker processes to start, ~5 s per engine instead of ~60 s), generates greedily, shuts it down.
 ``--calls``: the job's engine starts and makes one untimed call, then each line read on stdin makes one timed
-call; every answer (the start, then each call's seconds) is a JSON line on file descriptor ANSWER_FD (vLLM logs
+call; every answer (started, then each call's seconds) is a JSON line on file descriptor ANSWER_FD (vLLM logs
 to stdout); end of stdin shuts the engine down.
-RESULT: {name: {"tokens": [[ids]], "seconds": [per timed call], "start_s", "preemptions", "step_kinds"} or
-{"error": message}}.
+RESULT: {name: {"tokens": [[ids]], "preemptions", "step_kinds"} or {"error": message}}.
 """
 
 import gc
@@ -30,11 +29,20 @@ ENGINE = dict(enforce_eager=True, dtype="float32", max_model_len=128, max_num_se
               distributed_executor_backend="uni")
 
 
-def run(job):
-    from vllm import LLM, SamplingParams
+def inputs(job):
+    """The job's prompts and greedy sampling parameters (fixed length: EOS ignored)."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    t0 = time.perf_counter()
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            detokenize=not job.get("engine", {}).get("skip_tokenizer_init", False))
+    return prompts, params
+
+
+def run(job):
+    from vllm import LLM
+
     engine = {**ENGINE, **job.get("engine", {})}
     if job.get("preemptions"):
         engine["disable_log_stats"] = False  # the Prometheus counters LLM.get_metrics reads
@@ -44,18 +52,9 @@ def run(job):
         if job.get("error"):
             return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-6000:]}
         raise
-    start = time.perf_counter() - t0
     try:
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True,
-                                detokenize=not job.get("engine", {}).get("skip_tokenizer_init", False))
-        out = llm.generate(prompts, params, use_tqdm=False)
-        seconds = []
-        for _ in range(job.get("repeat", 0)):
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            seconds.append(time.perf_counter() - t)
-        res = {"tokens": [list(o.outputs[0].token_ids) for o in out], "seconds": seconds, "start_s": start}
+        out = llm.generate(*inputs(job), use_tqdm=False)
+        res = {"tokens": [list(o.outputs[0].token_ids) for o in out]}
         if job.get("step_kinds"):
             res["step_kinds"] = llm.apply_model(lambda model: dict(model.step_kinds))[0]
         if job.get("preemptions"):
@@ -68,17 +67,14 @@ def run(job):
 
 
 def serve_calls(job, answer_fd: int) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     answers = os.fdopen(answer_fd, "w", buffering=1)
-    t0 = time.perf_counter()
     llm = LLM(model=job["model"], **{**ENGINE, **job.get("engine", {})})
     try:
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+        prompts, params = inputs(job)
         llm.generate(prompts, params, use_tqdm=False)
-        answers.write(json.dumps({"start_s": time.perf_counter() - t0}) + "\n")
+        answers.write(json.dumps({"started": True}) + "\n")
         for _ in sys.stdin:
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)

@@ -116,6 +116,11 @@ class FeedbackStates:
         return t
 
 
+def slot_of(table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV slot of position ``pos`` of request row ``rows``, through the block table (as attention finds it)."""
+    return table[rows, pos // block_size].long() * block_size + pos % block_size
+
+
 def step_layout(meta, positions: torch.Tensor, block_size: int):
     """For the step's ``n`` real tokens: ``starts`` (the token's previous position is not in this step),
     ``prev_slot`` (for a start with position > 0: the slot holding h_{t-1}; -1 elsewhere), the longest
@@ -128,13 +133,12 @@ def step_layout(meta, positions: torch.Tensor, block_size: int):
     pos = positions[:n].long()
     starts = torch.zeros(n, dtype=torch.bool, device=pos.device)
     starts[qsl[:-1][lengths > 0]] = True
-    table = meta.block_table.long()
-    own = table[req, pos // block_size] * block_size + pos % block_size
+    table = meta.block_table
+    own = slot_of(table, req, pos, block_size)
     if not torch.equal(own, meta.slot_mapping[:n].long()):
         raise RuntimeError("the attention metadata's block table does not give the step's slot mapping with "
                            f"block_size={block_size}: the feedback state cache cannot find previous positions")
-    before = (pos - 1).clamp_min(0)
-    prev_slot = table[req, before // block_size] * block_size + before % block_size
+    prev_slot = slot_of(table, req, (pos - 1).clamp_min(0), block_size)
     prev_slot = torch.where(starts & (pos > 0), prev_slot, torch.full_like(prev_slot, -1))
     return n, starts, prev_slot, int(lengths.max().item()) if len(lengths) else 0, req
 
@@ -150,10 +154,7 @@ def decode_layout(meta, positions: torch.Tensor, block_size: int):
     if getattr(meta, "max_query_len", None) != 1 or meta.query_start_loc.shape[0] != n + 1 or table.shape[0] < n:
         return None
     pos = positions[:n]
-    before = (pos - 1).clamp_min(0)
-    rows = torch.arange(n, device=table.device)
-    prev_slot = table[rows, before // block_size].long() * block_size + before % block_size
-    return prev_slot, pos > 0
+    return slot_of(table, torch.arange(n, device=table.device), (pos - 1).clamp_min(0), block_size), pos > 0
 
 
 def _find_model_runner():
@@ -194,7 +195,6 @@ class FBTForCausalLM(LlamaForCausalLM):
         self.prefill_passes = getattr(config, "prefill_passes", 2)
         self.block_size = vllm_config.cache_config.block_size
         self.states = FeedbackStates()
-        self.last_passes = 0  # passes of the latest forward (for debugging: nothing reads it)
         self._layout_checked = False  # step_layout's block-table check has run once
         self.step_kinds = Counter()  # forwards by path: "stateless", "decode", "general" (read by the tests)
         self._runner = _find_model_runner()
@@ -244,31 +244,30 @@ class FBTForCausalLM(LlamaForCausalLM):
         base = fb.stateless(emb, gate)
         meta = self._metadata()
         if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs
-            self.last_passes = 1
             self.step_kinds["stateless"] += 1
             return self._stack(base, positions, intermediate_tensors)
 
         n = int(meta.num_actual_tokens)
         slots = meta.slot_mapping[:n].long()
         decode = decode_layout(meta, positions, self.block_size)
-        if decode is not None and not self._layout_checked:  # the block-table check once, on the first one
-            step_layout(meta, positions, self.block_size)
+        # step_layout for every other step, and on the first decode step for its block-table check alone
+        general = step_layout(meta, positions, self.block_size) if decode is None or not self._layout_checked \
+            else None
         self._layout_checked = True
+        prev_slot = decode[0] if decode is not None else general[2]
+        # the bound counts the previous slots too: a block filled outside this engine's steps (a KV connector)
+        # is an error here, not an index past the cache
+        states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
         if decode is not None:  # one new token per request (most steps): h_{t-1} from the cache, one pass
-            prev_slot, carried = decode
-            # the bound counts the previous slots too: a block filled outside this engine's steps (a KV
-            # connector) is an error here, not an index past the cache
-            states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
+            carried = decode[1]
             fed = torch.where(carried.unsqueeze(-1), fb.fuse(fb.fed_back(states[prev_slot]), gate[:n]), base[:n])
             x = fed if base.shape[0] == n else torch.cat([fed, base[n:]])
             top = self._stack(x, positions, intermediate_tensors)
             states[slots] = top[:n].to(states.dtype)
-            self.last_passes = 1
             self.step_kinds["decode"] += 1
             return top
 
-        _, starts, prev_slot, longest, req = step_layout(meta, positions, self.block_size)
-        states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
+        _, starts, _, longest, req = general
         carried = prev_slot >= 0  # h_{t-1} from an earlier step
         x = base.clone()
         if bool(carried.any()):
@@ -309,7 +308,6 @@ class FBTForCausalLM(LlamaForCausalLM):
             top = new_top
             if converged:  # the recurrence's fixed point: further passes change nothing
                 break
-        self.last_passes = done
         self.step_kinds["general"] += 1
         states[slots] = top[:n].to(states.dtype)
         return top
