@@ -11,7 +11,8 @@ One model (a Llama-class stock-initialised model imported with a fresh GLU fusio
 Tokens/s = generated tokens of the batch / wall seconds of one `generate` call (prefill included), median
 of the timed calls. Each variant's engine runs in a process of its own (as a server runs one) kept for the
 whole run, and the engines take turns: one untimed round, then --rounds rounds of one call per engine in
-an order rotated every round, so drifting machine load hits every variant alike; the ratio is printed of
+an order that cycles through every ordering of the variants, so drifting machine load hits every variant
+alike and none always runs first or right after the same one; the ratio is printed of
 the medians and per round (standard's call over the variant's in that round: median and range). Before,
 each engine ran its calls in one go, one engine after the other (and standard served the repeated prompts
 from its prefix cache); the calls of one engine ranged over ±20 %: two runs on the idle machine gave FUSED /
@@ -24,6 +25,7 @@ Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import select
@@ -70,10 +72,12 @@ OVERRIDES = {"feedback, 1 prefill pass": {"prefill_passes": 1}}  # vLLM's hf_ove
 
 
 def order(rounds: int) -> list[list[str]]:
-    """The variants' turns in each round: the order rotated by one every round, so no variant always runs first
-    or right after the same one."""
+    """The variants' turns in each round: every ordering of the variants in turn (6 for 3), so over each
+    cycle every variant runs first equally often and follows each other variant equally often (a rotation
+    alone keeps the same successor: standard always ran right after the 1-pass variant)."""
     names = list(EXPORTS)
-    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
+    cycle = [list(p) for p in itertools.permutations(names)]
+    return [cycle[r % len(cycle)] for r in range(rounds)]
 
 
 def paired_ratios(seconds: dict[str, list[float]], name: str) -> list[float]:
@@ -136,7 +140,7 @@ class EngineProcess:
 
 
 def timed_rounds(engines: dict, rounds: int) -> dict[str, list[float]]:
-    """One untimed round, then ``rounds`` rounds of one call per engine in rotated order: seconds per variant."""
+    """One untimed round, then ``rounds`` rounds of one call per engine, the order cycling through every ordering: seconds per variant."""
     seconds = {name: [] for name in engines}
     for r, turn in enumerate(order(rounds + 1)):
         for name in turn:
