@@ -135,12 +135,14 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     """The plugin (found through pyproject's entry point, no --trust-remote-code): latent feedback with FUSED
     prefill (the export's default) and with the exact prefill (`--hf-overrides`) give `fbt generate`'s tokens
     in the same mode for a batch of prompts of different lengths, the decode steps through the decode-only
-    path; `feedback_decoding: standard` gives the standard tokens. A config the plugin cannot serve is refused at engine start naming each field."""
+    path; `feedback_decoding: standard` gives the standard tokens. A config the plugin cannot serve is refused at engine start naming each field, and so is
+    `enable_lora` (untested with the fusion)."""
     run, hf, std, refs = model
     unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm"}
     res = run_side(vllm_python, [job("fused", hf, step_kinds=True), job("exact", hf, engine={"hf_overrides": {"prefill_passes": "exact"}}),
                                  job("standard", hf, engine={"hf_overrides": {"feedback_decoding": "standard"}}),
-                                 job("unservable", hf, engine={"hf_overrides": unservable}, error=True)],
+                                 job("unservable", hf, engine={"hf_overrides": unservable}, error=True),
+                                 job("lora", hf, engine={"enable_lora": True}, error=True)],
                    tmp_path, plugin=True)
     assert res["fused"]["tokens"] == refs["fused"]
     # the prompts' prefill took the general path, the decode steps after it the decode-only one
@@ -152,6 +154,8 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     assert err is not None and "serves Llama-class FBT exports only" in err, err
     for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'"):
         assert field in err, (field, err)
+    err = res["lora"]["error"]
+    assert err is not None and "does not serve LoRA adapters on a feedback export" in err, err
 
 
 def test_plugin_preemption(vllm_python, model, tmp_path):

@@ -187,8 +187,16 @@ class FBTForCausalLM(LlamaForCausalLM):
             raise NotImplementedError("the fbt_megatron vLLM plugin does not run pipeline parallelism (the last "
                                       "stage's top state would have to reach the first stage): use "
                                       "--pipeline-parallel-size 1")
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
         fusion = getattr(config, "feedback_fusion", "glu")
+        if vllm_config.lora_config is not None and fusion != "off":
+            # vLLM wraps every linear layer whose name an adapter may target: the fusion's gate_proj would be
+            # wrapped with the MLP's, and what an adapter does to the feedback path is untested.
+            raise NotImplementedError(
+                "the fbt_megatron vLLM plugin does not serve LoRA adapters on a feedback export (untested: the "
+                "fusion's feedback.gate_proj shares its name with the MLP's gate_proj): merge the adapter into "
+                "the weights before `fbt convert to-hf`, or serve the `--standard` export with LoRA in stock "
+                "vLLM; drop --enable-lora")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.feedback = LatentFeedback(config, f"{prefix}.feedback" if prefix else "feedback") \
             if fusion != "off" else None
         self.decoding = getattr(config, "feedback_decoding", "feedback")
