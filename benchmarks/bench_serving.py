@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections import Counter
 import json
 import os
 import select
@@ -71,12 +72,26 @@ EXPORTS = {"standard": "std", "feedback": "hf", "feedback, 1 prefill pass": "hf"
 OVERRIDES = {"feedback, 1 prefill pass": {"prefill_passes": 1}}  # vLLM's hf_overrides of a variant
 
 
+def balanced_cycle(names: list[str]) -> list[list[str]]:
+    """A cycle of every ordering of ``names`` whose calls, run back to back and round after round, put each
+    variant right after each other one equally often and never twice in a row (the first call of a round
+    follows the last of the one before). Searched once: 720 candidate cycles for 3 variants."""
+    perms = [list(p) for p in itertools.permutations(names)]
+    for rest in itertools.permutations(perms[1:]):
+        cycle = [perms[0], *rest]
+        calls = [n for turn in cycle for n in turn]
+        pairs = Counter(zip(calls, calls[1:] + calls[:1]))
+        if all(a != b for a, b in pairs) and len(set(pairs.values())) == 1:
+            return cycle
+    raise ValueError(f"no balanced cycle of orderings for {names}")
+
+
 def order(rounds: int) -> list[list[str]]:
-    """The variants' turns in each round: every ordering of the variants in turn (6 for 3), so over each
-    cycle every variant runs first equally often and follows each other variant equally often (a rotation
-    alone keeps the same successor: standard always ran right after the 1-pass variant)."""
-    names = list(EXPORTS)
-    cycle = [list(p) for p in itertools.permutations(names)]
+    """The variants' turns in each round: a balanced cycle of every ordering (6 for 3), so over each cycle every
+    variant runs first equally often and runs right after each other variant equally often (a rotation kept
+    the same successor: standard always ran right after the 1-pass variant). Balanced when ``rounds`` is a
+    multiple of the cycle's length."""
+    cycle = balanced_cycle(list(EXPORTS))
     return [cycle[r % len(cycle)] for r in range(rounds)]
 
 
@@ -140,7 +155,8 @@ class EngineProcess:
 
 
 def timed_rounds(engines: dict, rounds: int) -> dict[str, list[float]]:
-    """One untimed round, then ``rounds`` rounds of one call per engine, the order cycling through every ordering: seconds per variant."""
+    """One untimed round, then ``rounds`` rounds of one call per engine in ``order``'s turns: seconds per
+    variant."""
     seconds = {name: [] for name in engines}
     for r, turn in enumerate(order(rounds + 1)):
         for name in turn:

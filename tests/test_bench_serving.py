@@ -31,8 +31,9 @@ ONE = "feedback, 1 prefill pass"
 
 
 def test_turns_balance_first_place_and_successors():
-    """Over 6 rounds of 3 variants: each round runs every variant once, each variant runs first twice, and
-    each variant runs right after each other one equally often (2 of the 12 adjacent pairs)."""
+    """Over a cycle of 6 rounds of 3 variants: each round runs every variant once, each variant runs first
+    twice, and in the calls as they run (round after round, wrapping to the cycle's start) each variant runs
+    right after each other one equally often (3 of the 18 adjacent pairs) and never twice in a row."""
     from collections import Counter
 
     names = ["standard", "feedback", ONE]
@@ -40,8 +41,9 @@ def test_turns_balance_first_place_and_successors():
     assert all(sorted(t) == sorted(names) for t in turns)
     assert turns[6:] == turns[:6]
     assert Counter(t[0] for t in turns[:6]) == {n: 2 for n in names}
-    pairs = Counter((a, b) for t in turns[:6] for a, b in zip(t, t[1:]))
-    assert pairs == {(a, b): 2 for a in names for b in names if a != b}, pairs
+    calls = [n for t in turns[:6] for n in t]
+    pairs = Counter(zip(calls, calls[1:] + calls[:1]))
+    assert pairs == {(a, b): 3 for a in names for b in names if a != b}, pairs
     assert bench.OVERRIDES == {ONE: {"prefill_passes": 1}}
 
 
@@ -55,10 +57,10 @@ def test_untimed_round_left_out_and_rounds_paired():
         return call
 
     seconds = bench.timed_rounds({n: engine(n) for n in bench.EXPORTS}, rounds=2)
-    assert calls == ["standard", "feedback", ONE, "standard", ONE, "feedback", "feedback", "standard", ONE]
+    assert calls == ["standard", "feedback", ONE, "standard", ONE, "feedback", ONE, "feedback", "standard"]
     # call k (1-based) takes base x k seconds; the first round's three calls are not counted
-    assert seconds == {"standard": [4.0, 8.0], "feedback": [12.0, 14.0], ONE: [20.0, 36.0]}
-    assert bench.paired_ratios(seconds, "feedback") == [4.0 / 12.0, 8.0 / 14.0]
+    assert seconds == {"standard": [4.0, 9.0], "feedback": [12.0, 16.0], ONE: [20.0, 28.0]}
+    assert bench.paired_ratios(seconds, "feedback") == [4.0 / 12.0, 9.0 / 16.0]
 
 
 def _fake_python(tmp_path, body: str) -> Path:

@@ -22,10 +22,11 @@ log = logging.getLogger("fbt_megatron.serving")
 class FBTVllmConfig(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
-        from fbt_megatron.serving.vllm_model import check_servable
+        from fbt_megatron.serving.vllm_model import check_servable, refuse_lora
 
         hf = vllm_config.model_config.hf_config
         check_servable(hf)
+        refuse_lora(vllm_config)  # here too: refused in the front end, before an engine core starts
         fusion = getattr(hf, "feedback_fusion", "glu")
         decoding = getattr(hf, "feedback_decoding", "feedback")
         plain_stack = fusion == "off" or (decoding == "standard"

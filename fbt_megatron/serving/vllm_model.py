@@ -78,6 +78,22 @@ def check_servable(config) -> None:
                          + ", ".join(wrong))
 
 
+def refuse_lora(vllm_config) -> None:
+    """Raise on ``--enable-lora`` with a feedback export: vLLM then wraps every linear layer in a LoRA layer,
+    the fusion's feedback.value_proj and feedback.gate_proj included, and the feedback path under LoRA is
+    untested. An export with ``feedback_fusion: off`` (no fusion) is served as vLLM's Llama is."""
+    if vllm_config.lora_config is None:
+        return
+    if getattr(vllm_config.model_config.hf_config, "feedback_fusion", "glu") == "off":
+        return
+    raise NotImplementedError(
+        "the fbt_megatron vLLM plugin does not serve LoRA adapters on a feedback export: with --enable-lora "
+        "vLLM wraps every linear layer in a LoRA layer, the fusion's feedback.value_proj and feedback.gate_proj "
+        "included, and the feedback path under LoRA is untested. Merge the adapter into the HF export's weights "
+        "(PEFT's merge_and_unload, then save_pretrained) and serve that without --enable-lora, or serve the "
+        "`--standard` export with LoRA in stock vLLM (standard decoding, no feedback)")
+
+
 class LatentFeedback(HFLatentFeedback):
     """W_U (value_proj), W_G (gate_proj), h_init: the export modelling file's module (the same parameter
     names, so the export's ``feedback.*`` weights load as they are), on vLLM's flattened ``[N, D]`` tokens.
@@ -188,14 +204,7 @@ class FBTForCausalLM(LlamaForCausalLM):
                                       "stage's top state would have to reach the first stage): use "
                                       "--pipeline-parallel-size 1")
         fusion = getattr(config, "feedback_fusion", "glu")
-        if vllm_config.lora_config is not None and fusion != "off":
-            # vLLM wraps every linear layer whose name an adapter may target: the fusion's gate_proj would be
-            # wrapped with the MLP's, and what an adapter does to the feedback path is untested.
-            raise NotImplementedError(
-                "the fbt_megatron vLLM plugin does not serve LoRA adapters on a feedback export (untested: the "
-                "fusion's feedback.gate_proj shares its name with the MLP's gate_proj): merge the adapter into "
-                "the weights before `fbt convert to-hf`, or serve the `--standard` export with LoRA in stock "
-                "vLLM; drop --enable-lora")
+        refuse_lora(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.feedback = LatentFeedback(config, f"{prefix}.feedback" if prefix else "feedback") \
             if fusion != "off" else None
