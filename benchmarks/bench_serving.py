@@ -12,8 +12,8 @@ Tokens/s = generated tokens of the batch / wall seconds of one `generate` call (
 of the timed calls. Each variant's engine runs in a process of its own (as a server runs one) kept for the
 whole run, and the engines take turns: one untimed round, then --rounds rounds of one call per engine in
 an order that cycles through every ordering of the variants, so drifting machine load hits every variant
-alike and none always runs first or right after the same one; the ratio is printed of
-the medians and per round (standard's call over the variant's in that round: median and range). Before,
+alike and none always runs first or right after the same one; the ratio is printed of the medians and per
+round (standard's call over the variant's in that round: median and range). Before,
 each engine ran its calls in one go, one engine after the other (and standard served the repeated prompts
 from its prefix cache); the calls of one engine ranged over ±20 %: two runs on the idle machine gave FUSED /
 standard 0.914 and 0.778. Each engine makes two untimed calls (one at its start, one in the untimed round).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections import Counter
 import json
 import os
 import select
@@ -35,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("FBT_DEVICE", "cpu")

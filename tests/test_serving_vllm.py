@@ -135,8 +135,8 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     """The plugin (found through pyproject's entry point, no --trust-remote-code): latent feedback with FUSED
     prefill (the export's default) and with the exact prefill (`--hf-overrides`) give `fbt generate`'s tokens
     in the same mode for a batch of prompts of different lengths, the decode steps through the decode-only
-    path; `feedback_decoding: standard` gives the standard tokens. A config the plugin cannot serve is refused at engine start naming each field, and so is
-    `enable_lora` (untested with the fusion)."""
+    path; `feedback_decoding: standard` gives the standard tokens. A config the plugin cannot serve is refused
+    at engine start naming each field, and so is `enable_lora` (untested with the fusion)."""
     run, hf, std, refs = model
     unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm"}
     res = run_side(vllm_python, [job("fused", hf, step_kinds=True), job("exact", hf, engine={"hf_overrides": {"prefill_passes": "exact"}}),
