@@ -13,13 +13,16 @@ of the timed calls. Each variant's engine runs in a process of its own (as a ser
 whole run, and the engines take turns: one untimed round, then --rounds rounds of one call per engine in
 an order that cycles through every ordering of the variants, so drifting machine load hits every variant
 alike and none always runs first or right after the same one; the ratio is printed of the medians and per
-round (standard's call over the variant's in that round: median and range). Before,
+round (standard's call over the variant's in that round: median and range). ``--sessions N`` starts the
+engines afresh N times (--rounds rounds each) and prints each session's per-round median too: two runs of
+the same command differed more than the rounds of one run did (one prefill pass 0.981 and 0.931), so where an
+engine's process lies weighs in, and fresh processes average it out. Before,
 each engine ran its calls in one go, one engine after the other (and standard served the repeated prompts
 from its prefix cache); the calls of one engine ranged over ±20 %: two runs on the idle machine gave FUSED /
 standard 0.914 and 0.778. Each engine makes two untimed calls (one at its start, one in the untimed round).
 Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 256 --layers 4 --batch 8 --tokens 64]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 256 --layers 4 --batch 8 --tokens 64 --rounds 30 --sessions 1]
 """
 
 from __future__ import annotations
@@ -166,6 +169,25 @@ def timed_rounds(engines: dict, rounds: int) -> dict[str, list[float]]:
     return seconds
 
 
+def timed_sessions(start, sessions: int, rounds: int) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:
+    """``sessions`` times: fresh engines (``start(session, i, name)`` for each variant, one after the other: a
+    start takes both cores), ``rounds`` timed rounds, the engines closed. Seconds per variant over all
+    sessions, and per session."""
+    pooled, each = {name: [] for name in EXPORTS}, []
+    for session in range(sessions):
+        engines = {}
+        try:
+            for i, name in enumerate(EXPORTS):
+                engines[name] = start(session, i, name)
+            each.append(timed_rounds(engines, rounds))
+        finally:
+            for e in engines.values():
+                e.close()
+        for name, took in each[-1].items():
+            pooled[name] += took
+    return pooled, each
+
+
 def fbt_generate_seconds(root: Path, prompts, args) -> list[float]:
     from fbt_megatron.generate.decoder import FeedbackDecoder
     from fbt_megatron.generate.loading import load_for_inference
@@ -193,7 +215,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="fbt generate's timed calls")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--sessions", type=int, default=1, help="start the engines afresh this many times (module doc)")
     args = ap.parse_args()
+    if args.sessions < 1:
+        ap.error(f"--sessions {args.sessions}: at least 1")
     import vllm_env
 
     python = vllm_env.ensure()
@@ -207,16 +232,13 @@ def main():
                   "enable_prefix_caching": False}
         env = dict(os.environ, PYTHONPATH=f"{vllm_env.plugin_path(root / 'plugin')}:{vllm_env.package_path(root / 'package')}", HF_HUB_OFFLINE="1",
                    VLLM_CPU_OMP_THREADS_BIND="nobind")
-        engines = {}
-        try:
-            for i, name in enumerate(EXPORTS):  # started one after the other: a start takes both cores
-                job = {"name": name, "model": str(root / EXPORTS[name]), "prompts": prompts, "max_tokens": args.tokens,
-                       "engine": {**engine, **({"hf_overrides": OVERRIDES[name]} if name in OVERRIDES else {})}}
-                engines[name] = EngineProcess(python, job, env, root, f"engine{i}")
-            seconds = timed_rounds(engines, args.rounds)
-        finally:
-            for e in engines.values():
-                e.close()
+
+        def start(session, i, name):
+            job = {"name": name, "model": str(root / EXPORTS[name]), "prompts": prompts, "max_tokens": args.tokens,
+                   "engine": {**engine, **({"hf_overrides": OVERRIDES[name]} if name in OVERRIDES else {})}}
+            return EngineProcess(python, job, env, root, f"engine{session}-{i}")
+
+        seconds, sessions = timed_sessions(start, args.sessions, args.rounds)
         seconds["fbt generate"] = fbt_generate_seconds(root, prompts, args)
     generated = args.batch * args.tokens
     tps = {name: generated / statistics.median(sec) for name, sec in seconds.items()}
@@ -231,6 +253,10 @@ def main():
         pairs = paired_ratios(seconds, name)
         print(f"vLLM {name} / vLLM standard: {tps[name] / tps['standard']:.3f} of the medians, "
               f"{statistics.median(pairs):.3f} per round [{min(pairs):.3f}-{max(pairs):.3f}]  ({what})")
+    if args.sessions > 1:
+        print(f"per round, each session's median ({args.sessions} sessions of {args.rounds} rounds, fresh engines each): "
+              + "; ".join(f"{name} " + " ".join(f"{statistics.median(paired_ratios(s, name)):.3f}" for s in sessions)
+                          for name in ("feedback", "feedback, 1 prefill pass")))
     print(f"vLLM feedback / fbt generate (feedback, FUSED): {tps['feedback'] / tps['fbt generate']:.2f}")
 
 

@@ -1,7 +1,7 @@
 """Training-step throughput of `fbt train`'s step (DeepSpeed engine + FBTTrainStep) against a plain
 PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, side by side.
 
-    python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5]
+    python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5] [--sessions 1]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
                                      [--skip-passes] [--megatron-rope] [--same-process] [--stages 0,1,2,3]
 
@@ -263,12 +263,18 @@ def dp1_table(a):
         if a.megatron_rope:
             specs["zero0-megatron-rope"] = ("fbt-megatron-rope", size, 0, 1)
         specs["hf"] = ("hf", size, 0, 1)
-        (times, cpu), params = measure(specs, a)
+        times, cpu, by_session = {name: [] for name in specs}, {name: [] for name in specs}, []
+        for _ in range(a.sessions):  # fresh processes each session: what one process's placement costs averages out
+            (t, c), params = measure(specs, a)
+            for name in specs:
+                times[name] += t[name]
+                cpu[name] += c[name]
+            by_session.append({name: statistics.median(h / f for h, f in zip(t["hf"], ts)) for name, ts in t.items()})
         med = {name: statistics.median(ts) for name, ts in times.items()}
         med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
         # HF's step over fbt's in the same round: the drift of the machine between rounds cancels
         paired = {name: sorted(h / t for h, t in zip(times["hf"], ts)) for name, ts in times.items()}
-        rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired, med_cpu)
+        rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired, med_cpu, by_session)
         print(f"  [{size}: fbt {params[f'zero{a.stages[0]}'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
               + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
     return rows
@@ -294,6 +300,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1.8M,28M,100M")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="table 1: start every variant's process afresh this many times, --rounds rounds each "
+                         "(one process's placement in memory moved a run's ratio by a few %%)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--accumulation", type=int, default=2)
@@ -309,6 +318,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
     a.stages = [int(z) for z in a.stages.split(",") if z]
+    if a.sessions < 1:
+        ap.error(f"--sessions {a.sessions}: at least 1")
     if not a.stages or any(z not in (0, 1, 2, 3) for z in a.stages):
         ap.error(f"--stages {a.stages}: ZeRO stages from 0, 1, 2, 3")
     for s in [*a.sizes, a.dp2_size, a.passes_size]:
@@ -344,16 +355,21 @@ def main(argv=None) -> int:
     columns = [f"zero{z}" for z in a.stages] + (["zero0-megatron-rope"] if a.megatron_rope else [])
     print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} "
           + " ".join(f"{c.replace('zero', 'ZeRO-'):>{max(7, len(c) + 1)}s}" for c in columns))
-    for size, (p_fbt, p_hf, med, _, _) in rows.items():
+    for size, (p_fbt, p_hf, med, _, _, _) in rows.items():
         print(f"{size:>6s} {p_fbt / 1e6:10.1f}M {p_hf / 1e6:9.1f}M "
               + " ".join(f"{med['hf'] / med[c]:{max(7, len(c) + 1)}.3f}" for c in columns))
     print("   the same, per round (HF's step / fbt's in that round): median [lowest - highest]")
-    for size, (_, _, _, paired, _) in rows.items():
+    for size, (_, _, _, paired, _, _) in rows.items():
         print(f"{size:>6s} " + "  ".join(f"{c.replace('zero', 'ZeRO-')} {statistics.median(paired[c]):.3f} "
                                          f"[{paired[c][0]:.2f}-{paired[c][-1]:.2f}]" for c in columns))
     print("   the same in CPU seconds (all threads of each process: time stolen by the VM's host left out, OpenMP's spin-waits counted): HF's / fbt's")
-    for size, (_, _, _, _, cpu) in rows.items():
+    for size, (_, _, _, _, cpu, _) in rows.items():
         print(f"{size:>6s} " + "  ".join(f"{c.replace('zero', 'ZeRO-')} {cpu['hf'] / cpu[c]:.3f}" for c in columns))
+    if a.sessions > 1:
+        print(f"   per round, each session's median ({a.sessions} sessions of {a.rounds} rounds, fresh processes each)")
+        for size, (_, _, _, _, _, by_session) in rows.items():
+            print(f"{size:>6s} " + "  ".join(f"{c.replace('zero', 'ZeRO-')} " + " ".join(f"{s[c]:.3f}" for s in by_session)
+                                             for c in columns))
     if dp2 is not None:
         print(f"\n2. DP=2 (2 processes, {a.dp2_size}): step time / ZeRO-0 step time (goal <= 1.10)")
         print("  " + "  ".join(f"ZeRO-{z}: {dp2[f'zero{z}'] / dp2['zero0']:.3f}" for z in (1, 2, 3))

@@ -63,6 +63,53 @@ def test_untimed_round_left_out_and_rounds_paired():
     assert bench.paired_ratios(seconds, "feedback") == [4.0 / 12.0, 9.0 / 16.0]
 
 
+def test_sessions_start_fresh_engines_and_pool_their_rounds():
+    """Each session starts every variant's engine anew (one after the other), times its rounds and closes its
+    engines before the next session starts; the seconds are pooled over the sessions and kept per session."""
+    events = []
+
+    class Engine:
+        def __init__(self, session, i, name):
+            self.session, self.name, self.calls = session, name, 0
+            events.append(("start", session, i, name))
+
+        def __call__(self):
+            self.calls += 1
+            return 10.0 * (self.session + 1) + self.calls
+
+        def close(self):
+            events.append(("close", self.session, self.name))
+
+    pooled, each = bench.timed_sessions(Engine, sessions=2, rounds=1)
+    names = list(bench.EXPORTS)
+    starts = [("start", s, i, n) for s in range(2) for i, n in enumerate(names)]
+    assert [e for e in events if e[0] == "start"] == starts
+    # session 1's engines start only after session 0's are closed
+    first_close = max(k for k, e in enumerate(events) if e[:2] == ("close", 0))
+    assert events.index(starts[len(names)]) > first_close
+    assert {e[1:] for e in events if e[0] == "close"} == {(s, n) for s in range(2) for n in names}
+    # one untimed call (the engine's first), then one timed round: call 2 of each engine
+    assert each == [{n: [12.0] for n in names}, {n: [22.0] for n in names}]
+    assert pooled == {n: [12.0, 22.0] for n in names}
+
+
+def test_a_session_that_fails_closes_the_engines_it_started():
+    closed = []
+
+    class Engine:
+        def __init__(self, session, i, name):
+            if i == 2:
+                raise RuntimeError("engine did not start")
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+
+    with pytest.raises(RuntimeError, match="did not start"):
+        bench.timed_sessions(Engine, sessions=2, rounds=1)
+    assert closed == list(bench.EXPORTS)[:2]
+
+
 def _fake_python(tmp_path, body: str) -> Path:
     """A stand-in for the vLLM venv's python: called as ``python vllm_side.py --calls JOB ANSWER_FD``."""
     fake = tmp_path / "python"
