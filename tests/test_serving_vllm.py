@@ -135,11 +135,16 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     """The plugin (found through pyproject's entry point, no --trust-remote-code): latent feedback with FUSED
     prefill (the export's default) and with the exact prefill (`--hf-overrides`) give `fbt generate`'s tokens
     in the same mode for a batch of prompts of different lengths, the decode steps through the decode-only
-    path; `feedback_decoding: standard` gives the standard tokens. A config the plugin cannot serve is refused
-    at engine start naming each field, and so is `enable_lora` (untested with the fusion)."""
+    path, the token's gate read from the vocabulary's gate table (FUSED) or computed per token
+    (`feedback_gate_table: false`, exact); `feedback_decoding: standard` gives the standard tokens. A config the
+    plugin cannot serve is refused at engine start naming each field, and so is `enable_lora` (untested with
+    the fusion)."""
     run, hf, std, refs = model
-    unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm"}
-    res = run_side(vllm_python, [job("fused", hf, step_kinds=True), job("exact", hf, engine={"hf_overrides": {"prefill_passes": "exact"}}),
+    unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm",
+                  "feedback_gate_table": "yes"}
+    exact = {"prefill_passes": "exact", "feedback_gate_table": False}
+    res = run_side(vllm_python, [job("fused", hf, step_kinds=True),
+                                 job("exact", hf, engine={"hf_overrides": exact}, step_kinds=True),
                                  job("standard", hf, engine={"hf_overrides": {"feedback_decoding": "standard"}}),
                                  job("unservable", hf, engine={"hf_overrides": unservable}, error=True),
                                  job("lora", hf, engine={"enable_lora": True}, error=True)],
@@ -148,11 +153,14 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     # the prompts' prefill took the general path, the decode steps after it the decode-only one
     kinds = res["fused"]["step_kinds"]
     assert kinds.get("general", 0) >= 1 and kinds.get("decode", 0) >= NEW_TOKENS - 1, kinds
+    assert kinds.get("gate table", 0) >= NEW_TOKENS and "gate matmul" not in kinds, kinds
     assert res["exact"]["tokens"] == refs["exact"]
+    kinds = res["exact"]["step_kinds"]
+    assert kinds.get("gate matmul", 0) >= NEW_TOKENS and "gate table" not in kinds, kinds
     assert res["standard"]["tokens"] == refs["standard"]
     err = res["unservable"]["error"]
     assert err is not None and "serves Llama-class FBT exports only" in err, err
-    for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'"):
+    for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'", "feedback_gate_table='yes'"):
         assert field in err, (field, err)
     err = res["lora"]["error"]
     assert err is not None and "does not serve LoRA adapters on a feedback export" in err, err

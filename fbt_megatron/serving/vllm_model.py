@@ -68,6 +68,8 @@ def check_servable(config) -> None:
         wrong.append(f"feedback_fusion={config.feedback_fusion!r} (served: 'glu', 'additive', 'off')")
     if getattr(config, "feedback_first_input", "embedding") not in ("embedding", "state"):
         wrong.append(f"feedback_first_input={config.feedback_first_input!r}")
+    if not isinstance(getattr(config, "feedback_gate_table", True), bool):
+        wrong.append(f"feedback_gate_table={config.feedback_gate_table!r} (served: true or false)")
     if getattr(config, "feedback_decoding", "feedback") not in ("feedback", "standard"):
         wrong.append(f"feedback_decoding={config.feedback_decoding!r} (served: 'feedback', 'standard')")
     passes = getattr(config, "prefill_passes", 2)
@@ -99,7 +101,15 @@ class LatentFeedback(HFLatentFeedback):
     names, so the export's ``feedback.*`` weights load as they are), on vLLM's flattened ``[N, D]`` tokens.
     The two projections are vLLM's ``ReplicatedLinear``, so they run on the GEMM vLLM picks for the platform,
     as the stack's layers do (on CPU its oneDNN kernel with prepacked weights: on 8 decode rows x a 1024 x 1024
-    weight, one thread, 192-213 us against torch's ``nn.Linear``'s 415-538 us)."""
+    weight, one thread, 192-213 us against torch's ``nn.Linear``'s 415-538 us).
+
+    The token's side of the fusion, ``sigmoid(W_G e_t)`` (``W_G e_t`` for the additive fusion), is a function
+    of the token id alone: with ``feedback_gate_table`` (config field, default true) it is computed once for
+    the whole vocabulary when the weights load (:meth:`build_gate_table`) and a step reads its tokens' rows,
+    so a token costs one D x D matmul (W_U's) instead of two. The table is a second ``[vocab, D]`` embedding
+    table (16 MB for 4096 x 1024 in float32); ``--hf-overrides '{"feedback_gate_table": false}'`` computes the
+    gate per token instead, as it does for inputs given as embeddings and under tensor parallelism (where
+    each rank holds a slice of the vocabulary)."""
 
     def __init__(self, config, prefix: str = "feedback"):
         from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -109,9 +119,32 @@ class LatentFeedback(HFLatentFeedback):
         d, bias = config.hidden_size, bool(getattr(config, "feedback_bias", False))
         self.value_proj = ReplicatedLinear(d, d, bias=bias, return_bias=False, prefix=f"{prefix}.value_proj")
         self.gate_proj = ReplicatedLinear(d, d, bias=bias, return_bias=False, prefix=f"{prefix}.gate_proj")
+        self.gate_table: torch.Tensor | None = None  # [vocab, D] token factors (build_gate_table), or None
 
-    def stateless(self, emb, gate):
-        return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, -1), gate)
+    def build_gate_table(self, embeddings: torch.Tensor, gate_weight: torch.Tensor, gate_bias=None) -> None:
+        """Every token's factor from the embedding table and W_G as loaded (the raw tensors: vLLM's CPU GEMM
+        keeps only its prepacked copy of W_G)."""
+        with torch.no_grad():
+            gate = torch.nn.functional.linear(embeddings, gate_weight.to(embeddings),
+                                              None if gate_bias is None else gate_bias.to(embeddings))
+            self.gate_table = torch.sigmoid_(gate) if self.mode == "glu" else gate
+
+    def token_factor(self, input_ids, emb):
+        """What the fusion multiplies W_U h_{t-1} by (``glu``: sigmoid(W_G e_t)) or adds to it (``additive``:
+        W_G e_t): the table's rows for ``input_ids`` where there is a table and the step has token ids, else
+        computed from the embeddings ``emb``."""
+        if self.gate_table is not None and input_ids is not None:
+            return self.gate_table[input_ids]
+        gate = self.gate_proj(emb)
+        return torch.sigmoid(gate) if self.mode == "glu" else gate
+
+    def fuse(self, state, factor):
+        """fuse(h, e) from the fed-back state and the token's factor (:meth:`token_factor`)."""
+        value = self.value_proj(state)
+        return (value * factor if self.mode == "glu" else value + factor).expand(factor.shape)
+
+    def stateless(self, emb, factor):
+        return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, -1), factor)
 
 
 class FeedbackStates:
@@ -257,7 +290,8 @@ class FBTForCausalLM(LlamaForCausalLM):
         if kwargs:
             raise NotImplementedError(f"the FBT plugin's forward takes no {sorted(kwargs)}")
         emb = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
-        gate = fb.gate_proj(emb)
+        gate = fb.token_factor(input_ids if inputs_embeds is None else None, emb)
+        self.step_kinds["gate table" if fb.gate_table is not None and inputs_embeds is None else "gate matmul"] += 1
         base = fb.stateless(emb, gate)
         meta = self._metadata()
         if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs
@@ -345,4 +379,11 @@ class FBTForCausalLM(LlamaForCausalLM):
             for k, p in self.feedback.named_parameters():
                 getattr(p, "weight_loader", default_weight_loader)(p, own[f"feedback.{k}"].to(p.dtype))
         loaded = super().load_weights((k, v) for k, v in weights if k not in names)
+        self.feedback.gate_table = None
+        embeddings = getattr(self.model.embed_tokens, "weight", None)
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if (getattr(self.config, "feedback_gate_table", True) and get_tensor_model_parallel_world_size() == 1
+                and embeddings is not None and embeddings.shape[0] >= self.config.vocab_size):
+            self.feedback.build_gate_table(embeddings, own["feedback.gate_proj.weight"], own.get("feedback.gate_proj.bias"))
         return set(loaded) | names
