@@ -3,7 +3,7 @@
 One model (a Llama-class stock-initialised model imported with a fresh GLU fusion), exported both ways
 (`to-hf` and `to-hf --standard`), the same batch of prompts, greedy, fixed output length:
 - vLLM tokens/s: the feedback export through the plugin (FUSED prefill) over the `--standard` export in
-  stock vLLM (the paper's claim: two D x D matmuls per token, goal >= 0.95); and the same with one prefill
+  stock vLLM (the paper's claim: two D x D matmuls per token, one with the plugin's gate table; goal >= 0.95); and the same with one prefill
   pass (``prefill_passes: 1``), which leaves out FUSED's second pass over the prompt: the per-token cost of
   the feedback alone;
 - vLLM feedback tokens/s over the project's generator (`FeedbackDecoder`, what `fbt generate` runs) in the
