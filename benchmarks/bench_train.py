@@ -318,8 +318,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
     a.stages = [int(z) for z in a.stages.split(",") if z]
-    if a.sessions < 1:
-        ap.error(f"--sessions {a.sessions}: at least 1")
+    if a.sessions < 1 or (a.sessions > 1 and a.same_process):
+        ap.error(f"--sessions {a.sessions}: at least 1, and fresh processes need a process each (not --same-process)")
     if not a.stages or any(z not in (0, 1, 2, 3) for z in a.stages):
         ap.error(f"--stages {a.stages}: ZeRO stages from 0, 1, 2, 3")
     for s in [*a.sizes, a.dp2_size, a.passes_size]:

@@ -52,10 +52,23 @@ def test_bitwise_megatron_and_the_definition(single_process):
     assert torch.allclose(ours[1].double(), grad, atol=1e-6)
 
 
+def test_bf16_logits_bitwise_megatron(single_process):
+    """bf16 logits (a bf16 run's output layer): both cast to float32 before the maximum."""
+    logits, labels = logits_and_labels(seed=1)
+    logits = logits.bfloat16()
+    ours = loss_and_grad(logits, labels, cross_entropy.calculate_logits_max)
+    theirs = loss_and_grad(logits, labels, cross_entropy.MEGATRON_LOGITS_MAX)
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == torch.bfloat16
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
 def test_the_model_installs_it(single_process):
     VocabParallelCrossEntropy.calculate_logits_max = staticmethod(cross_entropy.MEGATRON_LOGITS_MAX)
-    build_model(tiny_model_config(**LLAMA), feedback())
-    assert VocabParallelCrossEntropy.calculate_logits_max is cross_entropy.calculate_logits_max
+    try:
+        build_model(tiny_model_config(**LLAMA), feedback())
+        assert VocabParallelCrossEntropy.calculate_logits_max is cross_entropy.calculate_logits_max
+    finally:
+        cross_entropy.install()
 
 
 def test_written_for_this_megatron_core():

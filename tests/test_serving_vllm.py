@@ -36,6 +36,7 @@ import vllm_env
 pytestmark = pytest.mark.timeout(vllm_env.build_timeout() + 900)
 
 SIDE = Path(__file__).with_name("vllm_side.py")
+GATE_SIDE = Path(__file__).with_name("vllm_gate_side.py")
 CLIENT = Path(__file__).with_name("vllm_openai_client.py")
 VOCAB = 320  # = the sentencepiece tokenizer's pieces: the framework and vLLM choose among the same ids
 PROMPTS = [[5, 17, 30, 44, 9], [100, 7], [3, 200, 250, 12, 40, 41, 42, 60, 61, 70, 80], [77]]
@@ -164,6 +165,19 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
         assert field in err, (field, err)
     err = res["lora"]["error"]
     assert err is not None and "does not serve LoRA adapters on a feedback export" in err, err
+
+
+def test_plugin_gate_table_formula(vllm_python, tmp_path):
+    """The plugin's fusion against its formula (float64), glu and additive, with biases: the token's gate computed
+    per token and read from the vocabulary's gate table, which is built from the raw W_G after vLLM's CPU GEMM
+    has prepacked and dropped its own copy (tests/vllm_gate_side.py, no engine)."""
+    proc = subprocess.run([str(vllm_python), str(GATE_SIDE), str(tmp_path / "errors.json")], cwd=tmp_path,
+                          env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    errors = json.loads((tmp_path / "errors.json").read_text())
+    assert set(errors) == {"glu", "additive"}
+    for mode, e in errors.items():
+        assert e["per_token"] < 1e-5 and e["table"] < 1e-5 and e["reads_table"], (mode, e)
 
 
 def test_plugin_preemption(vllm_python, model, tmp_path):

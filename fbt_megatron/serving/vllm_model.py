@@ -119,7 +119,8 @@ class LatentFeedback(HFLatentFeedback):
         d, bias = config.hidden_size, bool(getattr(config, "feedback_bias", False))
         self.value_proj = ReplicatedLinear(d, d, bias=bias, return_bias=False, prefix=f"{prefix}.value_proj")
         self.gate_proj = ReplicatedLinear(d, d, bias=bias, return_bias=False, prefix=f"{prefix}.gate_proj")
-        self.gate_table: torch.Tensor | None = None  # [vocab, D] token factors (build_gate_table), or None
+        # [vocab, D] token factors (build_gate_table), or None; a buffer, so it moves with the module
+        self.register_buffer("gate_table", None, persistent=False)
 
     def build_gate_table(self, embeddings: torch.Tensor, gate_weight: torch.Tensor, gate_bias=None) -> None:
         """Every token's factor from the embedding table and W_G as loaded (the raw tensors: vLLM's CPU GEMM
@@ -129,11 +130,14 @@ class LatentFeedback(HFLatentFeedback):
                                               None if gate_bias is None else gate_bias.to(embeddings))
             self.gate_table = torch.sigmoid_(gate) if self.mode == "glu" else gate
 
+    def reads_table(self, input_ids) -> bool:
+        return self.gate_table is not None and input_ids is not None
+
     def token_factor(self, input_ids, emb):
         """What the fusion multiplies W_U h_{t-1} by (``glu``: sigmoid(W_G e_t)) or adds to it (``additive``:
-        W_G e_t): the table's rows for ``input_ids`` where there is a table and the step has token ids, else
-        computed from the embeddings ``emb``."""
-        if self.gate_table is not None and input_ids is not None:
+        W_G e_t): the table's rows for ``input_ids`` where there is a table and the step has token ids
+        (:meth:`reads_table`), else computed from the embeddings ``emb``."""
+        if self.reads_table(input_ids):
             return self.gate_table[input_ids]
         gate = self.gate_proj(emb)
         return torch.sigmoid(gate) if self.mode == "glu" else gate
@@ -145,6 +149,10 @@ class LatentFeedback(HFLatentFeedback):
 
     def stateless(self, emb, factor):
         return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, -1), factor)
+
+    def with_state(self, *args):
+        raise NotImplementedError("the vLLM plugin's fuse takes the token factor (token_factor), not W_G e_t: "
+                                  "the export modelling file's with_state does not apply")
 
 
 class FeedbackStates:
@@ -290,8 +298,9 @@ class FBTForCausalLM(LlamaForCausalLM):
         if kwargs:
             raise NotImplementedError(f"the FBT plugin's forward takes no {sorted(kwargs)}")
         emb = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
-        gate = fb.token_factor(input_ids if inputs_embeds is None else None, emb)
-        self.step_kinds["gate table" if fb.gate_table is not None and inputs_embeds is None else "gate matmul"] += 1
+        ids = input_ids if inputs_embeds is None else None
+        gate = fb.token_factor(ids, emb)
+        self.step_kinds["gate table" if fb.reads_table(ids) else "gate matmul"] += 1
         base = fb.stateless(emb, gate)
         meta = self._metadata()
         if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs

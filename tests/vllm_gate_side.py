@@ -1,0 +1,50 @@
+"""tests/test_serving_vllm.py::test_plugin_gate_table_formula, in vLLM's venv: the plugin's fusion (glu and additive, with
+biases) against its formula in float64, the token's gate computed per token and read from the gate table built from
+the raw W_G (vLLM's CPU GEMM has prepacked and dropped its own copy). Writes {mode: {per_token, table: max abs
+error, reads_table}} to argv[1]."""
+
+import json
+import socket
+import sys
+from types import SimpleNamespace
+
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+from fbt_megatron.serving.vllm_model import LatentFeedback
+
+with socket.socket() as sock:  # a free loopback port for the world of one
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+torch.manual_seed(0)
+d, vocab = 32, 50
+E = torch.randn(vocab, d)
+ids = torch.tensor([3, 0, 49, 3, 17])
+h = torch.randn(len(ids), d)
+errors = {}
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel(1, 1)
+    for mode in ("glu", "additive"):
+        fb = LatentFeedback(SimpleNamespace(hidden_size=d, feedback_fusion=mode, feedback_prefix_mixin=0.0,
+                                            feedback_bias=True, feedback_first_input="embedding"))
+        w = {n: torch.randn_like(p) * 0.3 for n, p in fb.named_parameters()}
+        with torch.no_grad():
+            for n, p in fb.named_parameters():
+                p.copy_(w[n])
+        for m in fb.modules():  # as vLLM's loader does after loading: on CPU the GEMM prepacks W and drops it
+            if hasattr(m, "quant_method"):
+                m.quant_method.process_weights_after_loading(m)
+        # the fusion from its formula, in float64: (W_U h + b_U) * sigmoid(W_G e + b_G), or + (W_G e + b_G)
+        gate = E[ids].double() @ w["gate_proj.weight"].double().t() + w["gate_proj.bias"].double()
+        value = h.double() @ w["value_proj.weight"].double().t() + w["value_proj.bias"].double()
+        expected = value * torch.sigmoid(gate) if mode == "glu" else value + gate
+        per_token = fb.fuse(h, fb.token_factor(None, E[ids]))
+        fb.build_gate_table(E, w["gate_proj.weight"], w["gate_proj.bias"])
+        from_table = fb.fuse(h, fb.token_factor(ids, E[ids]))
+        errors[mode] = {"per_token": float((per_token.double() - expected).abs().max()),
+                        "table": float((from_table.double() - expected).abs().max()),
+                        "reads_table": fb.reads_table(ids) and not fb.reads_table(None)}
+json.dump(errors, open(sys.argv[1], "w"))
