@@ -52,6 +52,7 @@ from collections.abc import Iterable
 
 import torch
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
@@ -299,9 +300,9 @@ class FBTForCausalLM(LlamaForCausalLM):
             raise NotImplementedError(f"the FBT plugin's forward takes no {sorted(kwargs)}")
         emb = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
         ids = input_ids if inputs_embeds is None else None
-        gate = fb.token_factor(ids, emb)
+        factor = fb.token_factor(ids, emb)  # sigmoid(W_G e_t) (glu), the same in every pass
         self.step_kinds["gate table" if fb.reads_table(ids) else "gate matmul"] += 1
-        base = fb.stateless(emb, gate)
+        base = fb.stateless(emb, factor)
         meta = self._metadata()
         if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs
             self.step_kinds["stateless"] += 1
@@ -320,7 +321,7 @@ class FBTForCausalLM(LlamaForCausalLM):
         states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
         if decode is not None:  # one new token per request (most steps): h_{t-1} from the cache, one pass
             carried = decode[1]
-            fed = torch.where(carried.unsqueeze(-1), fb.fuse(fb.fed_back(states[prev_slot]), gate[:n]), base[:n])
+            fed = torch.where(carried.unsqueeze(-1), fb.fuse(fb.fed_back(states[prev_slot]), factor[:n]), base[:n])
             x = fed if base.shape[0] == n else torch.cat([fed, base[n:]])
             top = self._stack(x, positions, intermediate_tensors)
             states[slots] = top[:n].to(states.dtype)
@@ -332,7 +333,7 @@ class FBTForCausalLM(LlamaForCausalLM):
         x = base.clone()
         if bool(carried.any()):
             idx = carried.nonzero().squeeze(-1)
-            x[idx] = fb.fuse(fb.fed_back(states[prev_slot[idx]]), gate[idx])
+            x[idx] = fb.fuse(fb.fed_back(states[prev_slot[idx]]), factor[idx])
         inside = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         inside[:n] = ~starts  # h_{t-1} from this step's previous token
         # K passes run over prompt positions only: a request recomputed after a preemption also brings its
@@ -356,7 +357,7 @@ class FBTForCausalLM(LlamaForCausalLM):
         frozen = (inside & ~generated)[idx]  # prompt positions: their K-th pass input stays after pass K
         x_k = x
         while done < passes:
-            fed = fb.fuse(fb.fed_back(top[idx - 1]), gate[idx])
+            fed = fb.fuse(fb.fed_back(top[idx - 1]), factor[idx])
             if done >= int(self.prefill_passes if self.prefill_passes != "exact" else passes):
                 fed = torch.where(frozen.unsqueeze(-1), x_k[idx], fed)
             x_k = x_k.clone()
@@ -390,8 +391,6 @@ class FBTForCausalLM(LlamaForCausalLM):
         loaded = super().load_weights((k, v) for k, v in weights if k not in names)
         self.feedback.gate_table = None
         embeddings = getattr(self.model.embed_tokens, "weight", None)
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
         if (getattr(self.config, "feedback_gate_table", True) and get_tensor_model_parallel_world_size() == 1
                 and embeddings is not None and embeddings.shape[0] >= self.config.vocab_size):
             self.feedback.build_gate_table(embeddings, own["feedback.gate_proj.weight"], own.get("feedback.gate_proj.bias"))
