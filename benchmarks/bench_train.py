@@ -256,6 +256,11 @@ def measure(specs: dict, a) -> tuple[tuple[dict, dict], dict]:
             p.close()
 
 
+def per_round_ratios(times: dict) -> dict:
+    """Per variant, HF's step over the variant's in each round (the machine's drift between rounds cancels)."""
+    return {name: [h / v for h, v in zip(times["hf"], ts)] for name, ts in times.items()}
+
+
 def dp1_table(a):
     rows = {}
     for size in a.sizes:
@@ -269,11 +274,10 @@ def dp1_table(a):
             for name in specs:
                 times[name] += t[name]
                 cpu[name] += c[name]
-            by_session.append({name: statistics.median(h / f for h, f in zip(t["hf"], ts)) for name, ts in t.items()})
+            by_session.append({name: statistics.median(r) for name, r in per_round_ratios(t).items()})
         med = {name: statistics.median(ts) for name, ts in times.items()}
         med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
-        # HF's step over fbt's in the same round: the drift of the machine between rounds cancels
-        paired = {name: sorted(h / t for h, t in zip(times["hf"], ts)) for name, ts in times.items()}
+        paired = {name: sorted(r) for name, r in per_round_ratios(times).items()}
         rows[size] = (params[f"zero{a.stages[0]}"], params["hf"], med, paired, med_cpu, by_session)
         print(f"  [{size}: fbt {params[f'zero{a.stages[0]}'] / 1e6:.1f}M params, HF {params['hf'] / 1e6:.1f}M; median step s "
               + " ".join(f"{k}={v:.3f}" for k, v in med.items()) + "]", flush=True)
