@@ -5,7 +5,9 @@ names a kernel that is not installed (``persist_layer_norm`` with the torch norm
 ``WrappedTorchNorm``). Which kernel each switch needs:
 
 - ``bias_activation_fusion``, ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU.
-  The activation fusion only for SwiGLU (``bias_swiglu``: exact SiLU): Megatron's fused GELU
+  The activation fusion only for SwiGLU (``bias_swiglu``: exact SiLU), on CPU too, where
+  ``model/swiglu.py`` runs it without a compiler (bitwise the unfused path, one copy fewer each way).
+  Megatron's fused GELU
   (``bias_gelu``/``bias_geglu``) is the tanh approximation, while the CPU path, the HF export and
   generation compute exact (erf) GELU — a GELU model trains with exact GELU on GPU too, so what the
   GPU trains is what ``model.activation: gelu`` says and the export computes;
@@ -35,7 +37,7 @@ def fused_switches(normalization: str, on_gpu: bool, available=module_available,
     apex_persist_norm = available("apex.contrib.layer_norm.layer_norm") and available("apex.normalization")
     return dict(
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu and activation == "swiglu",
+        bias_activation_fusion=activation == "swiglu",
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu and apex_softmax,
         persist_layer_norm=on_gpu and apex_persist_norm and normalization == "LayerNorm",
