@@ -1,6 +1,6 @@
-"""The engine replaces two DeepSpeed methods (fbt_megatron/engine/patches.py). They were written against
+"""The engine replaces three DeepSpeed methods (fbt_megatron/engine/patches.py). They were written against
 DeepSpeed's internals of the versions in ``PATCHED_DEEPSPEED``: this test fails on any other version, so
-an upgrade re-checks both (the behaviour itself is tested by test_train_nonfinite.py, ZeRO 0-3, and the
+an upgrade re-checks all three (the behaviour itself is tested by test_train_nonfinite.py, ZeRO 0-3, and the
 TP/PP gradient-norm tests)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_deepspeed_is_a_version_the_patches_were_checked_against():
 
     ds = _deepspeed()
     assert deepspeed_version() in PATCHED_DEEPSPEED, (
-        f"DeepSpeed {ds.__version__}: the engine's patches (SkippableStep, replace_zero0_clipping) were checked "
+        f"DeepSpeed {ds.__version__}: the engine's patches (SkippableStep, replace_zero0_clipping, skip_one_rank_all_reduce) were checked "
         f"against {PATCHED_DEEPSPEED} only; re-check them and add the version to PATCHED_DEEPSPEED")
 
 
@@ -36,3 +36,11 @@ def test_the_patched_methods_are_where_the_patches_expect_them():
     assert "self.optimizer.step()" in step_src
     assert "self.optimizer.step()" in inspect.getsource(DeepSpeedZeroOptimizer._optimizer_step)
     assert "optimizer.step()" in inspect.getsource(DeepSpeedZeroOptimizer_Stage3._optimizer_step)
+    # 3. the one-rank reduction: a bucket is flattened, divided by the group's size, all-reduced and copied
+    # back (cast through the communication dtype), with its share added to the gradient-partition buffer
+    copy_src = inspect.getsource(DeepSpeedZeroOptimizer.allreduce_and_copy)
+    assert "self.allreduce_bucket(" in copy_src and "self._add_to_grad_partition_buffer(output, synced)" in copy_src
+    assert "buf.copy_(synced)" in copy_src
+    bucket_src = inspect.getsource(DeepSpeedZeroOptimizer.allreduce_bucket)
+    assert "tensor = self.flatten(bucket)" in bucket_src and "dist.all_reduce(tensor_to_allreduce" in bucket_src
+    assert "tensor_to_allreduce.div_(dist.get_world_size(group=process_group)" in bucket_src

@@ -105,6 +105,48 @@ def test_other_stages_keep_deepspeeds_reduction(single_process, tmp_path, zero):
     assert engine.ds.enable_backward_allreduce is True
 
 
+def _zero_steps(tmp_path, zero: int, deepspeeds_reduction: bool, monkeypatch):
+    """Three clipped steps (1, 2, 2 passes) at DP=1 and ZeRO-``zero``; the model's parameters, the inner
+    optimiser's (flat) parameters and moments, the gradient norms and how many all-reduces DeepSpeed's
+    bucket reduction issued."""
+    from deepspeed import comm as dist
+
+    recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
+    assert engine._one_rank_reduction_skipped
+    if deepspeeds_reduction:
+        del engine.ds.optimizer.allreduce_and_copy  # the class's method again
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: calls.append(tensor.numel()) or real(tensor, *a, **k))
+    norms = [r.grad_norm for r in _train(recipe, engine)]
+    monkeypatch.setattr(dist, "all_reduce", real)
+    opt = engine.torch_optimizer
+    flat = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for group in opt.param_groups for p in group["params"]]
+    model = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    big = sum(n > 10_000 for n in calls)  # the gradient buckets (the norm's all-reduces are scalars)
+    return model, flat, norms, big
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_one_rank_zero12_skip_the_bucket_all_reduce_and_update_alike(single_process, tmp_path, monkeypatch, zero):
+    """DP=1 at ZeRO-1/2: DeepSpeed's flatten / divide by 1 / all-reduce over one rank / copy-back of the
+    gradient buckets is skipped; three clipped AdamW steps (the fusion unreached in the first) give the
+    same model parameters, flat fp32 partitions, moments and gradient norms bit for bit as DeepSpeed's own
+    reduction."""
+    ours = _zero_steps(tmp_path / "a", zero, False, monkeypatch)
+    theirs = _zero_steps(tmp_path / "b", zero, True, monkeypatch)
+    assert ours[3] == 0 and theirs[3] >= 3  # the buckets went through the all-reduce only in DeepSpeed's
+    assert all(n > 0.05 for n in ours[2]) and ours[2] == theirs[2]  # clipping active, the same norms
+    assert ours[0].keys() == theirs[0].keys()
+    for name in ours[0]:
+        assert torch.equal(ours[0][name], theirs[0][name]), name
+    assert len(ours[1]) == len(theirs[1]) > 0
+    for (p, state), (p_ref, state_ref) in zip(ours[1], theirs[1]):
+        assert torch.equal(p, p_ref)
+        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero):
     """Every call of the inner optimiser (torch's fused AdamW, on the model's parameters at ZeRO-0 and

@@ -30,7 +30,7 @@ from fbt_megatron import runtime
 from fbt_megatron.engine.deepspeed_config import deepspeed_config, import_deepspeed
 from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
-from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping
+from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping, skip_one_rank_all_reduce
 
 
 NORM_CHUNK_ELEMENTS = 1 << 16  # 512 KiB in float64: a piece's copy stays in cache, its memory is reused
@@ -126,6 +126,10 @@ class Engine:
         self._zero_fill_only = self.dp_size == 1 and self._own_grad_norm
         if self._zero_fill_only:
             self.ds.enable_backward_allreduce = False
+        # ZeRO-1/2 over one data-parallel rank: the same identity inside DeepSpeed's ZeRO optimiser, whose
+        # bookkeeping (gradient partitions, the zero-fill) stays DeepSpeed's (patches.py, 3.).
+        self._one_rank_reduction_skipped = self.dp_size == 1 and self.zero_stage in (1, 2) and \
+            skip_one_rank_all_reduce(self.ds.optimizer)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(
             self.ds.optimizer, "immediate_grad_update", False)

@@ -1,6 +1,6 @@
-"""The two places where the engine replaces a DeepSpeed method, and the DeepSpeed versions they were
+"""The three places where the engine replaces a DeepSpeed method, and the DeepSpeed versions they were
 written against (``tests/test_engine_patches.py`` fails on any other version, so an upgrade is a
-deliberate re-check of both):
+deliberate re-check of all three):
 
 1. :class:`SkippableStep` replaces the inner torch optimiser's ``step`` so a step can be skipped
    entirely (non-finite loss) and so the engine learns whether DeepSpeed stepped at all (it does not
@@ -8,6 +8,12 @@ deliberate re-check of both):
 2. :func:`replace_zero0_clipping` replaces ``DeepSpeedEngine.clip_fp32_gradients`` (called only at
    ZeRO-0 in fp32, from ``_take_model_step``) with clipping that counts every parameter once over TP
    and PP (see :meth:`Engine._clip_fp32_gradients`).
+3. :func:`skip_one_rank_all_reduce` replaces ZeRO-1/2's ``allreduce_and_copy`` when the data-parallel group
+   has one rank: DeepSpeed flattens the gradients into a fresh bucket (one copy of every gradient; at
+   28M parameters a 116 MB allocation per step, which the allocator maps fresh and the kernel faults in
+   page by page), divides by 1, all-reduces over the one rank and copies each gradient back. All of
+   that is the identity; what it feeds on (the gradient, cast to the communication dtype and back,
+   added to ZeRO's gradient-partition buffer where one is given) is kept.
 """
 
 from __future__ import annotations
@@ -48,3 +54,34 @@ def replace_zero0_clipping(ds, clip) -> None:
     """ZeRO-0 fp32 clipping: DeepSpeed calls ``engine.clip_fp32_gradients()`` inside ``ds.step()``."""
     if hasattr(ds, "clip_fp32_gradients"):
         ds.clip_fp32_gradients = clip
+
+
+def skip_one_rank_all_reduce(zero_optimizer) -> bool:
+    """At a one-rank data-parallel group, ZeRO-1/2's reduction of a gradient bucket without the flatten,
+    the division by 1 and the all-reduce over one rank (3. above); any other group, DeepSpeed's own.
+    Returns whether the optimiser was patched (a DeepSpeed ZeRO-1/2 optimiser over one rank)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if not isinstance(zero_optimizer, stage_1_and_2.DeepSpeedZeroOptimizer):
+        return False
+    original = zero_optimizer.allreduce_and_copy
+
+    def allreduce_and_copy(small_bucket, communication_data_type, rank=None, log=None, divide=True,
+                           process_group=None, output_bucket=None):
+        group = zero_optimizer.dp_process_group if process_group is None else process_group
+        if (dist.get_world_size(group=group) != 1 or zero_optimizer.overlap_comm or stage_1_and_2.pg_correctness_test
+                or zero_optimizer.sequence_parallel_size != 1):
+            return original(small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
+                            process_group=process_group, output_bucket=output_bucket)
+        outputs = output_bucket if output_bucket is not None else [None] * len(small_bucket)
+        for grad, output in zip(small_bucket, outputs):
+            # what the bucket carried: the gradient in the communication dtype, divided by a world size of
+            # one (exact) and summed over one rank
+            synced = grad.to(communication_data_type)
+            zero_optimizer._add_to_grad_partition_buffer(output, synced)
+            if synced is not grad:
+                grad.copy_(synced)
+
+    zero_optimizer.allreduce_and_copy = allreduce_and_copy
+    return True
