@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     print(f"threads={torch.get_num_threads()} micro_batch={a.micro_batch} seq={a.seq} accumulation={a.accumulation} "
           f"rounds={a.rounds} (tokens per step {a.micro_batch * a.seq * a.accumulation}); variants "
           + ("in this process" if a.same_process else "in a process each"), flush=True)
-    print("versions: " + " ".join(f"{name} {version(name)}" for name in ("torch", "megatron-core", "deepspeed", "transformers")))
+    print("versions: " + " ".join(f"{name} {version(name)}" for name in ("torch", "megatron-core", "deepspeed", "transformers")), flush=True)
 
     a.dp = 1
     runtime.init_distributed()

@@ -1,7 +1,7 @@
 """The engine replaces three DeepSpeed methods (fbt_megatron/engine/patches.py). They were written against
 DeepSpeed's internals of the versions in ``PATCHED_DEEPSPEED``: this test fails on any other version, so
 an upgrade re-checks all three (the behaviour itself is tested by test_train_nonfinite.py, ZeRO 0-3, and the
-TP/PP gradient-norm tests)."""
+TP/PP gradient-norm tests; the one-rank reduction by test_engine_step.py)."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def _zero_steps(tmp_path, zero: int, deepspeeds_reduction: bool, monkeypatch):
     from deepspeed import comm as dist
 
     recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
-    assert engine._one_rank_reduction_skipped
+    assert engine._one_rank_all_reduce_patched
     if deepspeeds_reduction:
         del engine.ds.optimizer.allreduce_and_copy  # the class's method again
     calls = []
@@ -203,3 +203,25 @@ def test_zero3_step_after_a_multi_pass_step_has_no_stale_fusion_gradient(single_
     for (loss0, norm0), (loss3, norm3) in zip(runs[0], runs[3]):
         assert abs(loss3 - loss0) <= 1e-5 * max(1.0, abs(loss0)), runs
         assert abs(norm3 - norm0) <= 5e-5 * max(1.0, norm0), runs
+
+
+@pytest.mark.parametrize("rank", [None, 0])
+def test_one_rank_bucket_reduction_keeps_the_cast_and_the_partition_buffer(single_process, tmp_path, rank):
+    """The patched ``allreduce_and_copy`` against DeepSpeed's own on the same bucket: fp32 gradients through a
+    bf16 communication dtype (rounded, as the bucket rounds them) and their shares added to a given
+    gradient-partition buffer; a no-op in its place fails here."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    _, engine = _engine(tmp_path, parallel={"zero_stage": 2})
+    opt = engine.ds.optimizer
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(40, generator=g) / 3, torch.randn(7, 5, generator=g) / 3]
+    results = []
+    for reduce in (opt.allreduce_and_copy, lambda *a, **k: DeepSpeedZeroOptimizer.allreduce_and_copy(opt, *a, **k)):
+        bucket = [t.clone() for t in grads]
+        buffers = [torch.full((40,), 0.25), None]
+        reduce(bucket, torch.bfloat16, rank=rank, output_bucket=buffers)
+        results.append(bucket + buffers[:1])
+    assert not torch.equal(results[0][0], grads[0])  # rounded through bf16
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)

@@ -127,8 +127,9 @@ class Engine:
         if self._zero_fill_only:
             self.ds.enable_backward_allreduce = False
         # ZeRO-1/2 over one data-parallel rank: the same identity inside DeepSpeed's ZeRO optimiser, whose
-        # bookkeeping (gradient partitions, the zero-fill) stays DeepSpeed's (patches.py, 3.).
-        self._one_rank_reduction_skipped = self.dp_size == 1 and self.zero_stage in (1, 2) and \
+        # bookkeeping (gradient partitions, the zero-fill) stays DeepSpeed's (patches.py, 3.; fp32 buckets
+        # without contiguous gradients, i.e. CPU runs).
+        self._one_rank_all_reduce_patched = self.dp_size == 1 and self.zero_stage in (1, 2) and \
             skip_one_rank_all_reduce(self.ds.optimizer)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(

@@ -13,7 +13,10 @@ deliberate re-check of all three):
    28M parameters a 116 MB allocation per step, which the allocator maps fresh and the kernel faults in
    page by page), divides by 1, all-reduces over the one rank and copies each gradient back. All of
    that is the identity; what it feeds on (the gradient, cast to the communication dtype and back,
-   added to ZeRO's gradient-partition buffer where one is given) is kept.
+   added to ZeRO's gradient-partition buffer where one is given) is kept. Scope: the buckets that reach
+   ``allreduce_and_copy``, i.e. fp32 gradients without ``contiguous_gradients`` (this project's CPU runs);
+   contiguous gradients (GPU), bf16 ZeRO-2's fp32 partition buffer and bf16 ZeRO-1 (``BF16_Optimizer``)
+   still go through DeepSpeed's ``allreduce_bucket``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 names a kernel that is not installed (``persist_layer_norm`` with the torch norm is an assertion in
 ``WrappedTorchNorm``). Which kernel each switch needs:
 
-- ``bias_activation_fusion``, ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU.
-  The activation fusion only for SwiGLU (``bias_swiglu``: exact SiLU), on CPU too, where
-  ``model/swiglu.py`` runs it without a compiler (bitwise the unfused path, one copy fewer each way).
+- ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU.
+- ``bias_activation_fusion``: only for SwiGLU (``bias_swiglu``: exact SiLU), on every device: on GPU
+  Megatron's ``jit_fuser`` kernel, on CPU ``model/swiglu.py`` without a compiler (the unfused path's values,
+  one copy fewer each way; dense MLP only, no MoE here).
   Megatron's fused GELU
   (``bias_gelu``/``bias_geglu``) is the tanh approximation, while the CPU path, the HF export and
   generation compute exact (erf) GELU — a GELU model trains with exact GELU on GPU too, so what the

@@ -8,8 +8,9 @@ are ``torch.compile``d (Megatron's ``jit_fuser``): right on GPU, but on CPU that
 and a compile in every process at the first step. :func:`bias_swiglu_impl` here takes the fused call on
 CPU with plain torch operators: ``silu(x_1) * x_2`` forward (the tensors autograd would save: ``x_1``,
 ``x_2`` and ``silu(x_1)``), and a backward that writes both halves' gradients into one buffer, the same
-operators autograd runs, so values and gradients are bitwise the unfused path's
-(``tests/test_swiglu.py``). On GPU it hands the call to Megatron's compiled function unchanged.
+operators autograd runs, so values and gradients are bitwise the unfused path's except the sign of a
+zero where ``x_2`` is -0.0 (``-0.0 + 0.0`` is +0.0) (``tests/test_swiglu.py``). Only the dense MLP's call is
+replaced: MoE experts and ``weighted_bias_swiglu_impl`` (per-token scales) would still compile on CPU. On GPU it hands the call to Megatron's compiled function unchanged.
 
 :func:`install` puts it where Megatron's MLP looks the function up (``megatron.core.transformer.mlp``);
 the model calls it when it is built, and ``model/kernels.py`` turns the switch on for SwiGLU everywhere.
@@ -35,10 +36,11 @@ class SwiGLU(torch.autograd.Function):
         return activated * x_2
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x_1, x_2, activated = ctx.saved_tensors
         half = x_1.shape[-1]
-        grad_x = torch.empty(grad.shape[:-1] + (2 * half,), dtype=grad.dtype, device=grad.device)
+        grad_x = torch.empty(grad.shape[:-1] + (half + x_2.shape[-1],), dtype=grad.dtype, device=grad.device)
         # d/dx_1 = silu'(x_1) * (grad * x_2), d/dx_2 = grad * silu(x_1): autograd's operators, in place of
         # its two tensors and their concatenation.
         torch.ops.aten.silu_backward.grad_input(grad * x_2, x_1, grad_input=grad_x[..., :half])
