@@ -9,8 +9,9 @@ and a compile in every process at the first step. :func:`bias_swiglu_impl` here 
 CPU with plain torch operators: ``silu(x_1) * x_2`` forward (the tensors autograd would save: ``x_1``,
 ``x_2`` and ``silu(x_1)``), and a backward that writes both halves' gradients into one buffer, the same
 operators autograd runs, so values and gradients are bitwise the unfused path's except the sign of a
-zero where ``x_2`` is -0.0 (``-0.0 + 0.0`` is +0.0) (``tests/test_swiglu.py``). Only the dense MLP's call is
-replaced: MoE experts and ``weighted_bias_swiglu_impl`` (per-token scales) would still compile on CPU. On GPU it hands the call to Megatron's compiled function unchanged.
+zero where ``x_2`` is -0.0 (``-0.0 + 0.0`` is +0.0) (``tests/test_swiglu.py``). On GPU it hands the call
+to Megatron's compiled function unchanged. Only the dense MLP's call is replaced: MoE experts and
+``weighted_bias_swiglu_impl`` (per-token scales) would still compile on CPU.
 
 :func:`install` puts it where Megatron's MLP looks the function up (``megatron.core.transformer.mlp``);
 the model calls it when it is built, and ``model/kernels.py`` turns the switch on for SwiGLU everywhere.
