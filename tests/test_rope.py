@@ -53,6 +53,24 @@ def test_equals_the_definition_and_megatron_bitwise(config):
     assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
 
 
+def test_rotation_equals_megatrons_expression_for_any_cos_sin():
+    """The half-by-half rotation against Megatron's expression written out, ``t·cos + [-t_2, t_1]·sin``,
+    with cos and sin whose halves differ (Megatron's tables repeat them, which would hide a swapped half),
+    on a strided view: values and the gradient bitwise."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 2, 9, 8, generator=g)
+    cos, sin = torch.randn(6, 2, 1, 8, generator=g), torch.randn(6, 2, 1, 8, generator=g)
+    grad = torch.randn(6, 2, 3, 8, generator=g)
+    results = []
+    for fn in (lambda t: rope._Rotate.apply(t, cos, sin),
+               lambda t: t * cos + torch.cat((-t[..., 4:], t[..., :4]), dim=-1) * sin):
+        mixed = base.clone().requires_grad_()
+        out = fn(mixed[:, :, 3:6])
+        out.backward(grad)
+        results.append((out.detach(), mixed.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_a_new_frequency_tensor_is_not_served_from_the_cache(config):
     t = torch.randn(5, 2, 2, 8)
     first, second = frequencies(5, 2, 8, seed=1), frequencies(5, 2, 8, seed=2)

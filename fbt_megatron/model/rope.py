@@ -4,15 +4,16 @@ Megatron-Core's unfused ``apply_rotary_pos_emb`` (bshd layout) computes ``cos`` 
 frequency table on every call — for q and for k, in every layer, every pass — and ends with a
 ``torch.cat`` of the rotated part and the pass-through part, a full copy of q and k even when the
 pass-through part is empty. Hugging Face's Llama computes cos/sin once per forward. This module keeps
-Megatron's formula, ``t·cos + rotate_half(t)·sin`` with the same ops in the same order (so the results
-are bitwise Megatron's), caches cos/sin per frequency tensor and skips the final copy when the rotation
-covers the whole head. In a training or full-sequence forward the model hands every layer and every
-pass the same frequency tensor (and activation recompute hands it again), so cos/sin are computed once;
-decoding with Megatron's KV cache slices the table per layer, so there every call computes its own
-(as Megatron's function does). Tensors made under ``torch.inference_mode`` have no version counter:
-they are not cached. The cache key is the tensor's identity (a weak reference) and its version counter,
-so an in-place change through autograd's view of the tensor is seen; a write through ``.data`` is not
-(nothing here writes frequencies that way).
+Megatron's formula, ``t·cos + rotate_half(t)·sin``, with the same roundings (so the results are bitwise
+Megatron's), caches cos/sin per frequency tensor, writes the rotation half by half into one tensor
+(:class:`_Rotate`: no negated copy, concatenation or second full product, forward or backward) and skips
+the final copy when the rotation covers the whole head. In a training or full-sequence forward the
+model hands every layer and every pass the same frequency tensor (and activation recompute hands it
+again), so cos/sin are computed once; decoding with Megatron's KV cache slices the table per layer,
+so there every call computes its own (as Megatron's function does). Tensors made under
+``torch.inference_mode`` have no version counter: they are not cached. The cache key is the tensor's
+identity (a weak reference) and its version counter, so an in-place change through autograd's view of
+the tensor is seen; a write through ``.data`` is not (nothing here writes frequencies that way).
 
 Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the packed THD layout
 (``cu_seqlens``, Transformer Engine's path on GPU), interleaved rotation, multi-latent attention, a YaRN
@@ -59,9 +60,32 @@ class _CosSin:
 _CACHE = _CosSin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class _Rotate(torch.autograd.Function):
+    """``t·cos + rotate_half(t)·sin`` with ``rotate_half(t) = [-t_2, t_1]``, written half by half into one
+    tensor: ``out_1 = t_1 c_1 - t_2 s_1``, ``out_2 = t_2 c_2 + t_1 s_2``. Megatron's expression makes the
+    negated half, the concatenation and two full products, then adds them (and its backward undoes the
+    concatenation the same way); here a half product is subtracted or added in place. ``(-a)·b + c`` and
+    ``c - a·b`` round alike, so values and gradients are bitwise Megatron's (``tests/test_rope.py``)."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        half = t.shape[-1] // 2
+        out = torch.mul(t, cos)
+        out[..., :half].sub_(torch.mul(t[..., half:], sin[..., :half]))
+        out[..., half:].add_(torch.mul(t[..., :half], sin[..., half:]))
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        # d/dt_1 = g_1 c_1 + g_2 s_2, d/dt_2 = g_2 c_2 - g_1 s_1: the transpose of the rotation
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        grad_t = torch.mul(grad, cos)
+        grad_t[..., :half].add_(torch.mul(grad[..., half:], sin[..., half:]))
+        grad_t[..., half:].sub_(torch.mul(grad[..., :half], sin[..., :half]))
+        return grad_t, None, None
 
 
 def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
@@ -71,7 +95,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
             or freqs.shape[-1] != t.shape[-1]):
         return MEGATRON_APPLY(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
     cos, sin = _cos_sin(freqs, t.dtype) if freqs.is_inference() else _CACHE.get(freqs, t.dtype)
-    return (t * cos) + (_rotate_half(t) * sin)
+    return _Rotate.apply(t, cos, sin)
 
 
 def install() -> None:
