@@ -176,13 +176,15 @@ class SDPADotProductAttention(DotProductAttention):
 
 def adapt_layer_spec(spec, attention_mask: str, sequence_parallel: bool, num_layers: int, packed: bool = False):
     """The layer spec with SDPA for Megatron's local core attention, attention honouring an arbitrary
-    mask (``document_causal``, unless packed) and, under sequence parallelism with Megatron's torch
-    norms (no apex/TE), norms marked for it. Returns a ModuleSpec, or TransformerBlockSubmodules when
-    the block's final norm must change too. ``packed``: the model feeds packed sequences (THD), the
-    attention stays causal within each."""
+    mask (``document_causal``, unless packed) and, in place of Megatron's torch norms (no apex/TE),
+    ``norms.TorchNorm`` (marked for sequence parallelism; RMSNorm's CPU backward in a few passes).
+    Returns a ModuleSpec, or TransformerBlockSubmodules when the block's final norm changes too; then
+    ``num_layers`` is the number of layers this pipeline stage builds (Megatron's
+    ``get_num_layers_to_build``), as Megatron's own block submodules would say. ``packed``: the model
+    feeds packed sequences (THD), the attention stays causal within each."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from fbt_megatron.model.norms import SequenceParallelTorchNorm, is_torch_norm
+    from fbt_megatron.model.norms import TorchNorm, is_torch_norm
 
     spec = copy.deepcopy(spec)
     sub = spec.submodules
@@ -190,10 +192,10 @@ def adapt_layer_spec(spec, attention_mask: str, sequence_parallel: bool, num_lay
         sub.self_attention.submodules.core_attention = SDPADotProductAttention
     if attention_mask == "document_causal" and not packed:
         sub.self_attention.params = dict(sub.self_attention.params, attn_mask_type=AttnMaskType.arbitrary)
-    if sequence_parallel and any(is_torch_norm(getattr(sub, n)) for n in ("input_layernorm", "pre_mlp_layernorm")):
+    if any(is_torch_norm(getattr(sub, n)) for n in ("input_layernorm", "pre_mlp_layernorm")):
         for name in ("input_layernorm", "pre_mlp_layernorm"):
             if is_torch_norm(getattr(sub, name)):
-                setattr(sub, name, SequenceParallelTorchNorm)
+                setattr(sub, name, TorchNorm)
         # The block's final norm comes from the block submodules, not from the layer spec.
-        return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm)
+        return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchNorm)
     return spec

@@ -25,6 +25,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
@@ -177,8 +178,8 @@ class FBTGPTModel(MegatronModule):
             self.attention_backend = "packed-emulation"  # local layers: each document attended alone
         elif not packed and self.attention_backend == "packed":
             self.attention_backend = "unfused"  # TE layers asked for the dense mask
-        spec = adapt_layer_spec(spec, model.attention_mask, config.sequence_parallel, config.num_layers,
-                                packed=packed)
+        spec = adapt_layer_spec(spec, model.attention_mask, config.sequence_parallel,
+                                get_num_layers_to_build(config), packed=packed)  # this stage's layers
         rope.install()  # Megatron's attention computes RoPE's cos/sin once per forward (model/rope.py)
         cross_entropy.install()  # the loss's row maximum without an argmax (model/cross_entropy.py)
         swiglu.install()  # the fused SwiGLU switch on CPU without a compiler (model/swiglu.py)
