@@ -1,6 +1,6 @@
-"""The engine replaces three DeepSpeed methods (fbt_megatron/engine/patches.py). They were written against
+"""The engine replaces four DeepSpeed methods (fbt_megatron/engine/patches.py). They were written against
 DeepSpeed's internals of the versions in ``PATCHED_DEEPSPEED``: this test fails on any other version, so
-an upgrade re-checks all three (the behaviour itself is tested by test_train_nonfinite.py, ZeRO 0-3, and the
+an upgrade re-checks all four (the behaviour itself is tested by test_train_nonfinite.py, ZeRO 0-3, and the
 TP/PP gradient-norm tests; the one-rank reduction by test_engine_step.py)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def test_deepspeed_is_a_version_the_patches_were_checked_against():
 
     ds = _deepspeed()
     assert deepspeed_version() in PATCHED_DEEPSPEED, (
-        f"DeepSpeed {ds.__version__}: the engine's patches (SkippableStep, replace_zero0_clipping, skip_one_rank_all_reduce) were checked "
+        f"DeepSpeed {ds.__version__}: the engine's patches (SkippableStep, replace_zero0_clipping, "
+        f"skip_one_rank_all_reduce, keep_flat_grad_partition) were checked "
         f"against {PATCHED_DEEPSPEED} only; re-check them and add the version to PATCHED_DEEPSPEED")
 
 
@@ -44,3 +45,13 @@ def test_the_patched_methods_are_where_the_patches_expect_them():
     bucket_src = inspect.getsource(DeepSpeedZeroOptimizer.allreduce_bucket)
     assert "tensor = self.flatten(bucket)" in bucket_src and "dist.all_reduce(tensor_to_allreduce" in bucket_src
     assert "tensor_to_allreduce.div_(dist.get_world_size(group=process_group)" in bucket_src
+    # 4. the kept flat gradient partition: the step flattens averaged_gradients[i] itself (the last rank
+    # aligned to the partition size, the others plainly), hands the result to the inner optimiser as the
+    # fp32 partition's .grad and drops it after that group's update
+    zero_step_src = inspect.getsource(DeepSpeedZeroOptimizer.step)
+    assert "self.flatten_dense_tensors_aligned(self.averaged_gradients[i]," in zero_step_src
+    assert "self.flatten(self.averaged_gradients[i])" in zero_step_src
+    update = zero_step_src.index("self._optimizer_step(i)", zero_step_src.index("flat_grad_partition = self.flatten"))
+    assert zero_step_src.index("self.single_partition_of_fp32_groups[i].grad = None", update) > update
+    aligned_src = inspect.getsource(DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned)
+    assert "return self.flatten(align_dense_tensors(tensor_list, alignment))" in aligned_src

@@ -147,6 +147,91 @@ def test_one_rank_zero12_skip_the_bucket_all_reduce_and_update_alike(single_proc
         assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
 
 
+def _kept_partition_steps(tmp_path, zero: int, deepspeeds_flatten: bool):
+    """Three clipped steps at DP=1 and ZeRO-``zero`` (as :func:`_zero_steps`), with the flat gradient
+    partition in the kept buffer or DeepSpeed's fresh one; the model, flat partitions and moments, norms,
+    and the addresses of the gradient each inner-optimiser call saw."""
+    recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
+    zero_optimizer = engine.ds.optimizer
+    assert engine._flat_grad_partition_kept
+    if deepspeeds_flatten:
+        del zero_optimizer.flatten_dense_tensors_aligned  # the class's method again
+        from torch._utils import _flatten_dense_tensors
+
+        zero_optimizer.flatten = _flatten_dense_tensors  # what DeepSpeed's __init__ sets
+    addresses = []
+    real_step = engine.skipper._step
+
+    def step(*a, **k):
+        addresses.append(tuple(p.grad.data_ptr() for g in engine.torch_optimizer.param_groups for p in g["params"]
+                               if p.grad is not None))
+        return real_step(*a, **k)
+
+    engine.skipper._step = step
+    norms = [r.grad_norm for r in _train(recipe, engine)]
+    opt = engine.torch_optimizer
+    flat = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for group in opt.param_groups for p in group["params"]]
+    model = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return model, flat, norms, addresses
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero12_flat_gradient_partition_is_kept_and_updates_alike(single_process, tmp_path, zero):
+    """ZeRO-1/2 on CPU write each step's flat fp32 gradient partition into one kept buffer (the same
+    memory at every step) and update exactly as with DeepSpeed's fresh concatenation: model parameters,
+    flat partitions, moments and clipped gradient norms bit for bit over three steps."""
+    ours = _kept_partition_steps(tmp_path / "a", zero, False)
+    theirs = _kept_partition_steps(tmp_path / "b", zero, True)
+    calls = len(ours[3]) // 3  # one inner-optimiser call per parameter group and step
+    assert calls > 0 and len(ours[3]) == 3 * calls
+    assert ours[3][:calls] == ours[3][calls:2 * calls] == ours[3][2 * calls:]  # the same memory every step
+    assert all(n > 0.05 for n in ours[2]) and ours[2] == theirs[2]
+    for name in ours[0]:
+        assert torch.equal(ours[0][name], theirs[0][name]), name
+    assert len(ours[1]) == len(theirs[1]) > 0
+    for (p, state), (p_ref, state_ref) in zip(ours[1], theirs[1]):
+        assert torch.equal(p, p_ref)
+        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
+
+
+def test_flat_gradient_partition_buffer_only_for_cpu_partitions_without_offload():
+    from fbt_megatron.engine import import_deepspeed
+    from fbt_megatron.engine.patches import keep_flat_grad_partition
+
+    import_deepspeed()
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from torch._utils import _flatten_dense_tensors
+
+    def optimizer(device, offload):
+        opt = object.__new__(DeepSpeedZeroOptimizer)
+        opt.cpu_offload, opt.single_partition_of_fp32_groups = offload, [torch.empty(4, device=device)]
+        opt.flatten = _flatten_dense_tensors
+        return opt
+
+    assert not keep_flat_grad_partition(optimizer("meta", False))  # an accelerator's partitions
+    assert not keep_flat_grad_partition(optimizer("cpu", True))  # offload: DeepSpeed's CPU-Adam path
+    assert not keep_flat_grad_partition(object())
+    opt = optimizer("cpu", False)
+    assert keep_flat_grad_partition(opt)
+    # only the list that is averaged_gradients[i] goes to the kept buffer, padded with zeros as DeepSpeed pads
+    grads, other = [torch.arange(3.0), torch.ones(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
+    opt.averaged_gradients = {0: grads, 1: None}
+    first = opt.flatten_dense_tensors_aligned(grads, 4)
+    assert torch.equal(first, torch.tensor([0.0, 1, 2, 1, 1, 1, 1, 0]))
+    grads[0].fill_(5.0)
+    first.fill_(9.0)  # what the last step left there (the clip scales it in place): overwritten, padding too
+    again = opt.flatten_dense_tensors_aligned(grads, 4)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, torch.tensor([5.0, 5, 5, 1, 1, 1, 1, 0]))
+    assert opt.flatten(grads).data_ptr() != first.data_ptr()  # another size: its own buffer
+    assert opt.flatten(grads).data_ptr() == opt.flatten(grads).data_ptr()
+    fresh = opt.flatten_dense_tensors_aligned(other, 4)  # e.g. the parameters at start-up: DeepSpeed's
+    assert torch.equal(fresh, torch.tensor([0.0, 1, 2, 1, 1, 1, 1, 0])) and fresh.data_ptr() != first.data_ptr()
+    a, b = opt.flatten(other), opt.flatten(other)  # both alive: fresh tensors, not one kept buffer
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero):
     """Every call of the inner optimiser (torch's fused AdamW, on the model's parameters at ZeRO-0 and

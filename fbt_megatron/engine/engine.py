@@ -30,7 +30,8 @@ from fbt_megatron import runtime
 from fbt_megatron.engine.deepspeed_config import deepspeed_config, import_deepspeed
 from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
-from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping, skip_one_rank_all_reduce
+from fbt_megatron.engine.patches import (SkippableStep, keep_flat_grad_partition, replace_zero0_clipping,
+                                        skip_one_rank_all_reduce)
 
 
 NORM_CHUNK_ELEMENTS = 1 << 16  # 512 KiB in float64: a piece's copy stays in cache, its memory is reused
@@ -131,6 +132,9 @@ class Engine:
         # without contiguous gradients, i.e. CPU runs).
         self._one_rank_all_reduce_patched = self.dp_size == 1 and self.zero_stage in (1, 2) and \
             skip_one_rank_all_reduce(self.ds.optimizer)
+        # ZeRO-1/2 on CPU: the flat fp32 gradient partition each step builds goes into a kept buffer instead
+        # of a fresh mapping faulted in page by page (patches.py, 4.).
+        self._flat_grad_partition_kept = self.zero_stage in (1, 2) and keep_flat_grad_partition(self.ds.optimizer)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(
             self.ds.optimizer, "immediate_grad_update", False)

@@ -1,6 +1,6 @@
-"""The three places where the engine replaces a DeepSpeed method, and the DeepSpeed versions they were
+"""The four places where the engine replaces a DeepSpeed method, and the DeepSpeed versions they were
 written against (``tests/test_engine_patches.py`` fails on any other version, so an upgrade is a
-deliberate re-check of all three):
+deliberate re-check of all four):
 
 1. :class:`SkippableStep` replaces the inner torch optimiser's ``step`` so a step can be skipped
    entirely (non-finite loss) and so the engine learns whether DeepSpeed stepped at all (it does not
@@ -17,6 +17,12 @@ deliberate re-check of all three):
    ``allreduce_and_copy``, i.e. fp32 gradients without ``contiguous_gradients`` (this project's CPU runs);
    contiguous gradients (GPU), bf16 ZeRO-2's fp32 partition buffer and bf16 ZeRO-1 (``BF16_Optimizer``)
    still go through DeepSpeed's ``allreduce_bucket``.
+4. :func:`keep_flat_grad_partition` gives ZeRO-1/2's step, on CPU, a kept buffer for the flat fp32
+   gradient partition it builds every step (``flatten_dense_tensors_aligned`` or ``flatten`` of
+   ``averaged_gradients[i]``): DeepSpeed concatenates into a fresh tensor the size of the partition (420 MB
+   at 105M parameters), which on CPU is mapped fresh and faulted in page by page, every step. The values
+   are the same copy; the buffer stays allocated between steps (the partition's size in fp32, what
+   ZeRO-0 keeps as ``.grad``). On GPU the caching allocator already reuses the memory: not installed.
 """
 
 from __future__ import annotations
@@ -87,4 +93,46 @@ def skip_one_rank_all_reduce(zero_optimizer) -> bool:
                 grad.copy_(synced)
 
     zero_optimizer.allreduce_and_copy = allreduce_and_copy
+    return True
+
+
+def keep_flat_grad_partition(zero_optimizer) -> bool:
+    """ZeRO-1/2's flat fp32 gradient partition written into a buffer kept between steps (4. above), for
+    a DeepSpeed ZeRO-1/2 optimiser on CPU without offload; returns whether it was installed. Only the
+    flatten of ``averaged_gradients[i]`` (the list object itself) takes the buffer; every other flatten
+    (parameters at start-up, checkpoint loading, gradient buckets) is DeepSpeed's. The step hands the
+    partition to the inner optimiser as ``.grad`` and drops it after that group's update, before the
+    next group's flatten, so one buffer per size serves every group."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if (not isinstance(zero_optimizer, stage_1_and_2.DeepSpeedZeroOptimizer) or zero_optimizer.cpu_offload
+            or any(p.device.type != "cpu" for p in zero_optimizer.single_partition_of_fp32_groups)):
+        return False
+    kept: dict[tuple, torch.Tensor] = {}
+    original_flatten, original_aligned = zero_optimizer.flatten, zero_optimizer.flatten_dense_tensors_aligned
+
+    def is_grad_partition(tensors) -> bool:
+        return len(tensors) > 0 and any(tensors is grads for grads in zero_optimizer.averaged_gradients.values())
+
+    def into_kept(tensors, alignment: int = 1) -> torch.Tensor:
+        total = sum(t.numel() for t in tensors)
+        size = -(-total // alignment) * alignment  # align_dense_tensors pads with zeros to a multiple
+        key = (size, tensors[0].dtype, tensors[0].device)
+        if key not in kept:
+            kept[key] = torch.empty(size, dtype=tensors[0].dtype, device=tensors[0].device)
+        flat = kept[key]
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[:total])
+        flat[total:].zero_()
+        return flat
+
+    def flatten(tensors):
+        return into_kept(tensors) if is_grad_partition(tensors) else original_flatten(tensors)
+
+    def flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data=False, param_padding=None):
+        if is_grad_partition(tensor_list) and not use_cpu_data and param_padding is None:
+            return into_kept(tensor_list, alignment)
+        return original_aligned(tensor_list, alignment, use_cpu_data=use_cpu_data, param_padding=param_padding)
+
+    zero_optimizer.flatten = flatten
+    zero_optimizer.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
     return True
