@@ -105,6 +105,25 @@ def test_other_stages_keep_deepspeeds_reduction(single_process, tmp_path, zero):
     assert engine.ds.enable_backward_allreduce is True
 
 
+def _zero_state(engine):
+    """The model's parameters by name, and the inner optimiser's (flat) parameters with their moments."""
+    opt = engine.torch_optimizer
+    flat = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for group in opt.param_groups for p in group["params"]]
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, flat
+
+
+def _assert_same_update(ours, theirs):
+    """Bit for bit the same model parameters, flat partitions and moments (``_zero_state``'s two)."""
+    assert ours[0].keys() == theirs[0].keys()
+    for name in ours[0]:
+        assert torch.equal(ours[0][name], theirs[0][name]), name
+    assert len(ours[1]) == len(theirs[1]) > 0
+    for (p, state), (p_ref, state_ref) in zip(ours[1], theirs[1]):
+        assert torch.equal(p, p_ref)
+        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
+
+
 def _zero_steps(tmp_path, zero: int, deepspeeds_reduction: bool, monkeypatch):
     """Three clipped steps (1, 2, 2 passes) at DP=1 and ZeRO-``zero``; the model's parameters, the inner
     optimiser's (flat) parameters and moments, the gradient norms and how many all-reduces DeepSpeed's
@@ -120,12 +139,8 @@ def _zero_steps(tmp_path, zero: int, deepspeeds_reduction: bool, monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: calls.append(tensor.numel()) or real(tensor, *a, **k))
     norms = [r.grad_norm for r in _train(recipe, engine)]
     monkeypatch.setattr(dist, "all_reduce", real)
-    opt = engine.torch_optimizer
-    flat = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
-            for group in opt.param_groups for p in group["params"]]
-    model = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     big = sum(n > 10_000 for n in calls)  # the gradient buckets (the norm's all-reduces are scalars)
-    return model, flat, norms, big
+    return (*_zero_state(engine), norms, big)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -138,13 +153,7 @@ def test_one_rank_zero12_skip_the_bucket_all_reduce_and_update_alike(single_proc
     theirs = _zero_steps(tmp_path / "b", zero, True, monkeypatch)
     assert ours[3] == 0 and theirs[3] >= 3  # the buckets went through the all-reduce only in DeepSpeed's
     assert all(n > 0.05 for n in ours[2]) and ours[2] == theirs[2]  # clipping active, the same norms
-    assert ours[0].keys() == theirs[0].keys()
-    for name in ours[0]:
-        assert torch.equal(ours[0][name], theirs[0][name]), name
-    assert len(ours[1]) == len(theirs[1]) > 0
-    for (p, state), (p_ref, state_ref) in zip(ours[1], theirs[1]):
-        assert torch.equal(p, p_ref)
-        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
+    _assert_same_update(ours, theirs)
 
 
 def _kept_partition_steps(tmp_path, zero: int, deepspeeds_flatten: bool):
@@ -169,11 +178,7 @@ def _kept_partition_steps(tmp_path, zero: int, deepspeeds_flatten: bool):
 
     engine.skipper._step = step
     norms = [r.grad_norm for r in _train(recipe, engine)]
-    opt = engine.torch_optimizer
-    flat = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
-            for group in opt.param_groups for p in group["params"]]
-    model = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    return model, flat, norms, addresses
+    return (*_zero_state(engine), norms, addresses)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -187,12 +192,7 @@ def test_zero12_flat_gradient_partition_is_kept_and_updates_alike(single_process
     assert calls > 0 and len(ours[3]) == 3 * calls
     assert ours[3][:calls] == ours[3][calls:2 * calls] == ours[3][2 * calls:]  # the same memory every step
     assert all(n > 0.05 for n in ours[2]) and ours[2] == theirs[2]
-    for name in ours[0]:
-        assert torch.equal(ours[0][name], theirs[0][name]), name
-    assert len(ours[1]) == len(theirs[1]) > 0
-    for (p, state), (p_ref, state_ref) in zip(ours[1], theirs[1]):
-        assert torch.equal(p, p_ref)
-        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
+    _assert_same_update(ours, theirs)
 
 
 def test_flat_gradient_partition_buffer_only_for_cpu_partitions_without_offload():
