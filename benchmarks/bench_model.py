@@ -56,7 +56,7 @@ def main():
     doc_rows = doc_start.clone()
     doc_rows[:, args.seq // 2] = True  # two documents per row
     # the same layers as the FBT model (the local spec with its SDPA core attention): like for like
-    spec = adapt_layer_spec(layer_spec(cfg), "causal", False, cfg.num_layers)
+    spec = adapt_layer_spec(layer_spec(cfg), "causal", cfg.num_layers)
     plain = GPTModel(config=fbt.config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_sequence_length, position_embedding_type="rope",
                      share_embeddings_and_output_weights=True).to(dev)

@@ -53,5 +53,7 @@ def test_the_patched_methods_are_where_the_patches_expect_them():
     assert "self.flatten(self.averaged_gradients[i])" in zero_step_src
     update = zero_step_src.index("self._optimizer_step(i)", zero_step_src.index("flat_grad_partition = self.flatten"))
     assert zero_step_src.index("self.single_partition_of_fp32_groups[i].grad = None", update) > update
+    assert list(inspect.signature(DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned).parameters) == [
+        "self", "tensor_list", "alignment", "use_cpu_data", "param_padding"]  # the wrapper's arguments
     aligned_src = inspect.getsource(DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned)
     assert "return self.flatten(align_dense_tensors(tensor_list, alignment))" in aligned_src

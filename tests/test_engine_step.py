@@ -228,6 +228,9 @@ def test_flat_gradient_partition_buffer_only_for_cpu_partitions_without_offload(
     assert opt.flatten(grads).data_ptr() == opt.flatten(grads).data_ptr()
     fresh = opt.flatten_dense_tensors_aligned(other, 4)  # e.g. the parameters at start-up: DeepSpeed's
     assert torch.equal(fresh, torch.tensor([0.0, 1, 2, 1, 1, 1, 1, 0])) and fresh.data_ptr() != first.data_ptr()
+    single = [torch.arange(4.0)]  # one tensor: DeepSpeed's flatten is a view of it, no copy to save
+    opt.averaged_gradients[1] = single
+    assert opt.flatten(single).data_ptr() == single[0].data_ptr()
     a, b = opt.flatten(other), opt.flatten(other)  # both alive: fresh tensors, not one kept buffer
     assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
 

@@ -14,7 +14,7 @@ def test_fusion_off_is_plain_megatron_gpt(single_process):
     fbt = build_model(cfg, feedback(fusion="off")).eval()
     assert fbt.feedback is None
     # Megatron's GPTModel with the same layers (the local spec with the project's SDPA core attention)
-    spec = adapt_layer_spec(layer_spec(cfg), cfg.attention_mask, False, cfg.num_layers)
+    spec = adapt_layer_spec(layer_spec(cfg), cfg.attention_mask, cfg.num_layers)
     plain = GPTModel(
         config=fbt.config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length, position_embedding_type="rope",

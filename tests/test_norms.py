@@ -61,7 +61,9 @@ def test_module_takes_the_cpu_path_with_torchs_parameters_and_eps():
     x = torch.randn(4, 2, 16) * 1e-4  # small enough that eps matters
     reference = torch.nn.RMSNorm(16, eps=None)
     reference.load_state_dict(norm.state_dict())
-    assert torch.equal(norm(x), reference(x))
+    out = norm(x)
+    assert type(out.grad_fn).__name__ == "RMSNormFunctionBackward"  # the function, not torch's composite
+    assert torch.equal(out, reference(x))
 
 
 @pytest.mark.parametrize("case", ["bfloat16", "no_weight", "2d_shape"])
@@ -89,17 +91,36 @@ def _loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_model_uses_it_and_trains_as_with_torchs_norm(single_process):
+def test_model_uses_it_and_trains_as_with_torchs_norm(single_process, monkeypatch):
     """The Llama-shaped model's every RMSNorm (layers and final) is this one; with torch's norm swapped
     back in, the same loss bitwise (3 passes) and every gradient to rounding."""
     torch.manual_seed(0)
     model = build_model(tiny_model_config(**LLAMA), feedback(fusion="glu"))
     rms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
     assert len(rms) == 2 * LLAMA["num_layers"] + 1 and all(type(m) is norms.RMSNorm for m in rms)
+    calls = []
+    real_apply = norms.RMSNormFunction.apply
+    monkeypatch.setattr(norms.RMSNormFunction, "apply", lambda *a: calls.append(1) or real_apply(*a))
     ours = _loss_and_grads(model)
+    assert len(calls) == 3 * len(rms)  # every norm, in each of the 3 passes
+    monkeypatch.setattr(norms.RMSNormFunction, "apply", real_apply)
     for m in rms:
         m.__class__ = torch.nn.RMSNorm
     torchs = _loss_and_grads(model)
     assert torch.equal(ours[0], torchs[0])
     for name, grad in ours[1].items():
         torch.testing.assert_close(grad, torchs[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("option", ["layernorm_zero_centered_gamma", "persist_layer_norm",
+                                    "memory_efficient_layer_norm"])
+def test_torch_norm_refuses_what_only_apex_or_te_norms_do(single_process, option):
+    """What Megatron's WrappedTorchNorm asserts against, refused with the option's name (zero-centred gamma
+    would otherwise be silently the wrong formula)."""
+    from fbt_megatron.model.fbt_gpt import transformer_config
+
+    config = transformer_config(tiny_model_config(**LLAMA))
+    assert isinstance(norms.TorchNorm(config, 32), norms.RMSNorm)
+    setattr(config, option, True)
+    with pytest.raises(ValueError, match=option):
+        norms.TorchNorm(config, 32)

@@ -21,8 +21,9 @@ deliberate re-check of all four):
    gradient partition it builds every step (``flatten_dense_tensors_aligned`` or ``flatten`` of
    ``averaged_gradients[i]``): DeepSpeed concatenates into a fresh tensor the size of the partition (420 MB
    at 105M parameters), which on CPU is mapped fresh and faulted in page by page, every step. The values
-   are the same copy; the buffer stays allocated between steps (the partition's size in fp32, what
-   ZeRO-0 keeps as ``.grad``). On GPU the caching allocator already reuses the memory: not installed.
+   are the same copy. The cost: the buffer stays allocated through forward and backward, where the fresh
+   tensor lived only during the step, so the peak memory can rise by the partition's size in fp32. On GPU
+   the caching allocator already reuses the memory: not installed.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def keep_flat_grad_partition(zero_optimizer) -> bool:
     original_flatten, original_aligned = zero_optimizer.flatten, zero_optimizer.flatten_dense_tensors_aligned
 
     def is_grad_partition(tensors) -> bool:
-        return len(tensors) > 0 and any(tensors is grads for grads in zero_optimizer.averaged_gradients.values())
+        # one tensor flattens to a view of itself (no copy, no fresh memory): DeepSpeed's
+        return len(tensors) > 1 and any(tensors is grads for grads in zero_optimizer.averaged_gradients.values())
 
     def into_kept(tensors, alignment: int = 1) -> torch.Tensor:
         total = sum(t.numel() for t in tensors)

@@ -174,7 +174,7 @@ class SDPADotProductAttention(DotProductAttention):
         return out.transpose(0, 1).reshape(sq, batch, -1)
 
 
-def adapt_layer_spec(spec, attention_mask: str, sequence_parallel: bool, num_layers: int, packed: bool = False):
+def adapt_layer_spec(spec, attention_mask: str, num_layers: int, packed: bool = False):
     """The layer spec with SDPA for Megatron's local core attention, attention honouring an arbitrary
     mask (``document_causal``, unless packed) and, in place of Megatron's torch norms (no apex/TE),
     ``norms.TorchNorm`` (marked for sequence parallelism; RMSNorm's CPU backward in a few passes).

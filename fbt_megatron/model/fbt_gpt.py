@@ -134,7 +134,8 @@ def _seeded_layer_spec(spec, base_seed: int):
 
 
 def _seeded_spec(spec, base_seed: int):
-    """:func:`_seeded_layer_spec` for a layer spec or for block submodules (sequence parallelism)."""
+    """:func:`_seeded_layer_spec` for a layer spec or for block submodules (local layers with
+    ``norms.TorchNorm``, see ``adapt_layer_spec``)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if isinstance(spec, TransformerBlockSubmodules):
@@ -178,8 +179,8 @@ class FBTGPTModel(MegatronModule):
             self.attention_backend = "packed-emulation"  # local layers: each document attended alone
         elif not packed and self.attention_backend == "packed":
             self.attention_backend = "unfused"  # TE layers asked for the dense mask
-        spec = adapt_layer_spec(spec, model.attention_mask, config.sequence_parallel,
-                                get_num_layers_to_build(config), packed=packed)  # this stage's layers
+        spec = adapt_layer_spec(spec, model.attention_mask, get_num_layers_to_build(config),
+                                packed=packed)  # this stage's layers
         rope.install()  # Megatron's attention computes RoPE's cos/sin once per forward (model/rope.py)
         cross_entropy.install()  # the loss's row maximum without an argmax (model/cross_entropy.py)
         swiglu.install()  # the fused SwiGLU switch on CPU without a compiler (model/swiglu.py)

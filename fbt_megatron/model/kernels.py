@@ -2,7 +2,8 @@
 
 ``TransformerConfig`` asks for fusions by flag, and Megatron asserts or fails at run time when a flag
 names a kernel that is not installed (``persist_layer_norm`` with the torch norm is an assertion in
-``WrappedTorchNorm``). Which kernel each switch needs:
+``WrappedTorchNorm``, and a ``ValueError`` in ``norms.TorchNorm`` that replaces it). Which kernel each
+switch needs:
 
 - ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU.
 - ``bias_activation_fusion``: only for SwiGLU (``bias_swiglu``: exact SiLU), on every device: on GPU

@@ -9,11 +9,11 @@ gradient is partial and must be summed over the TP group. Megatron's apex/TE nor
 :class:`fbt_megatron.engine.Engine` sums such gradients over TP. The math of the norm is per token, so
 nothing else changes.
 
-torch's RMSNorm on CPU is a composite of a dozen elementwise operators, and autograd differentiates each
-of them: at ``[128, 8, 768]`` its forward and backward take ~4 ms where :class:`RMSNormFunction` takes
-~1 ms, and a 100M model runs 58 of them per step. The forward is torch's own operators (bitwise its
-values); the backward is the closed form, close to autograd's to rounding. GPU tensors, other dtypes and
-norms without a weight go to torch unchanged.
+torch's RMSNorm on CPU is a composite of six elementwise operators, and autograd differentiates each of
+them (about a dozen kernels forward and backward): at ``[128, 8, 768]`` its forward and backward take
+~4 ms where :class:`RMSNormFunction` takes ~1 ms, and a 100M model runs 58 of them per step. The forward is
+torch's own operators (bitwise its values); the backward is the closed form, close to autograd's to
+rounding. GPU tensors, other dtypes and norms without a weight go to torch unchanged.
 """
 
 from __future__ import annotations
@@ -67,9 +67,16 @@ class RMSNorm(torch.nn.RMSNorm):
 
 class TorchNorm:
     """Megatron's norm constructor for its local layers; returns a ``torch.nn.LayerNorm`` or
-    :class:`RMSNorm` whose weights carry ``sequence_parallel`` as the config says."""
+    :class:`RMSNorm` in ``params_dtype`` (as apex's and TE's norms are; ``WrappedTorchNorm`` left them in
+    the default dtype) whose weights carry ``sequence_parallel`` as the config says."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        # WrappedTorchNorm's refusals, except sequence parallelism (handled here): a torch norm has none
+        # of these kernels, and ignoring zero-centred gamma would be the wrong formula
+        for option in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+            if getattr(config, option, False):
+                raise ValueError(f"{option} needs apex's or Transformer Engine's norm; the torch norm of "
+                                 "Megatron's local layers has none")
         if config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         elif config.normalization == "RMSNorm":

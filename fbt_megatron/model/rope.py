@@ -6,9 +6,9 @@ frequency table on every call — for q and for k, in every layer, every pass �
 pass-through part is empty. Hugging Face's Llama computes cos/sin once per forward. This module keeps
 Megatron's formula, ``t·cos + rotate_half(t)·sin``, with the same roundings (so the results are bitwise
 Megatron's), caches cos/sin per frequency tensor, writes the rotation half by half into one tensor
-(:class:`_Rotate`: no negated copy, concatenation or second full product, forward or backward) and skips
-the final copy when the rotation covers the whole head. In a training or full-sequence forward the
-model hands every layer and every pass the same frequency tensor (and activation recompute hands it
+(:class:`_Rotate`: the ``sin`` product in two half-size pieces, no negated copy, concatenation or
+full-size addition, forward or backward) and skips the final copy when the rotation covers the whole
+head. In a training or full-sequence forward the model hands every layer and every pass the same frequency tensor (and activation recompute hands it
 again), so cos/sin are computed once; decoding with Megatron's KV cache slices the table per layer,
 so there every call computes its own (as Megatron's function does). Tensors made under
 ``torch.inference_mode`` have no version counter: they are not cached. The cache key is the tensor's
@@ -64,7 +64,7 @@ class _Rotate(torch.autograd.Function):
     """``t·cos + rotate_half(t)·sin`` with ``rotate_half(t) = [-t_2, t_1]``, written half by half into one
     tensor: ``out_1 = t_1 c_1 - t_2 s_1``, ``out_2 = t_2 c_2 + t_1 s_2``. Megatron's expression makes the
     negated half, the concatenation and two full products, then adds them (and its backward undoes the
-    concatenation the same way); here a half product is subtracted or added in place. ``(-a)·b + c`` and
+    concatenation the same way); here each half's ``sin`` product is subtracted or added in place. ``(-a)·b + c`` and
     ``c - a·b`` round alike, so values and gradients are bitwise Megatron's (``tests/test_rope.py``)."""
 
     @staticmethod
