@@ -8,12 +8,13 @@ Megatron's formula, ``t·cos + rotate_half(t)·sin``, with the same roundings (s
 Megatron's), caches cos/sin per frequency tensor, writes the rotation half by half into one tensor
 (:class:`_Rotate`: the ``sin`` product in two half-size pieces, no negated copy, concatenation or
 full-size addition, forward or backward) and skips the final copy when the rotation covers the whole
-head. In a training or full-sequence forward the model hands every layer and every pass the same frequency tensor (and activation recompute hands it
-again), so cos/sin are computed once; decoding with Megatron's KV cache slices the table per layer,
-so there every call computes its own (as Megatron's function does). Tensors made under
-``torch.inference_mode`` have no version counter: they are not cached. The cache key is the tensor's
-identity (a weak reference) and its version counter, so an in-place change through autograd's view of
-the tensor is seen; a write through ``.data`` is not (nothing here writes frequencies that way).
+head. In a training or full-sequence forward the model hands every layer and every pass the same
+frequency tensor (and activation recompute hands it again), so cos/sin are computed once; decoding with
+Megatron's KV cache slices the table per layer, so there every call computes its own (as Megatron's
+function does). Tensors made under ``torch.inference_mode`` have no version counter: they are not
+cached. The cache key is the tensor's identity (a weak reference) and its version counter, so an
+in-place change through autograd's view of the tensor is seen; a write through ``.data`` is not (nothing
+here writes frequencies that way).
 
 Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the packed THD layout
 (``cu_seqlens``, Transformer Engine's path on GPU), interleaved rotation, multi-latent attention, a YaRN
@@ -61,11 +62,12 @@ _CACHE = _CosSin()
 
 
 class _Rotate(torch.autograd.Function):
-    """``t·cos + rotate_half(t)·sin`` with ``rotate_half(t) = [-t_2, t_1]``, written half by half into one
-    tensor: ``out_1 = t_1 c_1 - t_2 s_1``, ``out_2 = t_2 c_2 + t_1 s_2``. Megatron's expression makes the
-    negated half, the concatenation and two full products, then adds them (and its backward undoes the
-    concatenation the same way); here each half's ``sin`` product is subtracted or added in place. ``(-a)·b + c`` and
-    ``c - a·b`` round alike, so values and gradients are bitwise Megatron's (``tests/test_rope.py``)."""
+    """``t·cos + rotate_half(t)·sin`` with ``rotate_half(t) = [-t_2, t_1]``, written half by half into
+    one tensor: ``out_1 = t_1 c_1 - t_2 s_1``, ``out_2 = t_2 c_2 + t_1 s_2``. Megatron's expression
+    makes the negated half, the concatenation and two full products, then adds them (and its backward
+    undoes the concatenation the same way); here each half's ``sin`` product is subtracted or added in
+    place. ``(-a)·b + c`` and ``c - a·b`` round alike, so values and gradients are bitwise Megatron's
+    (``tests/test_rope.py``)."""
 
     @staticmethod
     def forward(ctx, t, cos, sin):
