@@ -29,6 +29,16 @@ def make_inputs(batch=2, seq=10, vocab=64, seed=0):
     return ids, labels, doc_start
 
 
+def loss_and_grads(model, num_passes: int):
+    """The summed token loss of one forward and backward on :func:`make_inputs` (12 positions, the
+    jitter drawn alike in every call), and the gradient of every parameter that got one."""
+    ids, labels, doc_start = make_inputs(seq=12)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, doc_start=doc_start, labels=labels, num_passes=num_passes, jitter_seed=7).token_loss.sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def shard(full: torch.Tensor, param, name: str = "", model=None) -> torch.Tensor:
     """The slice of a TP=1 tensor that this rank's TP-sharded parameter holds."""
     return tp_layout.to_local(name, full, param, model)

@@ -8,7 +8,7 @@ import torch
 
 from fbt_megatron.model import norms
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 
 def rms_norm_from_definition(x, w, eps):
@@ -83,14 +83,6 @@ def test_other_cases_go_to_torch(case, monkeypatch):
     assert torch.equal(norm(x), reference(x))
 
 
-def _loss_and_grads(model):
-    ids, labels, doc_start = make_inputs(seq=12)
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, doc_start=doc_start, labels=labels, num_passes=3, jitter_seed=7).token_loss.sum()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def test_model_uses_it_and_trains_as_with_torchs_norm(single_process, monkeypatch):
     """The Llama-shaped model's every RMSNorm (layers and final) is this one; with torch's norm swapped
     back in, the same loss bitwise (3 passes) and every gradient to rounding."""
@@ -101,12 +93,13 @@ def test_model_uses_it_and_trains_as_with_torchs_norm(single_process, monkeypatc
     calls = []
     real_apply = norms.RMSNormFunction.apply
     monkeypatch.setattr(norms.RMSNormFunction, "apply", lambda *a: calls.append(1) or real_apply(*a))
-    ours = _loss_and_grads(model)
+    ours = loss_and_grads(model, 3)
     assert len(calls) == 3 * len(rms)  # every norm, in each of the 3 passes
     monkeypatch.setattr(norms.RMSNormFunction, "apply", real_apply)
     for m in rms:
         m.__class__ = torch.nn.RMSNorm
-    torchs = _loss_and_grads(model)
+    torchs = loss_and_grads(model, 3)
+    assert ours[1].keys() == torchs[1].keys() == {n for n, _ in model.named_parameters()}  # every parameter
     assert torch.equal(ours[0], torchs[0])
     for name, grad in ours[1].items():
         torch.testing.assert_close(grad, torchs[1][name], rtol=1e-4, atol=1e-6, msg=name)

@@ -14,7 +14,7 @@ from megatron.core.transformer import attention as megatron_attention
 
 from fbt_megatron.model import rope
 from fbt_megatron.model.fbt_gpt import build_model, transformer_config
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 
 def rope_from_definition(t, angles):
@@ -132,15 +132,6 @@ def test_other_cases_go_to_megatron(config, case, monkeypatch):
     assert rope.apply_rotary_pos_emb(t, freqs, config, **kwargs) == "megatron" and len(calls) == 1
 
 
-def _loss_and_grads(model, num_passes):
-    ids, labels, doc_start = make_inputs(seq=12)
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, doc_start=doc_start, labels=labels, num_passes=num_passes,
-                 jitter_seed=7).token_loss.sum()  # the jitter drawn alike in both runs
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("num_passes,recompute", [(1, "none"), (3, "none"), (3, "full")])
 def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkeypatch, num_passes, recompute):
     """The whole model (Llama-shaped, document-causal, k passes, with and without full activation
@@ -152,11 +143,11 @@ def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkey
     cos_calls = []
     real_cos = torch.cos
     monkeypatch.setattr(torch, "cos", lambda x: cos_calls.append(1) or real_cos(x))
-    ours = _loss_and_grads(model, num_passes)
+    ours = loss_and_grads(model, num_passes)
     assert len(cos_calls) == 1
     monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb", rope.MEGATRON_APPLY)
     cos_calls.clear()
-    theirs = _loss_and_grads(model, num_passes)
+    theirs = loss_and_grads(model, num_passes)
     recomputed = 2 if recompute == "full" else 1  # the forward, then again in backward
     assert len(cos_calls) == 2 * LLAMA["num_layers"] * num_passes * recomputed  # q and k, every layer and pass
     assert torch.equal(ours[0], theirs[0])

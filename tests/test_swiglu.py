@@ -15,7 +15,7 @@ from megatron.core.transformer import mlp as megatron_mlp
 
 from fbt_megatron.model import swiglu
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 
 def test_equals_the_definition_in_float64():
@@ -75,24 +75,16 @@ def test_megatron_mlp_fused_on_cpu_equals_unfused_bitwise(single_process, bias):
         assert torch.equal(ours, theirs)
 
 
-def _loss_and_grads(model, num_passes):
-    ids, labels, doc_start = make_inputs(seq=12)
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, doc_start=doc_start, labels=labels, num_passes=num_passes, jitter_seed=7).token_loss.sum()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("num_passes,recompute", [(1, "none"), (3, "full")])
 def test_model_equals_the_unfused_path_bitwise(single_process, num_passes, recompute):
     torch.manual_seed(0)
     model = build_model(tiny_model_config(**LLAMA, recompute=recompute), feedback(fusion="glu"))
     config = model.config
     assert config.bias_activation_fusion
-    fused = _loss_and_grads(model, num_passes)
+    fused = loss_and_grads(model, num_passes)
     config.bias_activation_fusion = False  # the layers share the model's config
     try:
-        plain = _loss_and_grads(model, num_passes)
+        plain = loss_and_grads(model, num_passes)
     finally:
         config.bias_activation_fusion = True
     assert torch.equal(fused[0], plain[0]) and fused[1].keys() == plain[1].keys()
