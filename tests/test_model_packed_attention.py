@@ -169,14 +169,25 @@ def test_additive_mask_is_the_boolean_one_converted_once_per_mask():
     converted = attention.additive_mask(first, torch.float32)
     assert torch.equal(converted, expected(first, torch.float32))
     assert attention.additive_mask(first, torch.float32) is converted  # the same mask: converted once
+    first_entry = attention._ADDITIVE  # held (as a reader in another thread may): its callback stays armed
     second = ~first  # same shape and version, other content
     assert torch.equal(attention.additive_mask(second, torch.float32), expected(second, torch.float32))
     assert attention.additive_mask(second, torch.bfloat16).dtype == torch.bfloat16
     second[1, 0, 2, 4] = ~second[1, 0, 2, 4]  # changed in place
-    assert torch.equal(attention.additive_mask(second, torch.bfloat16), expected(second, torch.bfloat16))
-    del first, second, converted
+    kept = attention.additive_mask(second, torch.bfloat16)
+    assert torch.equal(kept, expected(second, torch.bfloat16))
+    del first, converted
     gc.collect()
-    assert attention._ADDITIVE == []  # nothing kept once its mask is gone
+    assert attention.additive_mask(second, torch.bfloat16) is kept  # an older mask's death leaves it
+    del first_entry
+    with torch.inference_mode():  # converted, not kept: an inference tensor cannot be saved for backward
+        assert torch.equal(attention.additive_mask(second, torch.float32), expected(second, torch.float32))
+        made_inside = torch.ones(1, 1, 2, 2, dtype=torch.bool).triu(1)
+        assert torch.equal(attention.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
+    assert attention.additive_mask(second, torch.bfloat16) is kept
+    del second, kept
+    gc.collect()
+    assert attention._ADDITIVE is None  # nothing kept once its mask is gone
 
 
 def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):
@@ -192,7 +203,9 @@ def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):
 
     def spy(q, k, v, **kw):  # q, k, v: [b, heads, s, d] views
         seen["inputs"] = [t.transpose(1, 2).is_contiguous() for t in (q, k, v)]
+        seen["mask"] = kw["attn_mask"].dtype  # the additive conversion, not SDPA's own per call
         out = real(q, k, v, **kw)
+
         def on_grad(grad):
             seen["grad"] = grad.transpose(1, 2).is_contiguous()
 
@@ -209,4 +222,4 @@ def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):
     out = _core_attention(SDPADotProductAttention, config, AttnMaskType.arbitrary)(q, k, v, mask)
     assert out.shape == (s, b, heads * d) and out.is_contiguous()
     out.backward(torch.ones_like(out))
-    assert seen == {"inputs": [True, True, True], "grad": True}
+    assert seen == {"inputs": [True, True, True], "mask": torch.float32, "grad": True}

@@ -23,10 +23,11 @@ How attention runs (``attention_backend``):
 - ``sdpa`` (Megatron's local layers: CPU, or a GPU without TE): Megatron's core attention is replaced by
   :class:`SDPADotProductAttention`, which computes the same thing with ``torch.nn.functional.
   scaled_dot_product_attention`` (fused kernels on CPU and GPU, no stored S x S probabilities) from a
-  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention), converted to SDPA's
-  additive form once per mask (:func:`additive_mask`), with query, key, value and the output's gradient
-  laid out ``[B, S, heads, d]``, the layout SDPA's kernels run fastest on. For ``document_causal`` the
-  spec's self-attention is switched to ``AttnMaskType.arbitrary`` so the mask is honoured.
+  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention); on CPU converted to
+  SDPA's additive form once per mask (:func:`additive_mask`), with query, key, value and the output's
+  gradient laid out ``[B, S, heads, d]``, the layout SDPA's CPU kernels run fastest on. For
+  ``document_causal`` the spec's self-attention is switched to ``AttnMaskType.arbitrary`` so the mask
+  is honoured.
 - ``unfused`` (TE layers with a mask: ``document_causal`` under sequence parallelism): the dense mask
   with ``arbitrary``, which TE runs with its unfused backend — 5·a·s²·b bytes of scores per layer.
 
@@ -64,24 +65,35 @@ def document_causal_mask(reset: torch.Tensor) -> torch.Tensor:
     return (later.unsqueeze(0) | other_doc).unsqueeze(1)
 
 
-_ADDITIVE: list = []  # [(weak reference to a boolean mask, its version, dtype, its additive form)], at most one
+# (weak reference to a boolean mask, its version, dtype, its additive form) or None: replaced whole, read once
+_ADDITIVE: tuple | None = None
 
 
 def _forget_additive(ref) -> None:
-    if _ADDITIVE and _ADDITIVE[0][0] is ref:
-        _ADDITIVE.clear()
+    global _ADDITIVE
+    entry = _ADDITIVE
+    if entry is not None and entry[0] is ref:  # a mask that died after a newer one took its place: keep that
+        _ADDITIVE = None
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Megatron's boolean mask (True = masked out) as SDPA's additive one (0 / -inf) in ``dtype``. Every
     layer and pass of a forward gets the same mask and SDPA would convert a boolean one in every call, so
-    the conversion of the last mask seen is kept, for as long as that mask lives unchanged."""
-    if _ADDITIVE:
-        ref, version, cached_dtype, additive = _ADDITIVE[0]
+    the conversion of the last mask seen is kept while that mask lives, its version unchanged (a write the
+    version counter does not see, through ``.data`` or ``.numpy()``, would not be noticed; nothing writes a
+    mask). Megatron's selective recompute detaches the mask per layer: a conversion per recomputed layer,
+    as before. A mask that lives on (the model's causal one) keeps its conversion alive with it. Not kept
+    under inference mode (an inference tensor has no version and cannot be saved for a later backward)."""
+    global _ADDITIVE
+    inference = torch.is_inference_mode_enabled() or mask.is_inference()
+    entry = _ADDITIVE
+    if entry is not None and not inference:
+        ref, version, cached_dtype, additive = entry
         if ref() is mask and version == mask._version and cached_dtype == dtype:
             return additive
     additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
-    _ADDITIVE[:] = [(weakref.ref(mask, _forget_additive), mask._version, dtype, additive)]
+    if not inference:
+        _ADDITIVE = (weakref.ref(mask, _forget_additive), mask._version, dtype, additive)
     return additive
 
 
@@ -142,6 +154,21 @@ def spec_backend(spec, attention_mask: str, sequence_parallel: bool) -> str:
     return attention_backend(_uses_te_attention(spec), attention_mask, sequence_parallel)
 
 
+class _SequenceFirst(torch.autograd.Function):
+    """``[b, s, heads, d]`` -> Megatron's ``[s, b, heads*d]``, contiguous, whose gradient goes back contiguous
+    in ``[b, s, heads, d]``: autograd's own reshape would hand SDPA a gradient in ``[s, b]`` order, on which
+    its CPU backward took ~1.3x as long (1.8M benchmark step)."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.heads_shape = out.shape[2:]
+        return out.transpose(0, 1).contiguous().view(out.shape[1], out.shape[0], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(0, 1).contiguous().view(grad.shape[1], grad.shape[0], *ctx.heads_shape)
+
+
 class SDPADotProductAttention(DotProductAttention):
     """Megatron's local core attention computed by ``torch.nn.functional.scaled_dot_product_attention``
     (same inputs, outputs and dropout RNG): ``[sq, b, np, hn]`` query, ``[sk, b, ng, hn]`` key/value,
@@ -184,33 +211,21 @@ class SDPADotProductAttention(DotProductAttention):
             return out.reshape(out.shape[0], -1)
         sq, batch = query.shape[:2]
         sk = key.shape[0]
-        # [b, s, heads, d] in memory, the layout of SDPA's own output: in the 1.8M benchmark step its CPU
-        # kernels took ~1.2x (forward) and ~1.3x (backward) as long on Megatron's [s, b] order.
-        q, k, v = (t.transpose(0, 1).contiguous() for t in (query, key, value))
+        # On CPU, [b, s, heads, d] in memory, the layout of SDPA's own output: in the 1.8M benchmark step its
+        # kernels took ~1.2x (forward) and ~1.3x (backward) as long on Megatron's [s, b] order. Measured on
+        # CPU only: on GPU the backend is chosen from the mask and layouts, so there SDPA gets what it got.
+        cpu = query.device.type == "cpu"
+        q, k, v = (t.transpose(0, 1).contiguous() if cpu else t.transpose(0, 1) for t in (query, key, value))
         kw = {}
         if mask is not None:
-            kw["attn_mask"] = additive_mask(mask, q.dtype)
+            kw["attn_mask"] = additive_mask(mask, q.dtype) if cpu else ~mask
         elif (mask_type or self.attn_mask_type) == AttnMaskType.causal:
             if sq == sk:
                 kw["is_causal"] = True
             else:  # queries are the last sq of the sk positions
                 kw["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
-        return _SequenceFirst.apply(sdpa(q, k, v, **kw))  # [b, sq, np, hn] -> [sq, b, np*hn]
-
-
-class _SequenceFirst(torch.autograd.Function):
-    """``[b, s, heads, d]`` -> Megatron's ``[s, b, heads*d]``, contiguous, whose gradient goes back contiguous
-    in ``[b, s, heads, d]``: autograd's own reshape would hand SDPA a gradient in ``[s, b]`` order, on which
-    its CPU backward took ~1.3x as long (1.8M benchmark step)."""
-
-    @staticmethod
-    def forward(ctx, out):
-        ctx.heads_shape = out.shape[2:]
-        return out.transpose(0, 1).contiguous().view(out.shape[1], out.shape[0], -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.transpose(0, 1).contiguous().view(grad.shape[1], grad.shape[0], *ctx.heads_shape)
+        out = sdpa(q, k, v, **kw)  # [b, sq, np, hn]
+        return _SequenceFirst.apply(out) if cpu else out.transpose(0, 1).reshape(sq, batch, -1)
 
 
 def adapt_layer_spec(spec, attention_mask: str, num_layers: int, packed: bool = False):
