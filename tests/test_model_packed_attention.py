@@ -169,7 +169,7 @@ def test_additive_mask_is_the_boolean_one_converted_once_per_mask():
     converted = attention.additive_mask(first, torch.float32)
     assert torch.equal(converted, expected(first, torch.float32))
     assert attention.additive_mask(first, torch.float32) is converted  # the same mask: converted once
-    first_entry = attention._ADDITIVE  # held (as a reader in another thread may): its callback stays armed
+    first_entry = attention._ADDITIVE._entry  # held (as a reader in another thread may): its callback stays armed
     second = ~first  # same shape and version, other content
     assert torch.equal(attention.additive_mask(second, torch.float32), expected(second, torch.float32))
     assert attention.additive_mask(second, torch.bfloat16).dtype == torch.bfloat16
@@ -187,7 +187,7 @@ def test_additive_mask_is_the_boolean_one_converted_once_per_mask():
     assert attention.additive_mask(second, torch.bfloat16) is kept
     del second, kept
     gc.collect()
-    assert attention._ADDITIVE is None  # nothing kept once its mask is gone
+    assert attention._ADDITIVE._entry is None  # nothing kept once its mask is gone
 
 
 def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):

@@ -105,6 +105,21 @@ def test_inference_mode_tensors(config):
         assert torch.equal(rope.apply_rotary_pos_emb(t, freqs, config), rope.MEGATRON_APPLY(t, freqs, config=config))
 
 
+def test_inference_mode_leaves_nothing_for_training(config):
+    """cos/sin computed under torch.inference_mode are inference tensors: kept, they would reach a later
+    training call with the same frequencies, which cannot save them for backward."""
+    freqs = frequencies(5, 2, 8, seed=5)
+    t = torch.randn(5, 2, 2, 8)
+    with torch.inference_mode():
+        rope.apply_rotary_pos_emb(t, freqs, config)
+    x = t.clone().requires_grad_()
+    out = rope.apply_rotary_pos_emb(x, freqs, config)
+    out.sum().backward()
+    ref = t.clone().requires_grad_()
+    rope.MEGATRON_APPLY(ref, freqs, config=config).sum().backward()
+    assert torch.equal(out, rope.MEGATRON_APPLY(t, freqs, config=config)) and torch.equal(x.grad, ref.grad)
+
+
 @pytest.mark.parametrize("case", ["cu_seqlens", "interleaved", "mscale", "partial", "fusion", "mla", "freqs_grad"])
 def test_other_cases_go_to_megatron(config, case, monkeypatch):
     calls = []

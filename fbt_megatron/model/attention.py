@@ -38,13 +38,14 @@ document attended alone): the emulation of the GPU path that the tests compare w
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from fbt_megatron.model.tensor_memo import LastTensorMemo
 
 ATTENTION_MASKS = ("document_causal", "causal")
 
@@ -65,36 +66,20 @@ def document_causal_mask(reset: torch.Tensor) -> torch.Tensor:
     return (later.unsqueeze(0) | other_doc).unsqueeze(1)
 
 
-# (weak reference to a boolean mask, its version, dtype, its additive form) or None: replaced whole, read once
-_ADDITIVE: tuple | None = None
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
-def _forget_additive(ref) -> None:
-    global _ADDITIVE
-    entry = _ADDITIVE
-    if entry is not None and entry[0] is ref:  # a mask that died after a newer one took its place: keep that
-        _ADDITIVE = None
+_ADDITIVE = LastTensorMemo(_additive)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Megatron's boolean mask (True = masked out) as SDPA's additive one (0 / -inf) in ``dtype``. Every
     layer and pass of a forward gets the same mask and SDPA would convert a boolean one in every call, so
-    the conversion of the last mask seen is kept while that mask lives, its version unchanged (a write the
-    version counter does not see, through ``.data`` or ``.numpy()``, would not be noticed; nothing writes a
-    mask). Megatron's selective recompute detaches the mask per layer: a conversion per recomputed layer,
-    as before. A mask that lives on (the model's causal one) keeps its conversion alive with it. Not kept
-    under inference mode (an inference tensor has no version and cannot be saved for a later backward)."""
-    global _ADDITIVE
-    inference = torch.is_inference_mode_enabled() or mask.is_inference()
-    entry = _ADDITIVE
-    if entry is not None and not inference:
-        ref, version, cached_dtype, additive = entry
-        if ref() is mask and version == mask._version and cached_dtype == dtype:
-            return additive
-    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
-    if not inference:
-        _ADDITIVE = (weakref.ref(mask, _forget_additive), mask._version, dtype, additive)
-    return additive
+    the conversion is kept for the last mask seen (``model/tensor_memo.py``). Megatron's selective
+    recompute detaches the mask per layer: a conversion per recomputed layer, as before. A mask that lives
+    on (the model's causal one) keeps its conversion alive with it."""
+    return _ADDITIVE.get(mask, dtype)
 
 
 def rotary_for_positions(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,8 @@ full-size addition, forward or backward) and skips the final copy when the rotat
 head. In a training or full-sequence forward the model hands every layer and every pass the same
 frequency tensor (and activation recompute hands it again), so cos/sin are computed once; decoding with
 Megatron's KV cache slices the table per layer, so there every call computes its own (as Megatron's
-function does). Tensors made under ``torch.inference_mode`` have no version counter: they are not
-cached. The cache key is the tensor's identity (a weak reference) and its version counter, so an
-in-place change through autograd's view of the tensor is seen; a write through ``.data`` is not (nothing
-here writes frequencies that way).
+function does). The cache's key and limits (identity and version; nothing kept under inference mode)
+are ``model/tensor_memo.py``'s.
 
 Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the packed THD layout
 (``cu_seqlens``, Transformer Engine's path on GPU), interleaved rotation, multi-latent attention, a YaRN
@@ -27,11 +25,11 @@ Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer import attention as megatron_attention
+
+from fbt_megatron.model.tensor_memo import LastTensorMemo
 
 MEGATRON_APPLY = rope_utils.apply_rotary_pos_emb  # Megatron's dispatcher: every case this module does not take
 
@@ -40,25 +38,7 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype):
     return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
 
 
-class _CosSin:
-    """cos and sin of the last frequency tensor seen, per dtype. The entry (weak reference, version,
-    values) is replaced as one attribute, so a reader never pairs one tensor's key with another's values;
-    the values of the last tensor stay until the next call (a few MB at most)."""
-
-    def __init__(self):
-        self._entry = (None, -1, {})
-
-    def get(self, freqs: torch.Tensor, dtype: torch.dtype):
-        ref, version, by_dtype = self._entry
-        if ref is None or ref() is not freqs or version != freqs._version:
-            by_dtype = {}
-            self._entry = (weakref.ref(freqs), freqs._version, by_dtype)
-        if dtype not in by_dtype:
-            by_dtype[dtype] = _cos_sin(freqs, dtype)
-        return by_dtype[dtype]
-
-
-_CACHE = _CosSin()
+_CACHE = LastTensorMemo(_cos_sin)  # cos and sin per frequency tensor and dtype
 
 
 class _Rotate(torch.autograd.Function):
@@ -96,7 +76,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
             or config.multi_latent_attention or mscale != 1.0 or freqs.requires_grad
             or freqs.shape[-1] != t.shape[-1]):
         return MEGATRON_APPLY(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-    cos, sin = _cos_sin(freqs, t.dtype) if freqs.is_inference() else _CACHE.get(freqs, t.dtype)
+    cos, sin = _CACHE.get(freqs, t.dtype)
     return _Rotate.apply(t, cos, sin)
 
 
