@@ -184,6 +184,12 @@ def test_additive_mask_is_the_boolean_one_converted_once_per_mask():
         assert torch.equal(attention.additive_mask(second, torch.float32), expected(second, torch.float32))
         made_inside = torch.ones(1, 1, 2, 2, dtype=torch.bool).triu(1)
         assert torch.equal(attention.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
+    assert torch.float32 not in attention._ADDITIVE._entry[2]
+    entry = attention._ADDITIVE._entry
+    # an inference tensor used outside the mode (a mask the model kept from an inference forward)
+    assert torch.equal(attention.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
+    assert attention._ADDITIVE._entry is entry
+    del entry
     assert attention.additive_mask(second, torch.bfloat16) is kept
     del second, kept
     gc.collect()

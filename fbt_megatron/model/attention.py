@@ -76,7 +76,7 @@ _ADDITIVE = LastTensorMemo(_additive)
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Megatron's boolean mask (True = masked out) as SDPA's additive one (0 / -inf) in ``dtype``. Every
     layer and pass of a forward gets the same mask and SDPA would convert a boolean one in every call, so
-    the conversion is kept for the last mask seen (``model/tensor_memo.py``). Megatron's selective
+    the conversion is kept for the last mask seen, per dtype (``model/tensor_memo.py``). Megatron's selective
     recompute detaches the mask per layer: a conversion per recomputed layer, as before. A mask that lives
     on (the model's causal one) keeps its conversion alive with it."""
     return _ADDITIVE.get(mask, dtype)

@@ -6,8 +6,9 @@ attention mask), and Megatron's layers derive the same values from them in every
 once per tensor and dtype. The key is the tensor's identity (a weak reference) and its version counter,
 so an in-place change through autograd's view of the tensor is seen; a write the counter does not see
 (through ``.data`` or ``.numpy()``) is not, and nothing here writes these tensors that way. The values go
-when their tensor dies. Under ``torch.inference_mode`` nothing is kept: an inference tensor has no
-version counter, and a value computed there could not be saved for a later backward.
+when their tensor dies. Under ``torch.inference_mode``, or for an inference tensor, the memo is neither
+read nor written: an inference tensor has no version counter, and a value computed there could not be
+saved for a later backward.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 class LastTensorMemo:
     """``compute(tensor, dtype)`` for the last tensor seen, per dtype. The entry (weak reference, version,
     values by dtype) is replaced as one attribute and read once, so a reader never pairs one tensor's key
-    with another's values."""
+    with another's values. ``compute`` must return new tensors, not ``tensor`` or a view of it: the memo
+    would keep the tensor alive, and never release the values."""
 
     def __init__(self, compute: Callable[[torch.Tensor, torch.dtype], object]):
         self._compute = compute
