@@ -27,11 +27,15 @@ SECTIONS = dict(train={"steps": 10, "stop_at_step": 7}, checkpoint={"every": 2, 
                 schedule={"feedback_start_step": 3, "mix": [0.2, 0.5, 0.3], "seed": 3})
 
 
-def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
+def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path, hold_after_save: int | None = None
+              ) -> subprocess.Popen:
+    """``hold_after_save``: the first attempt holds after that step's checkpoint (testing/hold_after_save.py)."""
+    module = "fbt_megatron.cli" if hold_after_save is None else "fbt_megatron.testing.hold_after_save"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={nproc}",
            "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-           "--rdzv-conf=last_call_timeout=1", "-m", "fbt_megatron.cli", "train", str(recipe_file), *overrides]
-    env = dict(os.environ, FBT_DEVICE="cpu", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+           "--rdzv-conf=last_call_timeout=1", "-m", module, "train", str(recipe_file), *overrides]
+    env = dict(os.environ, FBT_DEVICE="cpu", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               FBT_TEST_HOLD_AFTER_SAVE_STEP=str(hold_after_save if hold_after_save is not None else -1))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -75,10 +79,10 @@ def test_worker_killed_group_restarts_then_one_worker_continues(straight, tmp_pa
     log = tmp_path / "torchrun.log"
     run_dir = tmp_path / "run"
 
-    proc = _torchrun(recipe_file, 2, [], log)
+    proc = _torchrun(recipe_file, 2, [], log, hold_after_save=4)
     try:
         deadline = time.time() + 900
-        while not any(r["step"] >= 4 for r in read_metrics(run_dir)):  # past the step-2 and step-4 checkpoints
+        while not (run_dir / "checkpoints" / "held_4").exists():  # past the step-2 and step-4 checkpoints
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         workers = child_pids(proc.pid)
@@ -96,6 +100,7 @@ def test_worker_killed_group_restarts_then_one_worker_continues(straight, tmp_pa
     assert resumed_at % 2 == 0 and (run_dir / "checkpoints").is_dir()  # a checkpoint step: from latest
     killed_at = max(r["step"] for r in rows if r.get("elastic_restart", "0") == "0")
     assert resumed_at <= killed_at < resumed_at + 3  # nothing before the checkpoint is trained twice
+    assert killed_at == resumed_at == 4  # held after the step-4 checkpoint: killed there, resumed from it
     assert rows[-1]["step"] == 7 and rows[-1]["world_size"] == 2
 
     # a relaunch with one worker continues the same stream (TP=1 now)
