@@ -29,13 +29,13 @@ SECTIONS = dict(train={"steps": 10, "stop_at_step": 7}, checkpoint={"every": 2, 
 
 def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path, hold_after_save: int | None = None
               ) -> subprocess.Popen:
-    """``hold_after_save``: the first attempt holds after that step's checkpoint (testing/hold_after_save.py)."""
-    module = "fbt_megatron.cli" if hold_after_save is None else "fbt_megatron.testing.hold_after_save"
+    """``hold_after_save``: the first attempt holds after that step's checkpoint (testing/slow_save.py)."""
+    module = "fbt_megatron.cli" if hold_after_save is None else "fbt_megatron.testing.slow_save"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={nproc}",
            "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
            "--rdzv-conf=last_call_timeout=1", "-m", module, "train", str(recipe_file), *overrides]
     env = dict(os.environ, FBT_DEVICE="cpu", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               FBT_TEST_HOLD_AFTER_SAVE_STEP=str(hold_after_save if hold_after_save is not None else -1))
+               FBT_TEST_HOLD_AFTER_SAVE_STEP=str(-1 if hold_after_save is None else hold_after_save))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
