@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
-from fbt_megatron.model import cross_entropy, rope, swiglu, vocab
+from fbt_megatron.model import cross_entropy, one_rank_linear, rope, swiglu, vocab
 from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
                                           document_positions, from_packed, packed_rotary, packed_seq_params,
                                           rotary_for_positions, spec_backend, to_packed)
@@ -184,6 +184,7 @@ class FBTGPTModel(MegatronModule):
         rope.install()  # Megatron's attention computes RoPE's cos/sin once per forward (model/rope.py)
         cross_entropy.install()  # the loss's row maximum without an argmax (model/cross_entropy.py)
         swiglu.install()  # the fused SwiGLU switch on CPU without a compiler (model/swiglu.py)
+        one_rank_linear.install()  # TP=1 linear layers on CPU as torch's linear (model/one_rank_linear.py)
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,

@@ -1,0 +1,181 @@
+"""Megatron's linear layers over one TP rank on CPU, as torch's linear (fbt_megatron/model/one_rank_linear.py).
+
+The reference is the product written out in float64 (``y = x W^T + b``; ``dx = g W``, ``dW = g^T x``,
+``db = Σ g``); then Megatron's own function and mappings: the output bitwise, the gradients to rounding.
+Over one rank no Megatron autograd node is left in the graph, in the layers and in the whole model; what
+the short way does not cover (gradient accumulation fusion, sequence parallelism, deferred embedding
+gradients, a group of two, other devices) is Megatron's function. TP=2 against TP=1 is
+``tests/test_model_tp.py``."""
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import layers as megatron_layers
+from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer import TransformerConfig
+
+from fbt_megatron.model import one_rank_linear
+from fbt_megatron.model.fbt_gpt import build_model
+from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
+
+
+def column_then_row(dtype, seed=0):
+    """A ColumnParallelLinear 6 -> 10 feeding a RowParallelLinear 10 -> 4, both with biases added in
+    the layer (Megatron's TransformerLayer skips them for its fused add; the output layer has none)."""
+    config = TransformerConfig(num_layers=1, hidden_size=6, num_attention_heads=1, params_dtype=dtype,
+                               use_cpu_initialization=True)
+    torch.manual_seed(seed)
+    init = torch.nn.init.normal_
+    col = megatron_layers.ColumnParallelLinear(6, 10, config=config, init_method=init, bias=True, gather_output=False)
+    row = megatron_layers.RowParallelLinear(10, 4, config=config, init_method=init, bias=True,
+                                            input_is_parallel=True, skip_bias_add=False)
+    with torch.no_grad():
+        col.bias.normal_()
+        row.bias.normal_()
+    return col, row
+
+
+def run(col, row, x, grad):
+    for p in (*col.parameters(), *row.parameters()):
+        p.grad = None
+    xi = x.clone().requires_grad_()
+    hidden, _ = col(xi)
+    out, _ = row(hidden)
+    out.backward(grad)
+    return out.detach(), xi.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad
+
+
+def inputs(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 3, 6, generator=g, dtype=dtype), torch.randn(5, 3, 4, generator=g, dtype=dtype)
+
+
+@pytest.fixture
+def megatrons_own():
+    """A context in which Megatron's layers use Megatron's own function and mappings."""
+    names = ("linear_with_grad_accumulation_and_async_allreduce", "copy_to_tensor_model_parallel_region",
+             "reduce_from_tensor_model_parallel_region")
+    originals = (one_rank_linear.MEGATRON_LINEAR, one_rank_linear.MEGATRON_COPY_TO, one_rank_linear.MEGATRON_REDUCE_FROM)
+
+    class Megatrons:
+        def __enter__(self):
+            self.installed = [getattr(megatron_layers, n) for n in names]
+            for n, f in zip(names, originals):
+                setattr(megatron_layers, n, f)
+
+        def __exit__(self, *exc):
+            for n, f in zip(names, self.installed):
+                setattr(megatron_layers, n, f)
+
+    return Megatrons()
+
+
+def test_equals_the_product_in_float64(single_process):
+    one_rank_linear.install()
+    col, row = column_then_row(torch.float64)
+    x, g = inputs(torch.float64)
+    out, dx, dw1, db1, dw2, db2 = run(col, row, x, g)
+    w1, b1, w2, b2 = col.weight.detach(), col.bias.detach(), row.weight.detach(), row.bias.detach()
+    h = x @ w1.T + b1
+    assert torch.allclose(out, h @ w2.T + b2, rtol=1e-13, atol=1e-13)
+    gh = g @ w2  # the gradient reaching the hidden layer
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    assert torch.allclose(dw2, flat(g).T @ flat(h), rtol=1e-13, atol=1e-13)
+    assert torch.allclose(db2, flat(g).sum(0), rtol=1e-13, atol=1e-13)
+    assert torch.allclose(dw1, flat(gh).T @ flat(x), rtol=1e-13, atol=1e-13)
+    assert torch.allclose(db1, flat(gh).sum(0), rtol=1e-13, atol=1e-13)
+    assert torch.allclose(dx, gh @ w1, rtol=1e-13, atol=1e-13)
+
+
+def test_agrees_with_megatrons_function(single_process, megatrons_own):
+    one_rank_linear.install()
+    col, row = column_then_row(torch.float32)
+    x, g = inputs(torch.float32)
+    ours = run(col, row, x, g)
+    with megatrons_own:
+        theirs = run(col, row, x, g)
+    assert torch.equal(ours[0], theirs[0])  # the same product, then the bias
+    for a, b in zip(ours[1:], theirs[1:]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+class Refused:
+    """Stands in for Megatron's autograd functions: any use fails the test."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(f"{self.name} was used over one CPU rank")
+
+
+def refuse_megatron_nodes(monkeypatch):
+    monkeypatch.setattr(megatron_layers.LinearWithGradAccumulationAndAsyncCommunication, "apply",
+                        Refused("LinearWithGradAccumulationAndAsyncCommunication"))
+    monkeypatch.setattr(mappings._CopyToModelParallelRegion, "apply", Refused("_CopyToModelParallelRegion"))
+    monkeypatch.setattr(mappings._ReduceFromModelParallelRegion, "apply", Refused("_ReduceFromModelParallelRegion"))
+
+
+def test_no_megatron_node_over_one_rank(single_process, monkeypatch):
+    one_rank_linear.install()
+    col, row = column_then_row(torch.float32)
+    refuse_megatron_nodes(monkeypatch)
+    run(col, row, *inputs(torch.float32))
+
+
+def test_the_model_installs_it(single_process, monkeypatch, megatrons_own):
+    """Building the model installs the short way, taken everywhere (attention, MLP, output layer), with
+    the loss and gradients of Megatron's path to rounding."""
+    for name, f in (("linear_with_grad_accumulation_and_async_allreduce", one_rank_linear.MEGATRON_LINEAR),
+                    ("copy_to_tensor_model_parallel_region", one_rank_linear.MEGATRON_COPY_TO),
+                    ("reduce_from_tensor_model_parallel_region", one_rank_linear.MEGATRON_REDUCE_FROM)):
+        monkeypatch.setattr(megatron_layers, name, f)  # what a process has before a model is built
+    model = build_model(tiny_model_config(**LLAMA), feedback())
+    with megatrons_own:
+        theirs = loss_and_grads(model, 1)
+    with monkeypatch.context() as m:
+        refuse_megatron_nodes(m)
+        ours = loss_and_grads(model, 1)
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-6, atol=1e-6)
+    assert ours[1].keys() == theirs[1].keys()
+    for name in ours[1]:
+        assert torch.allclose(ours[1][name], theirs[1][name], rtol=1e-5, atol=1e-6), name
+
+
+class TwoRanks:
+    def size(self):
+        return 2
+
+
+@pytest.mark.parametrize("case", ["fusion", "sequence_parallel", "allreduce_dgrad", "buffer", "two_ranks", "meta"])
+def test_everything_else_is_megatrons_function(single_process, monkeypatch, case):
+    calls = []
+    monkeypatch.setattr(one_rank_linear, "MEGATRON_LINEAR", lambda *args: calls.append(args) or "megatron")
+    x = torch.randn(2, 3, 4, device="meta" if case == "meta" else "cpu")
+    w = torch.randn(5, 4, device=x.device)
+    kwargs = dict(gradient_accumulation_fusion=case == "fusion", allreduce_dgrad=case == "allreduce_dgrad",
+                  sequence_parallel=case == "sequence_parallel", grad_output_buffer=[] if case == "buffer" else None,
+                  tp_group=TwoRanks() if case == "two_ranks" else None)
+    assert one_rank_linear.linear_with_grad_accumulation_and_async_allreduce(x, w, None, **kwargs) == "megatron"
+    assert len(calls) == 1 and calls[0][0] is x and calls[0][-1] is kwargs["tp_group"]
+
+
+@pytest.mark.parametrize("case", ["two_ranks", "meta"])
+def test_mappings_elsewhere_are_megatrons(single_process, monkeypatch, case):
+    seen = []
+    monkeypatch.setattr(one_rank_linear, "MEGATRON_COPY_TO", lambda x, group: seen.append(("copy", group)) or "copy")
+    monkeypatch.setattr(one_rank_linear, "MEGATRON_REDUCE_FROM", lambda x, group: seen.append(("reduce", group)) or "reduce")
+    x = torch.randn(2, 3, device="meta" if case == "meta" else "cpu")
+    group = TwoRanks() if case == "two_ranks" else None
+    assert one_rank_linear.copy_to_tensor_model_parallel_region(x, group=group) == "copy"
+    assert one_rank_linear.reduce_from_tensor_model_parallel_region(x, group=group) == "reduce"
+    assert seen == [("copy", group), ("reduce", group)]
+
+
+def test_megatrons_function_still_runs_through_the_installed_name(single_process):
+    """Megatron's function reads its warning flag through the module's global name, which is ours after
+    install(): the fallback must run (here: deferred embedding gradients over one CPU rank)."""
+    one_rank_linear.install()
+    x, w = torch.randn(3, 2, 4), torch.randn(5, 4, requires_grad=True)
+    out = megatron_layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=True, sequence_parallel=False)
+    assert torch.equal(out, torch.matmul(x, w.t()))
