@@ -4,6 +4,7 @@ PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, 
     python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5] [--sessions 1]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
                                      [--skip-passes] [--megatron-rope] [--same-process] [--stages 0,1,2,3]
+                                     [--fixed-malloc]
 
 Prints three tables:
 1. DP=1: for each model size and ZeRO stage 0/1/2/3, fbt tokens/s over the HF loop's tokens/s
@@ -16,7 +17,11 @@ process), and all are timed on the same batches in interleaved rounds (one step 
 round, in an order rotated each round, the others waiting) and the median is reported, so drifting
 machine load hits every variant alike. In one shared process the variants' steps interfered through
 the allocator: at 28M the HF loop's step left fbt's next step 26k page faults (0 with fbt alone),
-while HF's had none (``--same-process`` keeps that placement, to compare). Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
+while HF's had none (``--same-process`` keeps that placement, to compare). Even a process each is not
+free of the allocator: which side's large tensors glibc maps fresh (and the kernel faults in page by page,
+every step) depends on the order of its allocations and frees (at 1.8M the HF loop's 16 MB logits,
+4k faults a micro-batch, fbt's none); ``--fixed-malloc`` fixes glibc's thresholds in every variant's
+process so that neither side pays them. Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
 and the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
 """
 
@@ -40,6 +45,7 @@ SIZES = {  # name -> (layers, hidden, heads); vocab 4096 (the embedded tokenizer
     "100M": (14, 768, 12),  # ~105M parameters (Llama-class block, untied 4096-token vocabulary)
 }
 VOCAB = 4096
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}  # --fixed-malloc
 
 
 def llama_ffn(hidden: int) -> int:
@@ -320,11 +326,19 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="0,1,2,3", help="table 1's ZeRO stages (e.g. 0 for the goal's pair alone)")
     ap.add_argument("--same-process", action="store_true",
                     help="tables 1 and 3: every variant in this process (the placement before 2026-12-02)")
+    ap.add_argument("--fixed-malloc", action="store_true",
+                    help="every variant's process starts with glibc's mmap threshold at 32 MiB and its trim "
+                         "threshold at 1 TiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): memory freed stays "
+                         "mapped, so no side's step faults in memory the allocator gave back (a process each only)")
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
     a.stages = [int(z) for z in a.stages.split(",") if z]
     if a.sessions < 1 or (a.sessions > 1 and a.same_process):
         ap.error(f"--sessions {a.sessions}: at least 1, and fresh processes need a process each (not --same-process)")
+    if a.fixed_malloc and a.same_process:
+        ap.error("--fixed-malloc sets glibc's thresholds for the processes it starts; --same-process starts none")
+    if a.fixed_malloc:  # read by glibc when a process starts: the variants' (spawned) processes inherit them
+        os.environ.update(FIXED_MALLOC)
     if not a.stages or any(z not in (0, 1, 2, 3) for z in a.stages):
         ap.error(f"--stages {a.stages}: ZeRO stages from 0, 1, 2, 3")
     for s in [*a.sizes, a.dp2_size, a.passes_size]:
@@ -341,7 +355,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     print(f"threads={torch.get_num_threads()} micro_batch={a.micro_batch} seq={a.seq} accumulation={a.accumulation} "
           f"rounds={a.rounds} (tokens per step {a.micro_batch * a.seq * a.accumulation}); variants "
-          + ("in this process" if a.same_process else "in a process each"), flush=True)
+          + ("in this process" if a.same_process else "in a process each")
+          + (" with " + " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items()) if a.fixed_malloc else ""), flush=True)
     print("versions: " + " ".join(f"{name} {version(name)}" for name in ("torch", "megatron-core", "deepspeed", "transformers")), flush=True)
 
     a.dp = 1
