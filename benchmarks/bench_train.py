@@ -21,8 +21,9 @@ while HF's had none (``--same-process`` keeps that placement, to compare). Even 
 free of the allocator: which side's large tensors glibc maps fresh (and the kernel faults in page by page,
 every step) depends on the order of its allocations and frees (at 1.8M the HF loop's 16 MB logits,
 4k faults a micro-batch, fbt's none); ``--fixed-malloc`` fixes glibc's thresholds in every variant's
-process so that neither side pays them. Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation
-and the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
+process so that neither side pays them for allocations up to 32 MiB (once its heap has grown to the
+step's peak). Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation and
+the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
 """
 
 from __future__ import annotations
@@ -328,8 +329,9 @@ def main(argv=None) -> int:
                     help="tables 1 and 3: every variant in this process (the placement before 2026-12-02)")
     ap.add_argument("--fixed-malloc", action="store_true",
                     help="every variant's process starts with glibc's mmap threshold at 32 MiB and its trim "
-                         "threshold at 1 TiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): memory freed stays "
-                         "mapped, so no side's step faults in memory the allocator gave back (a process each only)")
+                         "threshold at 1 TiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): allocations up to 32 MiB "
+                         "come from the heap and stay mapped when freed, so no side's step faults them in afresh "
+                         "(a process each only)")
     a = ap.parse_args(argv)
     a.sizes = [s for s in a.sizes.split(",") if s]
     a.stages = [int(z) for z in a.stages.split(",") if z]

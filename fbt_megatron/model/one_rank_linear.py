@@ -1,4 +1,4 @@
-"""Megatron's tensor-parallel linear layers over a one-rank tensor-parallel group, on CPU, as torch's linear.
+"""Megatron's tensor-parallel linear layers over a one-rank tensor-parallel group, on CPU, as a plain product.
 
 Over one TP rank, ``ColumnParallelLinear`` and ``RowParallelLinear`` compute ``x @ W^T``: nothing is
 split and nothing is communicated. Megatron still runs them through its general machinery, each a Python
@@ -7,21 +7,23 @@ all-reduce of the input gradient, gradient accumulation into ``main_grad``, sequ
 and the region mappings around it (``copy_to_tensor_model_parallel_region``: identity forward, all-reduce
 backward; ``reduce_from_tensor_model_parallel_region``: all-reduce forward), each of which is the
 identity over one rank. At the 1.8M size of ``benchmarks/bench_train.py`` that is ~70 such nodes a
-step, and taking ``torch.nn.functional.linear`` and the tensor itself instead made the step ~1-2 %
+step, and taking torch's product and the tensor itself instead made the step ~1-2 %
 faster (alternating in one process).
 
 :func:`install` puts :func:`linear_with_grad_accumulation_and_async_allreduce` and the two mappings where
 Megatron's layers look them up (``megatron.core.tensor_parallel.layers``); the model calls it when it is
 built. They take the short way only for CPU tensors over a one-rank group without gradient accumulation
 fusion, sequence parallelism or deferred embedding gradients; everything else (GPU tensors, TP > 1) is
-Megatron's own function. The values are the same product; the weight gradient is computed as
-``(x^T g)^T`` by autograd rather than ``g^T x``, equal to rounding (``tests/test_model_one_rank_linear.py``).
+Megatron's own function, as are frozen weights (Megatron's ``linear_with_frozen_weight``, not replaced).
+The short way is Megatron's own product, ``torch.matmul(input, weight.t())`` then the bias, under torch's
+autograd: values and gradients are bitwise Megatron's (``tests/test_model_one_rank_linear.py``). It is not
+``F.linear``: building a ZeRO-3 engine replaces ``torch.nn.functional.linear`` for the whole process with
+DeepSpeed's own autograd function.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import layers as megatron_layers
 
@@ -45,7 +47,7 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
     if (input.device.type == "cpu" and not gradient_accumulation_fusion and not allreduce_dgrad
             and not sequence_parallel and grad_output_buffer is None and async_grad_allreduce is None
             and one_rank(tp_group)):
-        output = F.linear(input, weight)
+        output = torch.matmul(input, weight.t())
         return output if bias is None else output + bias  # Megatron's order: the product, then the bias
     return MEGATRON_LINEAR(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                            grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)
