@@ -3,10 +3,9 @@
 The reference is the product written out in float64 (``y = x W^T + b``; ``dx = g W``, ``dW = g^T x``,
 ``db = Σ g``); then Megatron's own function and mappings: output and gradients bitwise, in the layers and
 in the whole model. Over one rank no Megatron autograd node is left in the graph, nor DeepSpeed's
-replacement of ``F.linear`` (which a ZeRO-3 engine installs process-wide); what
-the short way does not cover (gradient accumulation fusion, sequence parallelism, deferred embedding
-gradients, a group of two, other devices) is Megatron's function. TP=2 against TP=1 is
-``tests/test_model_tp.py``."""
+replacement of ``F.linear`` (which a ZeRO-3 engine installs process-wide); what the short way does not
+cover (gradient accumulation fusion, sequence parallelism, deferred embedding gradients, a group of two,
+other devices) is Megatron's function. TP=2 against TP=1 is ``tests/test_model_tp.py``."""
 
 import pytest
 import torch
@@ -45,6 +44,12 @@ def run(col, row, x, grad):
     return out.detach(), xi.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad
 
 
+# the names Megatron's layers look up, and Megatron's own functions under them
+MEGATRONS = {"linear_with_grad_accumulation_and_async_allreduce": one_rank_linear.MEGATRON_LINEAR,
+             "copy_to_tensor_model_parallel_region": one_rank_linear.MEGATRON_COPY_TO,
+             "reduce_from_tensor_model_parallel_region": one_rank_linear.MEGATRON_REDUCE_FROM}
+
+
 def inputs(dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(5, 3, 6, generator=g, dtype=dtype), torch.randn(5, 3, 4, generator=g, dtype=dtype)
@@ -53,18 +58,15 @@ def inputs(dtype, seed=1):
 @pytest.fixture
 def megatrons_own():
     """A context in which Megatron's layers use Megatron's own function and mappings."""
-    names = ("linear_with_grad_accumulation_and_async_allreduce", "copy_to_tensor_model_parallel_region",
-             "reduce_from_tensor_model_parallel_region")
-    originals = (one_rank_linear.MEGATRON_LINEAR, one_rank_linear.MEGATRON_COPY_TO, one_rank_linear.MEGATRON_REDUCE_FROM)
 
     class Megatrons:
         def __enter__(self):
-            self.installed = [getattr(megatron_layers, n) for n in names]
-            for n, f in zip(names, originals):
+            self.installed = {n: getattr(megatron_layers, n) for n in MEGATRONS}
+            for n, f in MEGATRONS.items():
                 setattr(megatron_layers, n, f)
 
         def __exit__(self, *exc):
-            for n, f in zip(names, self.installed):
+            for n, f in self.installed.items():
                 setattr(megatron_layers, n, f)
 
     return Megatrons()
@@ -127,9 +129,7 @@ def test_no_megatron_node_over_one_rank(single_process, monkeypatch):
 def test_the_model_installs_it(single_process, monkeypatch, megatrons_own):
     """Building the model installs the short way, taken everywhere (attention, MLP, output layer), with
     the loss and gradients of Megatron's path, bitwise."""
-    for name, f in (("linear_with_grad_accumulation_and_async_allreduce", one_rank_linear.MEGATRON_LINEAR),
-                    ("copy_to_tensor_model_parallel_region", one_rank_linear.MEGATRON_COPY_TO),
-                    ("reduce_from_tensor_model_parallel_region", one_rank_linear.MEGATRON_REDUCE_FROM)):
+    for name, f in MEGATRONS.items():
         monkeypatch.setattr(megatron_layers, name, f)  # what a process has before a model is built
     model = build_model(tiny_model_config(**LLAMA), feedback())
     with megatrons_own:

@@ -184,7 +184,7 @@ class FBTGPTModel(MegatronModule):
         rope.install()  # Megatron's attention computes RoPE's cos/sin once per forward (model/rope.py)
         cross_entropy.install()  # the loss's row maximum without an argmax (model/cross_entropy.py)
         swiglu.install()  # the fused SwiGLU switch on CPU without a compiler (model/swiglu.py)
-        one_rank_linear.install()  # TP=1 linear layers on CPU as torch's linear (model/one_rank_linear.py)
+        one_rank_linear.install()  # TP=1 linear layers on CPU as a plain product (model/one_rank_linear.py)
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,
