@@ -3,18 +3,22 @@
 The reference is cross entropy's definition (log-sum-exp minus the target's logit; gradient softmax minus
 the one-hot target), then Megatron-Core's own ``calculate_logits_max``: with the replacement the loss and
 the gradient of Megatron's vocabulary-parallel cross entropy are bitwise what Megatron's gives, with tied
-maxima and the -inf padding columns the model puts on a padded vocabulary; the model built installs it."""
+maxima and the -inf padding columns the model puts on a padded vocabulary; the model built installs it.
+Over one CPU rank the loss runs Megatron's steps without its three all-reduces: bitwise Megatron's
+function, no all-reduce called; label smoothing, a group of two and other devices are Megatron's."""
 
 import inspect
 
 import megatron.core
+import pytest
 import torch
+from megatron.core import parallel_state
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
 from fbt_megatron.model import cross_entropy
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, tiny_model_config
+from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 
 def logits_and_labels(seed=0, s=16, b=3, v=40):
@@ -62,13 +66,76 @@ def test_bf16_logits_bitwise_megatron(single_process):
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
-def test_the_model_installs_it(single_process):
+def test_the_model_installs_it(single_process, all_reduces):
+    """Building the model installs both; the model's loss (Megatron's language module) then calls no
+    all-reduce and is bitwise what Megatron's function gives, gradients included."""
     VocabParallelCrossEntropy.calculate_logits_max = staticmethod(cross_entropy.MEGATRON_LOGITS_MAX)
+    tensor_parallel.vocab_parallel_cross_entropy = cross_entropy.MEGATRON_CROSS_ENTROPY
     try:
-        build_model(tiny_model_config(**LLAMA), feedback())
+        model = build_model(tiny_model_config(**LLAMA), feedback())
         assert VocabParallelCrossEntropy.calculate_logits_max is cross_entropy.calculate_logits_max
+        assert tensor_parallel.vocab_parallel_cross_entropy is cross_entropy.vocab_parallel_cross_entropy
+        ours = loss_and_grads(model, 1)
+        assert all_reduces == []
+        tensor_parallel.vocab_parallel_cross_entropy = cross_entropy.MEGATRON_CROSS_ENTROPY
+        theirs = loss_and_grads(model, 1)
+        assert len(all_reduces) == 3
     finally:
         cross_entropy.install()
+    assert torch.equal(ours[0], theirs[0]) and ours[1].keys() == theirs[1].keys()
+    for name in ours[1]:
+        assert torch.equal(ours[1][name], theirs[1][name]), name
+
+
+def one_rank_loss_and_grad(function, logits, labels, label_smoothing=0.0):
+    x = logits.clone().requires_grad_(True)
+    loss = function(x, labels, label_smoothing)
+    loss.backward(torch.linspace(0.5, 1.5, loss.numel()).view_as(loss))
+    return loss.detach(), x.grad
+
+
+@pytest.fixture
+def all_reduces(monkeypatch):
+    """The all-reduces called (torch.distributed's, where Megatron's loss calls it)."""
+    calls = []
+    real = torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_is_megatrons_function_without_its_all_reduces(single_process, all_reduces, dtype):
+    cross_entropy.install()
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(16, 3, 40, generator=g) * 4.0).to(dtype)
+    labels = torch.randint(0, 40, (16, 3), generator=g)
+    labels[0, 0], labels[1, 0] = 39, 0  # the vocabulary's two ends
+    theirs = one_rank_loss_and_grad(cross_entropy.MEGATRON_CROSS_ENTROPY, logits, labels)
+    assert len(all_reduces) == 3  # the maximum, the target's logit, the sum of exponentials
+    ours = one_rank_loss_and_grad(cross_entropy.vocab_parallel_cross_entropy, logits, labels)
+    assert len(all_reduces) == 3
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    if dtype == torch.float32:  # and the definition, in float64
+        x = logits.double()
+        target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(ours[0].double(), torch.logsumexp(x, -1) - target, rtol=1e-6, atol=1e-6)
+        weight = torch.linspace(0.5, 1.5, labels.numel()).view_as(labels).double().unsqueeze(-1)
+        grad = (torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[-1]).double()) * weight
+        assert torch.allclose(ours[1].double(), grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["label_smoothing", "two_ranks", "meta"])
+def test_everything_else_is_megatrons_loss(single_process, monkeypatch, case):
+    calls = []
+    monkeypatch.setattr(cross_entropy, "MEGATRON_CROSS_ENTROPY", lambda *args: calls.append(args) or "megatron")
+    if case == "two_ranks":
+        monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    logits, labels = logits_and_labels()
+    if case == "meta":
+        logits, labels = logits.to("meta"), labels.to("meta")
+    smoothing = 0.1 if case == "label_smoothing" else 0.0
+    assert cross_entropy.vocab_parallel_cross_entropy(logits, labels, smoothing) == "megatron"
+    assert len(calls) == 1 and calls[0][0] is logits and calls[0][2] == smoothing
 
 
 def test_written_for_this_megatron_core():

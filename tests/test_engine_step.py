@@ -313,3 +313,42 @@ def test_one_rank_bucket_reduction_keeps_the_cast_and_the_partition_buffer(singl
     assert not torch.equal(results[0][0], grads[0])  # rounded through bf16
     for ours, theirs in zip(*results):
         assert torch.equal(ours, theirs)
+
+
+class _Recorder:
+    """torch.distributed as train_step sees it, recording its all-reduces."""
+
+    def __init__(self):
+        import torch.distributed
+
+        self.real, self.all_reduces = torch.distributed, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.all_reduces.append(tensor.clone())
+        return self.real.all_reduce(tensor, *args, **kwargs)
+
+
+def test_one_rank_train_step_sums_without_all_reduce(single_process, tmp_path, monkeypatch):
+    """At DP=1 the step's sums over data-parallel ranks (loss tokens, data checksum, loss) are the local
+    values, taken without a gloo call; the loss is the token-weighted mean written out from the model's
+    own token losses. DP=2 against DP=1 is tests/test_train_pipeline.py and the torchrun tests."""
+    from fbt_megatron.train import train_step
+
+    recipe, engine = _engine(tmp_path)
+    recorder = _Recorder()
+    monkeypatch.setattr(train_step, "dist", recorder)
+    from fbt_megatron.data.loaders import build_train_loader
+
+    micro = [next(iter(build_train_loader(recipe, 0, 1, 0)))]
+    with torch.no_grad():
+        out = engine.model(micro[0]["input_ids"], doc_start=micro[0]["doc_start"], labels=micro[0]["labels"],
+                           num_passes=1)
+        mask = micro[0]["loss_mask"].float()
+        expected = float((out.token_loss.float() * mask).sum() / mask.sum())
+    step = train_step.FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, torch.device("cpu"))
+    result = step(1, micro, 0.0)
+    assert recorder.all_reduces == []
+    assert result.tokens == int(mask.sum()) and abs(result.loss - expected) <= 1e-6 * expected

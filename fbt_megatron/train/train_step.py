@@ -71,8 +71,7 @@ class FBTTrainStep:
         engine.set_step(step)
         micro_batches = [to_device(b, self.device) for b in micro_batches]
         local_tokens = sum(b["loss_mask"].sum() for b in micro_batches).to(torch.float64)
-        total_tokens = local_tokens.clone()
-        dist.all_reduce(total_tokens, group=self.dp_group)
+        total_tokens = self._sum_over_dp(local_tokens.clone())
         n_global = float(total_tokens.item())
         scale = self.dp_size / max(n_global, 1.0)
 
@@ -81,16 +80,22 @@ class FBTTrainStep:
             ids = b["input_ids"]
             weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
             checksum += ((ids * weights).sum(1) * (ids[:, 0] + 7)).sum()
-        dist.all_reduce(checksum, group=self.dp_group)
+        self._sum_over_dp(checksum)
         jseeds = [jitter_seed(self.seed, step, self.dp_rank * len(micro_batches) + j) for j in range(len(micro_batches))]
         out = self.runner.run(micro_batches, k, training=True, scale=scale, jitter_seeds=jseeds)
-        loss_sum = out.loss_sum.clone()
-        dist.all_reduce(loss_sum, group=self.dp_group)
+        loss_sum = self._sum_over_dp(out.loss_sum.clone())
         loss = float(loss_sum.item()) / max(n_global, 1.0)
         outcome = engine.step(skip=not math.isfinite(loss))
         res = (torch.stack(out.residuals).float() / len(micro_batches)).tolist() if out.residuals else []
         return StepResult(step=step, num_passes=k, loss=loss, tokens=int(n_global), skipped=not outcome.applied,
                           grad_norm=outcome.grad_norm, lr=lr, residuals=res, data_checksum=int(checksum))
+
+    def _sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed in place over the data-parallel ranks. Over one rank it is the sum already, and
+        not called: gloo would still hand it to its worker thread and wait (~0.1-0.25 ms a call on CPU)."""
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
 
 
 @dataclass
