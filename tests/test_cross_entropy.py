@@ -35,7 +35,7 @@ def loss_and_grad(logits, labels, logits_max):
     VocabParallelCrossEntropy.calculate_logits_max = staticmethod(logits_max)
     try:
         x = logits.clone().requires_grad_(True)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(x, labels)
+        loss = cross_entropy.MEGATRON_CROSS_ENTROPY(x, labels)  # Megatron's own, whatever is installed
         loss.backward(torch.linspace(0.5, 1.5, loss.numel()).view_as(loss))
         return loss.detach(), x.grad
     finally:
@@ -122,6 +122,25 @@ def test_one_rank_is_megatrons_function_without_its_all_reduces(single_process, 
         weight = torch.linspace(0.5, 1.5, labels.numel()).view_as(labels).double().unsqueeze(-1)
         grad = (torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[-1]).double()) * weight
         assert torch.allclose(ours[1].double(), grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_labels_outside_the_vocabulary_and_padding(single_process, dtype):
+    """Megatron masks a label outside this rank's range (its target logit counts 0); tied maxima and -inf
+    padding columns, and a label on one: the same loss and gradient, bitwise, and the same softmax left
+    in the caller's float32 logits (both work in place)."""
+    cross_entropy.install()
+    logits, labels = logits_and_labels(seed=3)
+    logits = logits.to(dtype)
+    labels[0, 0], labels[0, 1], labels[1, 2] = -100, 40, 37  # before, past the end, a -inf column
+    theirs = one_rank_loss_and_grad(cross_entropy.MEGATRON_CROSS_ENTROPY, logits, labels)
+    ours = one_rank_loss_and_grad(cross_entropy.vocab_parallel_cross_entropy, logits, labels)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    if dtype == torch.float32:
+        a, b = logits.clone(), logits.clone()
+        cross_entropy.MEGATRON_CROSS_ENTROPY(a, labels)
+        cross_entropy.vocab_parallel_cross_entropy(b, labels)
+        assert torch.equal(a, b) and not torch.equal(a, logits)
 
 
 @pytest.mark.parametrize("case", ["label_smoothing", "two_ranks", "meta"])

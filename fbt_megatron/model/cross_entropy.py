@@ -11,8 +11,8 @@ was written against). Everything else in the loss is Megatron's own code.
 Over a one-rank tensor-parallel group on CPU, :func:`vocab_parallel_cross_entropy` runs Megatron's steps
 (its own static methods, in its order) without the three all-reduces of the logits' maximum, the target's
 logit and the exponentials' sum, each the identity over one rank but a gloo call that hands the tensor to
-its worker thread and waits (~0.1-0.25 ms each at the 1.8M size of ``benchmarks/bench_train.py``, six a
-step). Label smoothing, GPU tensors and TP > 1 keep Megatron's function.
+its worker thread and waits (~60 µs each on this project's CPU machine; six a step at the 1.8M size of
+``benchmarks/bench_train.py``). Label smoothing, GPU tensors and TP > 1 keep Megatron's function.
 
 :func:`install` puts :func:`calculate_logits_max` on Megatron's class and :func:`vocab_parallel_cross_entropy`
 where Megatron's language models look it up (``megatron.core.tensor_parallel``), idempotent; the model calls
