@@ -42,18 +42,23 @@ def loss_and_grad(logits, labels, logits_max):
         VocabParallelCrossEntropy.calculate_logits_max = saved
 
 
+def assert_is_the_definition(logits, labels, loss, grad):
+    """Cross entropy written out in float64: log-sum-exp minus the target's logit; its gradient under
+    the backward's weights (``loss_and_grad``'s linspace) softmax minus the one-hot target."""
+    x = logits.double()
+    target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(loss.double(), torch.logsumexp(x, -1) - target, rtol=1e-6, atol=1e-6)
+    weight = torch.linspace(0.5, 1.5, labels.numel()).view_as(labels).double().unsqueeze(-1)
+    expected = (torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[-1]).double()) * weight
+    assert torch.allclose(grad.double(), expected, atol=1e-6)
+
+
 def test_bitwise_megatron_and_the_definition(single_process):
     logits, labels = logits_and_labels()
     ours = loss_and_grad(logits, labels, cross_entropy.calculate_logits_max)
     theirs = loss_and_grad(logits, labels, cross_entropy.MEGATRON_LOGITS_MAX)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
-    # the definition, in float64
-    x = logits.double()
-    target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(ours[0].double(), torch.logsumexp(x, -1) - target, rtol=1e-6, atol=1e-6)
-    weight = torch.linspace(0.5, 1.5, labels.numel()).view_as(labels).double().unsqueeze(-1)
-    grad = (torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[-1]).double()) * weight
-    assert torch.allclose(ours[1].double(), grad, atol=1e-6)
+    assert_is_the_definition(logits, labels, *ours)
 
 
 def test_bf16_logits_bitwise_megatron(single_process):
@@ -115,13 +120,8 @@ def test_one_rank_is_megatrons_function_without_its_all_reduces(single_process, 
     ours = one_rank_loss_and_grad(cross_entropy.vocab_parallel_cross_entropy, logits, labels)
     assert len(all_reduces) == 3
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
-    if dtype == torch.float32:  # and the definition, in float64
-        x = logits.double()
-        target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        assert torch.allclose(ours[0].double(), torch.logsumexp(x, -1) - target, rtol=1e-6, atol=1e-6)
-        weight = torch.linspace(0.5, 1.5, labels.numel()).view_as(labels).double().unsqueeze(-1)
-        grad = (torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[-1]).double()) * weight
-        assert torch.allclose(ours[1].double(), grad, atol=1e-6)
+    if dtype == torch.float32:
+        assert_is_the_definition(logits, labels, *ours)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
