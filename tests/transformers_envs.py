@@ -23,10 +23,13 @@ from pathlib import Path
 
 # The oldest supported version, the first 5.x and the last one that names the cache `past_key_values`
 # (5.24, which calls it `cache`, is the running environment's). Pins: what each needs that the running
-# environment (tokenizers 0.23.3, huggingface-hub 2.x) does not satisfy.
+# environment (tokenizers 0.23.3, huggingface-hub 2.x, and since transformers 5.25 the `kernels` package
+# it requires) does not satisfy. transformers 5.0.0 builds kernels' LayerRepository at import without a
+# revision, which kernels refuses since 0.15 ("Either a revision or a version must be specified").
 VERSIONS = {
     "4.57.6": ["tokenizers>=0.22,<=0.23.0", "huggingface-hub>=0.34,<1.0"],
-    "5.0.0": ["tokenizers>=0.22,<=0.23.0", "huggingface-hub>=1.3,<2.0", "typer-slim", "httpx", "httpcore"],
+    "5.0.0": ["tokenizers>=0.22,<=0.23.0", "huggingface-hub>=1.3,<2.0", "typer-slim", "httpx", "httpcore",
+              "kernels>=0.9,<0.15"],
     "5.23.0": [],
 }
 
