@@ -9,7 +9,7 @@ then counts the minor page faults (``getrusage``'s ``ru_minflt``) and the wall t
 ``--steps`` steps; it prints each process's mean faults and seconds per step. A fault is the kernel
 mapping in (and zeroing) a page that the allocator took from the OS afresh: memory glibc gave back after
 the previous step and the step asked for again. ``--fixed-malloc`` sets glibc's thresholds as
-``bench_train.py --fixed-malloc`` does (then neither side should fault once warm).
+``bench_train.py --fixed-malloc`` does (then both fault little once warm: 0-1.5k pages a 1.8M step).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 2))
+    threads = os.cpu_count() or 1  # as bench_train.py's table 1
     print(f"{a.size} ZeRO-{a.stage} (fbt), micro-batch {a.micro_batch} x {a.seq} x {a.accumulation}, threads {threads}, "
           f"steps {a.warmup + 1}-{a.warmup + a.steps} of fresh processes, "
           f"{'glibc thresholds fixed' if a.fixed_malloc else 'default glibc'}")
