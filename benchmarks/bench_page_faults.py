@@ -29,17 +29,10 @@ def _count(conn, kind, a_dict, threads):
     import resource
     import time
 
-    import torch
-
     from fbt_megatron import runtime
-    from fbt_megatron.engine import ensure_ds_accelerator
 
-    ensure_ds_accelerator()
-    torch.set_num_threads(threads)
-    runtime.init_distributed()
     a = argparse.Namespace(**a_dict)
-    fn, _ = bench_train.build_variant((kind, a.size, a.stage, 1), a)
-    steps = bench_train.batches(bench_train.recipe_for(a.size, 0, a), 0, 1, a.warmup + a.steps)
+    fn, _, steps = bench_train.start_variant((kind, a.size, a.stage, 1), a_dict, threads, a.warmup + a.steps)
     for i in range(a.warmup):
         fn(i, steps[i])
     faults, seconds = [], []

@@ -19,8 +19,8 @@ machine load hits every variant alike. In one shared process the variants' steps
 the allocator: at 28M the HF loop's step left fbt's next step 26k page faults (0 with fbt alone),
 while HF's had none (``--same-process`` keeps that placement, to compare). Even a process each is not
 free of the allocator: which side's large tensors glibc maps fresh (and the kernel faults in page by page,
-every step) depends on the order of its allocations and frees (at 1.8M the HF loop's 16 MB logits,
-4k faults a micro-batch, fbt's none); ``--fixed-malloc`` fixes glibc's thresholds in every variant's
+every step) depends on the order of its allocations and frees (at 1.8M the HF loop's, 14.5k-28.1k pages
+a step, fbt's 0.1k-4.0k: ``bench_page_faults.py``); ``--fixed-malloc`` fixes glibc's thresholds in every variant's
 process so that neither side pays them for allocations up to 32 MiB (once its heap has grown to the
 step's peak). Both sides train fp32 with AdamW, clip at 1.0, the same micro-batches and accumulation and
 the same torch thread count; the FBT model runs 1 pass unless stated (its fusion layer included).
@@ -188,9 +188,9 @@ def build_variant(spec, a):
     return (with_megatron_rope(fn) if kind == "fbt-megatron-rope" else fn), params
 
 
-def _variant_worker(conn, spec, a_dict, threads):
-    """A variant in a process of its own: builds its step and the batches, then times one step per
-    ``(i, batch index)`` it is sent, until it is sent None."""
+def start_variant(spec, a_dict, threads, steps: int):
+    """In a fresh (spawned) process: the process set up as a DP=1 run, then ``spec``'s step function,
+    its parameter count and ``steps`` batches (:func:`build_variant`, :func:`batches`)."""
     import torch
 
     from fbt_megatron import runtime
@@ -201,7 +201,16 @@ def _variant_worker(conn, spec, a_dict, threads):
     runtime.init_distributed()
     a = argparse.Namespace(**a_dict)
     fn, params = build_variant(spec, a)
-    step = timed(fn, batches(recipe_for(spec[1], 0, a), 0, 1, a.rounds + 1))
+    return fn, params, batches(recipe_for(spec[1], 0, a), 0, 1, steps)
+
+
+def _variant_worker(conn, spec, a_dict, threads):
+    """A variant in a process of its own: builds its step and the batches, then times one step per
+    ``(i, batch index)`` it is sent, until it is sent None."""
+    from fbt_megatron import runtime
+
+    fn, params, steps = start_variant(spec, a_dict, threads, a_dict["rounds"] + 1)
+    step = timed(fn, steps)
     conn.send(params)
     while (msg := conn.recv()) is not None:
         conn.send(step(*msg))
