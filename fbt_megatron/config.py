@@ -7,9 +7,10 @@ allowed values, before any process group starts.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 FUSION_MODES = ("glu", "additive", "off")
 GRAD_MODES = ("all", "last")
@@ -178,11 +179,15 @@ class PassScheduleConfig(StrictModel):
     """Passes per global batch: 1 until ``feedback_start_step``, then drawn from ``mix``.
 
     ``mix[i]`` is the probability of i+1 passes (default 75% 1-pass, 22% 2-pass, 3% 3-pass).
+    ``seed`` keys the draws; a recipe that does not set it uses the recipe's ``seed`` (a checkpoint
+    written before that keeps the seed it was trained with: :meth:`PassSchedule.load_state_dict`).
     """
 
     feedback_start_step: int = Field(0, ge=0)
     mix: list[float] = Field(default_factory=lambda: [0.75, 0.22, 0.03])
     seed: int = 0
+    # True when ``seed`` was taken from the recipe's seed rather than set (Recipe's validator).
+    _seed_follows_recipe: bool = PrivateAttr(False)
 
     @field_validator("mix")
     @classmethod
@@ -211,7 +216,13 @@ def check_num_passes(k: int) -> int:
 
 
 class SyntheticDataConfig(BaseModel):
-    """The recipe's ``data.synthetic`` section (the generator is :mod:`fbt_megatron.data.synthetic`)."""
+    """The recipe's ``data.synthetic`` section (the generator is :mod:`fbt_megatron.data.synthetic`).
+
+    ``task``: ``affine`` (documents following random affine recurrences, next-token labels) or
+    ``state_tracking`` (one row a problem: a sequence of elements of a finite group, labelled at each
+    position with their running product; ``group``: ``cyclic`` (a running sum mod ``group_size``) or
+    ``symmetric`` (composing permutations of ``group_size`` items)).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -220,3 +231,20 @@ class SyntheticDataConfig(BaseModel):
     seed: int = 0
     mean_doc_length: int = Field(48, ge=2)
     noise: float = Field(0.05, ge=0.0, le=1.0)
+    task: Literal["affine", "state_tracking"] = "affine"
+    group: Literal["cyclic", "symmetric"] = "cyclic"
+    group_size: int = Field(5, ge=2)
+
+    @model_validator(mode="after")
+    def _group_fits_vocabulary(self):
+        if self.task == "state_tracking":
+            order = self.group_order
+            if order > self.vocab_size:
+                raise ValueError(f"data.synthetic: the {self.group} group of size {self.group_size} has {order} "
+                                 f"elements, more than vocab_size={self.vocab_size}")
+        return self
+
+    @property
+    def group_order(self) -> int:
+        """Elements of the state-tracking group (its tokens are 0..order-1)."""
+        return self.group_size if self.group == "cyclic" else math.factorial(self.group_size)

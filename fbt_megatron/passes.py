@@ -74,4 +74,12 @@ class PassSchedule:
         return self.config.model_dump()
 
     def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore: the pass count of every step follows from the recipe's schedule."""
+        """The pass count of every step follows from the recipe's schedule; only the seed may come from
+        the checkpoint: where the recipe does not set ``schedule.seed`` (it then follows ``seed``), the
+        run keeps the seed its checkpoint was trained with, so a run started before the seed followed
+        the recipe's draws the same passes after resuming."""
+        saved = state.get("seed")
+        if saved is not None and saved != self.config.seed and self.config._seed_follows_recipe:
+            follows = self.config._seed_follows_recipe
+            self.config = self.config.model_copy(update={"seed": int(saved)})
+            self.config._seed_follows_recipe = follows

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig, SyntheticDataConfig
 
@@ -52,6 +52,8 @@ class OptimizerConfig(Section):
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     # Norms, biases and h_init are never decayed; embeddings (tied: also the LM head) only if true.
     decay_embeddings: bool = False
+    # The fusion's W_U and W_G step at lr x this (Adam moves an entry by ~lr a step whatever its scale).
+    fusion_lr_multiplier: float = Field(1.0, gt=0)
 
 
 class LRScheduleConfig(Section):
@@ -97,6 +99,15 @@ class LoggingConfig(Section):
 class EvalConfig(Section):
     every: int = Field(50, ge=1)
     feedback_passes: int | None = Field(None, ge=1)  # default: the schedule's deepest pass count
+    # Pass counts validated at each evaluation (default: 1 and feedback_passes).
+    passes: list[int] | None = None
+
+    @field_validator("passes")
+    @classmethod
+    def _passes(cls, v):
+        if v is not None and (not v or any(k < 1 for k in v)):
+            raise ValueError(f"eval.passes={v} must list pass counts >= 1")
+        return v
     at_end: bool = True
 
 
@@ -142,6 +153,9 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _consistent(self):
         b, d = self.batch, self.data
+        s = self.schedule
+        if s._seed_follows_recipe or "seed" not in s.model_fields_set:
+            s.seed, s._seed_follows_recipe = self.seed, True
         if b.global_batch_size is None and b.global_batch_tokens is None:
             b.global_batch_size = 4 * b.micro_batch_size
         if b.global_batch_tokens is not None:

@@ -14,6 +14,7 @@ context (and an FBT model that carries state) can lower the loss well below ``lo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,7 +42,41 @@ def make_sequence(cfg: SyntheticDataConfig, index: int) -> tuple[np.ndarray, np.
     return tokens, starts
 
 
+def group_table(cfg: SyntheticDataConfig) -> np.ndarray:
+    """[order, order] product table of the state-tracking group: ``table[a, b]`` is the element a * b
+    (cyclic: (a + b) mod n; symmetric: the permutation a after b, elements in lexicographic order)."""
+    if cfg.group == "cyclic":
+        n = cfg.group_size
+        return (np.arange(n)[:, None] + np.arange(n)[None, :]) % n
+    perms = list(itertools.permutations(range(cfg.group_size)))
+    index = {p: i for i, p in enumerate(perms)}
+    return np.array([[index[tuple(a[j] for j in b)] for b in perms] for a in perms], dtype=np.int64)
+
+
+def state_tracking_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.Tensor]:
+    """Rows of uniform group elements x_1..x_S, each labelled with the running product
+    x_t * ... * x_1 (position t needs all t inputs: t composed steps). One problem per row."""
+    table = group_table(cfg)
+    rows = []
+    for i in indices:
+        rng = np.random.Generator(np.random.Philox(key=cfg.seed, counter=[0, 0, 2, int(i)]))
+        x = rng.integers(0, len(table), size=cfg.seq_length)
+        state, labels = 0, np.empty_like(x)  # element 0 is the identity (0; the identity permutation)
+        for t, g in enumerate(x):
+            state = table[g, state]
+            labels[t] = state
+        rows.append((x, labels))
+    input_ids = torch.from_numpy(np.stack([r[0] for r in rows]))
+    labels = torch.from_numpy(np.stack([r[1] for r in rows]))
+    doc_start = torch.zeros_like(input_ids, dtype=torch.bool)
+    doc_start[:, 0] = True
+    return dict(input_ids=input_ids, labels=labels, loss_mask=torch.ones(input_ids.shape),
+                position_ids=torch.arange(cfg.seq_length).expand_as(input_ids).clone(), doc_start=doc_start)
+
+
 def make_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.Tensor]:
+    if cfg.task == "state_tracking":
+        return state_tracking_batch(cfg, indices)
     seqs = [make_sequence(cfg, int(i)) for i in indices]
     tokens = torch.from_numpy(np.stack([s[0] for s in seqs]))
     starts = torch.from_numpy(np.stack([s[1] for s in seqs]))

@@ -102,7 +102,8 @@ class Engine:
         if self.sequence_parallel:
             self._hook_sequence_parallel_grads(params)
         groups = param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.decay_embeddings,
-                              fusion_decay_start(recipe), fusion_in_model=recipe.feedback.fusion != "off")
+                              fusion_decay_start(recipe), fusion_in_model=recipe.feedback.fusion != "off",
+                              fusion_lr_multiplier=recipe.optimizer.fusion_lr_multiplier)
         self.mpu = MegatronMPU()
         # DeepSpeed reports no gradient norm (and checks none) at ZeRO-0 in fp32: compute it here.
         self._own_grad_norm = self.zero_stage == 0 and "bf16" not in self.config
@@ -180,7 +181,7 @@ class Engine:
     # ------------------------------------------------------------------ step protocol
     def set_lr(self, lr: float) -> None:
         for group in self.torch_optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_multiplier", 1.0)
 
     def set_step(self, step: int) -> None:
         """Per-step optimiser settings other than the learning rate: the fusion group's weight decay

@@ -45,10 +45,12 @@ def fusion_weight_decay(weight_decay: float, decay_from: int | None, step: int) 
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool,
-                 fusion_decay_from: int | None = 0, fusion_in_model: bool = False) -> list[dict]:
+                 fusion_decay_from: int | None = 0, fusion_in_model: bool = False,
+                 fusion_lr_multiplier: float = 1.0) -> list[dict]:
     """AdamW parameter groups; the ``group`` key names each one (kept by DeepSpeed and torch). The
-    fusion's matrices get their own group, decayed from step ``fusion_decay_from`` (None: never);
-    see :meth:`Engine.set_step`.
+    fusion's matrices get their own group, decayed from step ``fusion_decay_from`` (None: never) and
+    stepped at the learning rate times ``fusion_lr_multiplier`` (its ``lr_multiplier``, which
+    :meth:`Engine.set_lr` applies); see :meth:`Engine.set_step`.
 
     ``fusion_in_model``: the model has a fusion, possibly on another pipeline stage. ZeRO >= 1
     all-reduces one gradient norm per group over the model-parallel group, so every stage must hand
@@ -69,7 +71,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
               {"params": fusion, "weight_decay": fusion_weight_decay(weight_decay, fusion_decay_from, 0),
                "group": "fusion",
                "decay_from_step": -1 if fusion_decay_from is None else fusion_decay_from,
-               "full_weight_decay": weight_decay}]
+               "full_weight_decay": weight_decay, "lr_multiplier": fusion_lr_multiplier}]
     if fusion_in_model and not fusion:
         if len(plain) < 2:
             raise ValueError("a pipeline stage without the fusion needs two parameter groups in place of the "

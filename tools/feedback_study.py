@@ -1,0 +1,160 @@
+"""The feedback study (issue 40): does the fed-back mode learn more from the same tokens, given steps?
+
+    python tools/feedback_study.py [--seeds 1,2] [--scale tiny|medium] [--groups main,compute,stabilisers,state]
+                                   [--jobs 2] [--reuse] [--out docs/results]
+
+Trains, from ``recipes/research/tiny_feedback.yaml`` (WSD LR, the switch to multi-pass batches on the
+plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), per seed:
+
+- ``main``: a standard model (``feedback.fusion=off``), FBT with the paper's 75/22/3 mix and FBT with the
+  feedback-heavy 50/40/10 mix, on the same data in the same order (equal tokens);
+- ``compute``: the standard model given each FBT run's FLOPs (more steps, same WSD shape);
+- ``stabilisers``: the 50/40/10 run with one stabiliser changed each (see ``ABLATIONS``);
+- ``state``: a state-tracking task (running products in the symmetric group S3, one element per token,
+  sequences of 32 steps, far past the 4 layers) for a standard model and FBT.
+
+Then reads each finished run out (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes
+and at the exact recurrence (passes = sequence length), answer NLL and exact match on held-out
+arithmetic under standard and feedback decoding, the fusion's gate saturation and W_U's distance from
+its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
+steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
+reported as mean ± standard error over seeds. Writes docs/results/feedback_phase.{md,json,png}.
+
+CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
+~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
+seed for every group). ``--scale medium`` (8 layers, hidden 384) costs ~15x as much: ~2 h a run.
+``--smoke`` trains each selected run for a few steps at a toy size (the tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RECIPE = "recipes/research/tiny_feedback.yaml"
+MIX_PAPER, MIX_HEAVY = [0.75, 0.22, 0.03], [0.5, 0.4, 0.1]
+SCALES = {"tiny": [], "medium": ["model.num_layers=8", "model.hidden_size=384", "model.num_attention_heads=6"]}
+SMOKE = ["train.steps=12", "schedule.feedback_start_step=4", "eval.every=6", "checkpoint.every=4",
+         "data.valid_sequences=8"]
+# One stabiliser changed at a time, from the feedback-heavy run (the one whose fed-back mode trains most).
+ABLATIONS = {
+    "no_mixin": ["feedback.prefix_mixin=0.0"],
+    "no_jitter": ["feedback.jitter_std=0.0"],
+    "untied": ["model.tie_embeddings=false"],
+    "fusion_lr_x10": ["optimizer.fusion_lr_multiplier=10.0"],
+    "additive": ["feedback.fusion=additive"],
+}
+STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
+              "data.synthetic.group_size=3", "data.synthetic.vocab_size=6", "data.seq_length=32",
+              "model.vocab_size=6", "model.max_sequence_length=32", "batch.global_batch_size=32",
+              "batch.micro_batch_size=16", "data.valid_sequences=256"]
+
+
+def recipe_steps(overrides: list[str]) -> tuple[int, int]:
+    """(train.steps, schedule.feedback_start_step) of the research recipe under ``overrides``."""
+    import yaml
+
+    from fbt_megatron.research.runs import ROOT
+
+    base = yaml.safe_load((ROOT / RECIPE).read_text())
+    steps, start = base["train"]["steps"], base["schedule"]["feedback_start_step"]
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "train.steps":
+            steps = int(value)
+        elif key == "schedule.feedback_start_step":
+            start = int(value)
+    return steps, start
+
+
+def compute_factor(steps: int, start: int, mix: list[float]) -> float:
+    """An FBT run's training FLOPs over a standard run's of the same steps (a k-pass step costs k 1-pass
+    steps with grad_mode all; the fusion's own FLOPs, 2 D^2 a token, are left out)."""
+    expected = sum((i + 1) * p for i, p in enumerate(mix))
+    return (start + (steps - start) * expected) / steps
+
+
+def mix_arg(mix: list[float]) -> str:
+    return "schedule.mix=[" + ",".join(str(p) for p in mix) + "]"
+
+
+def plan(groups: list[str], scale: str, smoke: bool) -> dict[str, list[str]]:
+    """Run name -> ``fbt train`` overrides of the research recipe (seed added per run)."""
+    base = SCALES[scale] + (SMOKE if smoke else [])
+    steps, start = recipe_steps(base)
+    runs: dict[str, list[str]] = {}
+    if "main" in groups:
+        runs["standard"] = base + ["feedback.fusion=off"]
+        runs["fbt"] = base + [mix_arg(MIX_PAPER)]
+        runs["fbt_heavy"] = base + [mix_arg(MIX_HEAVY)]
+    if "compute" in groups:
+        for name, mix in (("fbt", MIX_PAPER), ("fbt_heavy", MIX_HEAVY)):
+            n = round(steps * compute_factor(steps, start, mix))
+            runs[f"standard_compute_{name}"] = base + ["feedback.fusion=off", f"train.steps={n}"]
+    if "stabilisers" in groups:
+        for name, extra in ABLATIONS.items():
+            runs[f"fbt_heavy_{name}"] = base + [mix_arg(MIX_HEAVY)] + extra
+    if "state" in groups:
+        state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
+        runs["state_standard"] = state + ["feedback.fusion=off"]
+        runs["state_fbt_heavy"] = state + [mix_arg(MIX_HEAVY)]
+    return runs
+
+
+def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool) -> dict:
+    """Train every (run, seed) not finished yet (``reuse``) under ``root/NAME_seedS``; returns their summaries."""
+    from fbt_megatron.research.runs import run_jobs, train_run
+
+    def one(name, seed):
+        run_dir = root / f"{name}_seed{seed}"
+        done = run_dir / "summary.json"
+        if reuse and done.is_file():
+            return json.loads(done.read_text())
+        print(f"[feedback_study] {name} seed {seed}", flush=True)
+        return train_run(RECIPE, run_dir, [f"name=study_{name}_{seed}", f"seed={seed}", *runs[name]])
+
+    todo = [(name, seed) for seed in seeds for name in runs]
+    return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="1,2")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
+    ap.add_argument("--groups", default="main,compute,stabilisers,state")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one CPU thread when > 1)")
+    ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
+    ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, train the rest")
+    ap.add_argument("--train-only", action="store_true", help="train, do not read out or write the report")
+    ap.add_argument("--smoke", action="store_true", help="a few steps at a toy size (tests)")
+    ap.add_argument("--out", default="docs/results")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("FBT_DEVICE", "cpu")
+    groups = [g for g in a.groups.split(",") if g]
+    unknown = set(groups) - {"main", "compute", "stabilisers", "state"}
+    if unknown:
+        ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    root = Path(a.runs or f"runs/research/feedback_study/{a.scale}").resolve()
+    t0 = time.perf_counter()
+    summaries = train(plan(groups, a.scale, a.smoke), seeds, root, a.jobs, a.reuse)
+    if a.train_only:
+        print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
+        return 0
+    from fbt_megatron.research.study import read_out, render
+
+    readouts = {name: read_out(root / name, smoke=a.smoke) for name in summaries}
+    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, Path(a.out))
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
