@@ -110,7 +110,11 @@ def plan(groups: list[str], scale: str, smoke: bool) -> dict[str, list[str]]:
 
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool) -> dict:
     """Train every (run, seed) not finished yet (``reuse``) under ``root/NAME_seedS``; returns their summaries."""
-    from fbt_megatron.research.runs import run_jobs, train_run
+    from data_pipeline.embedded import build_embedded
+    from fbt_megatron.research.runs import ROOT, run_jobs, train_run
+
+    # Built once here: runs started together would each try to build it (the second one fails on its lock).
+    build_embedded(ROOT / "data/embedded", seq_length=128, progress=False, log=lambda m: None)
 
     def one(name, seed):
         run_dir = root / f"{name}_seed{seed}"
