@@ -42,3 +42,45 @@ def test_custom_mix_with_a_deeper_pass():
     schedule = PassSchedule(PassScheduleConfig(mix=[0.5, 0.0, 0.0, 0.5]))
     assert schedule.max_passes == 4
     assert set(schedule.counts(0, 500)) == {1, 4}
+
+
+def _recipe(**overrides):
+    from fbt_megatron.recipe import Recipe
+    from fbt_megatron.testing.training import tiny_recipe
+
+    data = tiny_recipe("run")
+    data["schedule"].pop("seed")
+    for section, values in overrides.items():
+        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
+    return Recipe.model_validate(data)
+
+
+def test_schedule_seed_follows_the_recipe_seed_unless_set():
+    assert _recipe(seed=7).schedule.seed == 7
+    assert _recipe(seed=8).schedule.seed == 8
+    assert _recipe(seed=7, schedule={"seed": 3}).schedule.seed == 3
+    # two seeds draw two different pass sequences (the default 0 used to give every seed the same one)
+    a, b = (PassSchedule(_recipe(seed=s, schedule={"feedback_start_step": 0}).schedule) for s in (7, 8))
+    assert [a.num_passes(s) for s in range(300)] != [b.num_passes(s) for s in range(300)]
+
+
+def test_a_checkpoint_keeps_the_schedule_seed_it_was_trained_with():
+    """A run saved before schedule.seed followed the recipe's seed drew with seed 0: resumed without a
+    schedule.seed in its recipe, it keeps drawing with 0; a recipe that sets the seed wins."""
+    from fbt_megatron.checkpoint.training_state import TrainingState
+    from fbt_megatron.train.trainer import TrainState
+
+    def resumed(recipe, saved_seed):
+        saved = TrainingState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
+                              layout={}).state_dict()
+        saved["pass_schedule"]["seed"] = saved_seed
+        schedule = PassSchedule(recipe.schedule)
+        TrainingState(train_state=TrainState(), pass_schedule=schedule, recipe=recipe, layout={}).load_state_dict(saved)
+        return schedule
+
+    old = resumed(_recipe(seed=1234, schedule={"feedback_start_step": 0}), 0)
+    assert old.config.seed == 0
+    trained = PassSchedule(PassScheduleConfig(feedback_start_step=0, mix=old.config.mix, seed=0))
+    assert [old.num_passes(s) for s in range(500)] == [trained.num_passes(s) for s in range(500)]
+    assert old.state_dict()["seed"] == 0  # and the next checkpoint records it
+    assert resumed(_recipe(seed=1234, schedule={"feedback_start_step": 0, "seed": 5}), 0).config.seed == 5

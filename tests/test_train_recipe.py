@@ -20,7 +20,7 @@ def test_tiny_recipe_validates():
 
 
 
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))  # research recipes too (recipes/research/)
 # The paper-scale model and the SLURM recipes are Llama-class (issue 9).
 LLAMA_RECIPES = ["1b.yaml"] + sorted(p.name for p in RECIPES if p.name.startswith("fbt-"))
 

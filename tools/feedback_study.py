@@ -152,10 +152,18 @@ def main(argv=None) -> int:
     if a.train_only:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
+    from fbt_megatron import runtime
+    from fbt_megatron.research.runs import ROOT
     from fbt_megatron.research.study import read_out, render
 
-    readouts = {name: read_out(root / name, smoke=a.smoke) for name in summaries}
-    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, Path(a.out))
+    out_dir = Path(a.out).resolve()
+    os.chdir(ROOT)  # the runs were trained there: their recipes name data by paths relative to it
+    runtime.init_distributed()
+    try:
+        readouts = {name: read_out(root / name, smoke=a.smoke) for name in summaries}
+    finally:
+        runtime.shutdown()
+    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir)
     print(out.read_text())
     return 0
 

@@ -1,0 +1,271 @@
+"""Read-outs and report of the feedback study (``tools/feedback_study.py``, issue 40).
+
+A run is read out once (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes and at the
+exact recurrence, held-out arithmetic under standard and feedback decoding, the fusion's state at
+each kept checkpoint; for the state-tracking task, accuracy per number of composed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+DECODING = [("standard", "standard", 1), ("feedback", "feedback", 1)]  # (name, TextGenerator mode, prefill passes)
+SATURATED = 0.05  # a gate entry below this or above 1 - this is saturated
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
+    """Mean and standard error over seeds of b - a (same seeds, same data order), and the count."""
+    d = [y - x for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
+    if not d:
+        return float("nan"), float("nan"), 0
+    return statistics.fmean(d), (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")), len(d)
+
+
+def fusion_state(model, recipe, initial: dict | None) -> dict:
+    """The fusion at one checkpoint: the share of saturated entries of sigmoid(W_G e) over the
+    vocabulary's embeddings, and the relative distance of W_U (from value_init_scale * I under the
+    identity init) and of W_G (from ``initial``, the last checkpoint before the switch) from their start."""
+    import torch
+
+    fb = model.feedback
+    if fb is None:
+        return {}
+    emb = model.gpt.embedding.word_embeddings.weight[: recipe.model.vocab_size].detach()
+    gate = torch.sigmoid(emb @ fb.gate.weight.detach().t())
+    out = {"gate_saturated": float(((gate < SATURATED) | (gate > 1 - SATURATED)).float().mean()),
+           "gate_mean": float(gate.mean()), "gate_std": float(gate.std())}
+    w_u, w_g = fb.value.weight.detach(), fb.gate.weight.detach()
+    if recipe.feedback.value_init == "identity":
+        scale = recipe.feedback.value_init_scale or 2.0 * recipe.model.init_method_std
+        start = scale * torch.eye(w_u.shape[0])
+        out["w_u_from_init"] = float((w_u - start).norm() / start.norm())
+    if initial is not None:
+        out["w_g_from_init"] = float((w_g - initial["w_g"]).norm() / initial["w_g"].norm())
+        if "w_u_from_init" not in out:
+            out["w_u_from_init"] = float((w_u - initial["w_u"]).norm() / initial["w_u"].norm())
+    out["w_u_norm"] = float(torch.linalg.matrix_norm(w_u, ord=2))
+    return out
+
+
+def fusion_history(run_dir: Path) -> list[dict]:
+    """:func:`fusion_state` at every kept checkpoint of a run, oldest first."""
+    from fbt_megatron.checkpoint.model import load_checkpoint_model
+
+    steps = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    rows, initial = [], None
+    for path in steps:
+        model, recipe, _ = load_checkpoint_model(path)
+        if model.feedback is None:
+            return []
+        step = int(path.name.split("_")[1])
+        if step <= recipe.schedule.feedback_start_step:  # untouched by training until the switch
+            initial = {"w_u": model.feedback.value.weight.detach().clone(),
+                       "w_g": model.feedback.gate.weight.detach().clone()}
+        rows.append({"step": step, **fusion_state(model, recipe, initial)})
+    return rows
+
+
+def state_accuracy(model, recipe, passes: list[int]) -> dict:
+    """State-tracking accuracy per position (position t needs t + 1 composed steps) at each pass count
+    over the recipe's validation sequences."""
+    import torch
+
+    from fbt_megatron.data.loaders import build_valid_batches
+
+    batches = build_valid_batches(recipe, 0, 1)
+    out = {}
+    with torch.no_grad():
+        for k in passes:
+            hits = []
+            for b in batches:
+                logits = model(b["input_ids"], b["position_ids"], b["doc_start"], num_passes=k).logits
+                hits.append((logits.argmax(-1) == b["labels"]).float())
+            per_position = torch.cat(hits).mean(0)
+            out[str(k)] = [float(x) for x in per_position]
+    return out
+
+
+def answer_readout(run_dir: Path, problems: int) -> dict:
+    """Held-out arithmetic: answer NLL per token (the answer scored as decoding reads it) and greedy
+    exact match, per decoding mode."""
+    from fbt_megatron.generate.api import TextGenerator
+    from fbt_megatron.generate.loading import load_for_inference
+    from fbt_megatron.research.sft import held_out_problems, measure
+
+    pairs = held_out_problems(problems)
+    loaded = load_for_inference(run_dir)
+    modes = DECODING if loaded.feedback_config.fusion != "off" else DECODING[:1]
+    exact = measure(run_dir, pairs, chat=False, modes=modes, max_new_tokens=64)
+    out = {}
+    for name, mode, k in modes:
+        gen = TextGenerator(loaded, mode=mode, prefill_passes=k)
+        contexts = [gen.encode(f"Question: {q}\nAnswer:") for q, _ in pairs]
+        answers = [gen.encode(f" {a}") for _, a in pairs]
+        per_problem = [-ll / len(a) for (ll, _), a in zip(gen.decoder.score(contexts, answers), answers)]
+        out[name] = {"answer_nll": statistics.fmean(per_problem), "per_problem_nll": per_problem,
+                     "exact_match": exact[name]["exact_match"], "correct": exact[name]["correct"]}
+    return out
+
+
+def read_out(run_dir: Path, smoke: bool = False) -> dict:
+    """Every read-out of one finished run (cached in ``run_dir/readouts.json``). Call in a world-of-one
+    process group."""
+    cache = run_dir / "readouts.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    from fbt_megatron import runtime
+    from fbt_megatron.checkpoint.model import load_checkpoint_model
+    from fbt_megatron.data.loaders import build_valid_batches
+    from fbt_megatron.parallel.runner import get_runner
+    from fbt_megatron.train.train_step import evaluate
+
+    model, recipe, latest = load_checkpoint_model(run_dir)
+    seq = recipe.data.seq_length
+    passes = [1] if model.feedback is None else [1, 2, 3, seq]  # seq passes: the exact recurrence
+    out: dict = {"checkpoint": str(latest), "seq_length": seq, "fusion": recipe.feedback.fusion}
+    if recipe.data.source == "synthetic" and recipe.data.synthetic.task == "state_tracking":
+        out["state_accuracy"] = state_accuracy(model, recipe, passes)
+    else:
+        runner, batches = get_runner(model), build_valid_batches(recipe, 0, 1)
+        out["val_loss"] = {str(k): evaluate(runner, batches, k, runtime.device()).loss for k in passes}
+        out["answers"] = answer_readout(run_dir, 8 if smoke else 100)
+    out["fusion_history"] = fusion_history(run_dir)
+    cache.write_text(json.dumps(out, indent=1))
+    return out
+
+
+class _NoAxes:
+    """Stands in for a matplotlib axis when matplotlib is not installed."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def _by_kind(names) -> dict[str, list[tuple[int, str]]]:
+    """``{kind: [(seed, run name), ...]}`` for run names ``KIND_seedS``."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for name in names:
+        kind, _, seed = name.rpartition("_seed")
+        out.setdefault(kind, []).append((int(seed), name))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _pm(mean: float, err: float, digits: int = 3) -> str:
+    if not math.isfinite(mean):
+        return "n/a"
+    return f"{mean:+.{digits}f}" + (f" ± {err:.{digits}f}" if math.isfinite(err) else "")
+
+
+def summarise(summaries: dict, readouts: dict) -> dict:
+    """The study's comparisons, each a paired difference over seeds (mean, standard error, seeds)."""
+    kinds = _by_kind(summaries)
+    val = {name: r.get("val_loss", {}) for name, r in readouts.items()}
+    rows = {}
+    std = dict(kinds.get("standard", []))
+    for kind, runs in kinds.items():
+        if kind.startswith("state_") or kind.startswith("standard"):
+            continue
+        seeds = [s for s, _ in runs]
+        one = [val[n].get("1") for _, n in runs]
+        seq = str(readouts[runs[0][1]]["seq_length"])
+        row = {"seeds": seeds}
+        for k in ("2", "3", seq):
+            label = "exact" if k == seq else f"{k}-pass"
+            row[f"{label} - 1-pass"] = paired(one, [val[n].get(k) for _, n in runs])
+        best = [min(v for v in val[n].values()) for _, n in runs]
+        common = [s for s in seeds if s in std]
+        row["best mode - standard (equal tokens)"] = paired([val[std[s]]["1"] for s in common],
+                                                            [b for s, b in zip(seeds, best) if s in std])
+        compute = dict(kinds.get(f"standard_compute_{kind}", []))
+        common = [s for s in seeds if s in compute]
+        row["best mode - standard (equal compute)"] = paired([val[compute[s]]["1"] for s in common],
+                                                             [b for s, b in zip(seeds, best) if s in compute])
+        rows[kind] = row
+    return rows
+
+
+def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path) -> Path:
+    """docs/results/feedback_phase.{md,json,png} from the finished runs."""
+    import numpy as np
+
+    from fbt_megatron.research.report import figure, mean_std, provenance, save, table
+
+    kinds = _by_kind(summaries)
+    comparisons = summarise(summaries, readouts)
+    lm = {k: v for k, v in kinds.items() if not k.startswith("state_")}
+    try:
+        fig, axes = figure(ncols=2, width=6.0, height=4.2)
+        plot = "![curves and state tracking](feedback_phase.png)"
+    except ImportError:  # the research extra is not installed: tables only
+        fig, axes = None, [_NoAxes(), _NoAxes()]
+        plot = "(no plot: `pip install -e '.[research]'` for matplotlib)"
+    for i, (kind, runs) in enumerate(sorted(lm.items())):
+        hist = [summaries[n]["val_history"] for _, n in runs]
+        for passes, style in (("1", "-"), ("2", "--"), ("3", ":")):
+            if passes not in hist[0][0]["loss"]:
+                continue
+            n = min(len(h) for h in hist)
+            curve = np.array([[h[j]["loss"][passes] for j in range(n)] for h in hist]).mean(0)
+            axes[0].plot([hist[0][j]["step"] for j in range(n)], curve, style, color=f"C{i}",
+                         label=f"{kind}, {passes}-pass" if kind != "standard" or passes == "1" else kind)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("held-out validation loss (mean over seeds)")
+    axes[0].legend(fontsize=6)
+    loss_rows = []
+    for kind, runs in sorted(lm.items()):
+        r = [readouts[n] for _, n in runs]
+        seq = str(r[0]["seq_length"])
+        cells = [kind, ",".join(str(s) for s, _ in runs)]
+        for k in ("1", "2", "3", seq):
+            cells.append("%.3f ± %.3f" % mean_std([x["val_loss"].get(k) for x in r]) if k in r[0]["val_loss"] else "-")
+        ans = [x["answers"] for x in r]
+        for mode in ("standard", "feedback"):
+            cells.append("%.3f / %.3f" % (statistics.fmean(a[mode]["answer_nll"] for a in ans),
+                                          statistics.fmean(a[mode]["exact_match"] for a in ans))
+                         if mode in ans[0] else "-")
+        fus = [x["fusion_history"][-1] for x in r if x["fusion_history"]]
+        cells.append("%.2f / %.2f" % (statistics.fmean(f["gate_saturated"] for f in fus),
+                                      statistics.fmean(f.get("w_u_from_init", float("nan")) for f in fus))
+                     if fus else "-")
+        loss_rows.append(cells)
+    state_rows = []
+    for i, (kind, runs) in enumerate(sorted(k for k in kinds.items() if k[0].startswith("state_"))):
+        acc = [readouts[n]["state_accuracy"] for _, n in runs]
+        for k in acc[0]:
+            curve = np.array([a[k] for a in acc]).mean(0)
+            label = f"{kind}, {'exact' if int(k) > 3 else k + '-pass'}"
+            axes[1].plot(np.arange(1, len(curve) + 1), curve, "-" if k == "1" else "--", color=f"C{i}", label=label)
+            state_rows.append([label, ",".join(str(s) for s, _ in runs)]
+                              + [f"{curve[j - 1]:.3f}" for j in (1, 2, 4, 8, 16, len(curve))])
+    axes[1].set_xlabel("composed steps (position + 1)")
+    axes[1].set_ylabel("state-tracking accuracy")
+    axes[1].legend(fontsize=6)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if fig is not None:
+        fig.tight_layout()
+        fig.savefig(out_dir / "feedback_phase.png", dpi=110)
+    comp_rows = [[kind, name, _pm(*v[:2]), v[2]] for kind, row in comparisons.items()
+                 for name, v in row.items() if name != "seeds"]
+    md = "\n".join([
+        "# The feedback phase, given steps", "",
+        "Runs of `recipes/research/tiny_feedback.yaml` (WSD LR, the switch on the plateau at 20 % of the steps) "
+        "and its overrides, `tools/feedback_study.py`; validation on held-out documents of the embedded mix. "
+        "*exact*: the exact recurrence (passes = sequence length). Answers: held-out arithmetic, answer NLL per "
+        "token / greedy exact match. Fusion: share of saturated gate entries / W_U's relative distance from its "
+        "initialisation, at the last checkpoint. Means ± standard deviation over seeds.", "",
+        table(["run", "seeds", "1-pass", "2-pass", "3-pass", "exact", "answers, standard", "answers, feedback",
+               "fusion"], loss_rows), "",
+        "## Paired differences (mean ± standard error over seeds; negative: the second is lower)", "",
+        table(["run", "difference", "value", "seeds"], comp_rows), "",
+        "## State tracking (running products in S3; accuracy at a number of composed steps)", "",
+        table(["run", "seeds", "1", "2", "4", "8", "16", "last"], state_rows) if state_rows else "(not run)", "",
+        plot, "",
+        provenance("python tools/feedback_study.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
+                                                         ("scale", args.scale))), seconds)])
+    data = {"args": {k: v for k, v in vars(args).items()}, "seeds": seeds, "comparisons": comparisons,
+            "readouts": readouts, "val_history": {n: s["val_history"] for n, s in summaries.items()}}
+    return save(out_dir, "feedback_phase", md, data)

@@ -1,0 +1,100 @@
+"""The feedback study's pieces (issue 40): the state-tracking task, the fusion's learning-rate
+multiplier, validation at chosen pass counts, and the study command end to end at a toy size."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fbt_megatron.config import SyntheticDataConfig
+from fbt_megatron.data.synthetic import make_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cyclic_task_labels_are_running_sums():
+    cfg = SyntheticDataConfig(task="state_tracking", group="cyclic", group_size=7, vocab_size=7, seq_length=40)
+    b = make_batch(cfg, range(5))
+    x = b["input_ids"]
+    assert x.shape == (5, 40) and 0 <= int(x.min()) and int(x.max()) < 7
+    assert torch.equal(b["labels"], torch.cumsum(x, dim=1) % 7)
+    assert b["loss_mask"].eq(1).all() and b["doc_start"][:, 0].all() and not b["doc_start"][:, 1:].any()
+    assert torch.equal(b["position_ids"][0], torch.arange(40))
+    assert not torch.equal(make_batch(cfg, [5])["input_ids"], x[:1])  # each index its own problem
+
+
+def test_symmetric_task_labels_compose_permutations():
+    """Element i is the i-th permutation of range(n) in lexicographic order; the label at t is
+    x_t o x_{t-1} o ... o x_1 (apply x_1 first)."""
+    cfg = SyntheticDataConfig(task="state_tracking", group="symmetric", group_size=3, vocab_size=6, seq_length=30)
+    perms = list(itertools.permutations(range(3)))
+    b = make_batch(cfg, range(4))
+    for row, labels in zip(b["input_ids"].tolist(), b["labels"].tolist()):
+        state = (0, 1, 2)
+        for g, label in zip(row, labels):
+            state = tuple(perms[g][state[i]] for i in range(3))  # (x_t o state)(i) = x_t(state(i))
+            assert perms[label] == state
+    assert len(set(b["labels"].flatten().tolist())) == 6  # the composed states cover the group
+
+
+def test_state_task_must_fit_the_vocabulary():
+    with pytest.raises(ValueError, match="symmetric group of size 4 has 24 elements, more than vocab_size=16"):
+        SyntheticDataConfig(task="state_tracking", group="symmetric", group_size=4, vocab_size=16)
+
+
+def test_fusion_lr_multiplier_scales_adams_step_of_the_fusion_only(single_process):
+    """Adam's first step moves every entry by ~lr (m / sqrt(v) = +-1): the fusion's by lr x multiplier."""
+    from fbt_megatron.config import FeedbackConfig, ModelConfig
+    from fbt_megatron.engine.engine import Engine
+    from fbt_megatron.engine.param_groups import param_groups
+    from fbt_megatron.model.fbt_gpt import build_model
+
+    model = build_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                                    max_sequence_length=16), FeedbackConfig())
+    groups = param_groups(model, 0.0, False, fusion_decay_from=0, fusion_lr_multiplier=10.0)
+    opt = torch.optim.AdamW(groups, lr=1.0, eps=1e-12)
+    Engine.set_lr(SimpleNamespace(torch_optimizer=opt), 1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (2, 16))
+    model(ids, num_passes=2, labels=ids).token_loss.mean().backward()
+    opt.step()
+    for name, p in model.named_parameters():
+        if p.grad is None or p.ndim < 2:
+            continue
+        step = (p.detach() - before[name]).abs()
+        moved = step[p.grad.abs() > 1e-6]
+        expected = 1e-2 if "feedback.value" in name or "feedback.gate" in name else 1e-3
+        assert moved.numel() and torch.allclose(moved, torch.full_like(moved, expected), rtol=1e-3), name
+
+
+def test_study_smoke_trains_reads_out_and_reports(tmp_path):
+    """The one command of the study at a toy size: every run of the main and state groups trains, is
+    read out at 1, 2, 3 passes and the exact recurrence, and the report compares them."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "tools/feedback_study.py"), "--smoke", "--seeds", "1", "--groups", "main,state",
+           "--jobs", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((out / "feedback_phase.json").read_text())
+    fbt = data["readouts"]["fbt_heavy_seed1"]
+    assert set(fbt["val_loss"]) == {"1", "2", "3", "128"}  # 128 passes: the exact recurrence at seq_length 128
+    assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
+    assert {"standard", "feedback"} <= set(fbt["answers"])
+    assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
+    assert len(data["readouts"]["state_fbt_heavy_seed1"]["state_accuracy"]["1"]) == 32
+    history = data["val_history"]["fbt_heavy_seed1"][-1]["loss"]
+    assert set(history) == {"1", "2", "3"}  # eval.passes of the research recipe
+    comparisons = data["comparisons"]["fbt_heavy"]
+    assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
+    md = (out / "feedback_phase.md").read_text()
+    assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md
+    # --reuse summarises the finished runs again without training
+    again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "[feedback_study] fbt" not in again.stdout
