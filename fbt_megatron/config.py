@@ -131,6 +131,10 @@ class FeedbackConfig(StrictModel):
     gate_init: Literal["normal", "unit_spread"] = "unit_spread"
     # Stabilisers. Each is our documented interpretation of the paper's switch (docs/feedback.md).
     prefix_mixin: float = Field(0.1, ge=0.0, le=1.0)  # fed-back h <- (1-a) h + a h_init
+    # ``affine``: W_U((1-a) h + a h_init), which W_U can undo by growing (it bounds nothing);
+    # ``bounded``: W_U divided by max(1, its spectral norm), so ||d x_t / d h_{t-1}|| <= 1 - a
+    # (the gate is < 1): the fusion's share of the pass-to-pass map is a contraction by 1 - a.
+    mixin: Literal["affine", "bounded"] = "affine"
     depth_scaling: bool = True  # W_U initialised with std / sqrt(2 * num_layers)
     jitter_std: float = Field(0.02, ge=0.0)  # Gaussian noise on the fed-back state, training only
     grad_mode: str = "all"  # "all": backprop through every pass; "last": earlier passes detached
@@ -206,6 +210,7 @@ def saved_feedback_section(section: dict | None) -> dict:
     under: one written before ``first_input`` existed used the ``state`` rule."""
     section = dict(section or {})
     section.setdefault("first_input", LEGACY_FIRST_INPUT)
+    section.setdefault("mixin", "affine")  # the only form before ``mixin`` existed
     return section
 
 

@@ -184,6 +184,9 @@ class Recipe(Section):
             raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
                              f"model.vocab_size={self.model.vocab_size}")
         p = self.parallel
+        if self.feedback.mixin == "bounded" and p.zero_stage == 3:
+            raise ValueError("feedback.mixin='bounded' with parallel.zero_stage=3 is not supported (ZeRO-3 gathers "
+                             "W_U only inside its own forward; the bound reads it before); allowed: zero_stage 0, 1, 2")
         if p.pipeline > 1:
             if self.model.num_layers % p.pipeline:
                 raise ValueError(f"parallel.pipeline={p.pipeline} does not divide model.num_layers="
@@ -307,25 +310,40 @@ def load_saved_recipe(data: dict) -> Recipe:
     return load_recipe(data={**data, "feedback": saved_feedback_section(data.get("feedback"))})
 
 
+# What a checkpoint was trained with that its resumption keeps: the pass-input rule and the
+# stabilisers. A recipe that does not set one takes the checkpoint's (so a changed default never
+# changes a run mid-way); one that sets another value is refused, except the training-only jitter.
+TRAINED_FEEDBACK_FIELDS = ("first_input", "mixin", "prefix_mixin", "jitter_std")
+TRAINING_ONLY_FIELDS = ("jitter_std",)
+
+
 def adopt_checkpoint_rule(recipe: Recipe, saved: dict, where) -> str | None:
-    """Resuming ``saved`` (a checkpoint's recipe dict) under ``recipe``: the pass-input rule is the
-    checkpoint's. A recipe that does not set ``feedback.first_input`` takes it (returns a message
-    saying so); one that sets the other rule is refused naming both, before anything is written."""
+    """Resuming ``saved`` (a checkpoint's recipe dict) under ``recipe``: the pass-input rule and the
+    stabilisers (``TRAINED_FEEDBACK_FIELDS``) are the checkpoint's. Those the recipe does not set are
+    taken (returns a message saying which); one it sets otherwise is refused naming both, before
+    anything is written (the jitter, training-only noise, may change)."""
     from fbt_megatron.config import saved_feedback_section
 
-    trained = saved_feedback_section(saved.get("feedback"))["first_input"]
-    asked = recipe.feedback.first_input
-    if trained == asked or recipe.feedback.fusion == "off":  # without a fusion the rule means nothing
+    if recipe.feedback.fusion == "off":  # without a fusion none of them means anything
         return None
-    if "first_input" in recipe.feedback.model_fields_set:
-        raise RecipeError(
-            f"recipe key 'feedback.first_input': the checkpoint {where} was trained with "
-            f"feedback.first_input={trained!r}, this recipe asks for {asked!r}; resuming would change what "
-            f"the model's first pass reads. Set feedback.first_input={trained} to continue it, or start a "
-            f"new run_dir")
-    recipe.feedback.first_input = trained
-    return (f"feedback.first_input={trained!r} (the rule the checkpoint {where} was trained with; the recipe "
-            f"does not set it)")
+    trained = saved_feedback_section(saved.get("feedback"))
+    taken = []
+    for name in TRAINED_FEEDBACK_FIELDS:
+        if name not in trained or trained[name] == getattr(recipe.feedback, name):
+            continue
+        asked = getattr(recipe.feedback, name)
+        if name in recipe.feedback.model_fields_set:
+            if name in TRAINING_ONLY_FIELDS:
+                continue
+            raise RecipeError(
+                f"recipe key 'feedback.{name}': the checkpoint {where} was trained with "
+                f"feedback.{name}={trained[name]!r}, this recipe asks for {asked!r}; resuming would change what "
+                f"the model computes. Set feedback.{name}={trained[name]} to continue it, or start a new run_dir")
+        setattr(recipe.feedback, name, trained[name])
+        taken.append(f"feedback.{name}={trained[name]!r}")
+    if not taken:
+        return None
+    return f"{', '.join(taken)} (what the checkpoint {where} was trained with; the recipe does not set it)"
 
 
 def check_layout(recipe: Recipe, world_size: int) -> int:

@@ -95,3 +95,25 @@ def test_before_the_switch_fbt_trains_exactly_like_a_standard_gpt(tmp_path):
     assert [h[1] for h in fbt["history"]][:5] == [1] * 5 and max(h[1] for h in fbt["history"][5:]) > 1
     assert losses(fbt)[:5] == losses(plain)[:5]
     assert losses(fbt)[5:] != losses(plain)[5:]  # and the feedback steps are different steps
+
+
+def test_a_checkpoint_keeps_its_stabilisers_on_resume(tmp_path):
+    """A run trained with the bounded mixin, another mixin weight and jitter resumes under a recipe
+    that sets none of them (whose defaults differ) with the checkpoint's: the trajectory is the straight
+    run's; a recipe that asks for another mixin is refused naming both, and nothing is written."""
+    stabilisers = {"mixin": "bounded", "prefix_mixin": 0.3, "jitter_std": 0.05}
+    straight = run_distributed(train_fn, 1, tiny_recipe(tmp_path / "straight", **SECTIONS, feedback=stabilisers))[0]
+    first = tiny_recipe(tmp_path / "run", **SECTIONS, feedback=stabilisers)
+    first["train"]["stop_at_step"] = 4
+    run_distributed(train_fn, 1, first)
+    plain = tiny_recipe(tmp_path / "run", **SECTIONS)
+    plain["feedback"] = {}  # every stabiliser at its default
+    before = _snapshot(tmp_path / "run")
+    asked = tiny_recipe(tmp_path / "run", **SECTIONS, feedback={"mixin": "affine"})
+    with pytest.raises(DistributedTestFailure, match=r"trained with feedback.mixin='bounded', this recipe asks for "
+                                                     r"'affine'"):
+        run_distributed(train_fn, 1, asked)
+    assert _snapshot(tmp_path / "run") == before
+    resumed = run_distributed(train_fn, 1, plain)[0]
+    assert resumed["history"][0][0] == 4 and resumed["step"] == 8
+    assert max(abs(a - b) for a, b in zip(losses(resumed), losses(straight)[4:])) < 1e-6

@@ -28,14 +28,16 @@ TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits", "
 
 # Two architectures, both trained at TP=2 for a few steps (feedback from step 1):
 # the default GPT block (rope, tied embeddings, LayerNorm, biases) and learned positions with untied
-# embeddings, RMSNorm and fusion biases. init_method_std is large so that greedy tokens vary (0.2 gave
+# embeddings, RMSNorm, fusion biases and the bounded mixin. init_method_std is large so that greedy tokens vary (0.2 gave
 # one repeated token for the learned variant with the layout-independent init, and for the rope variant
 # once pass 1 became the plain model: 0.4 varies).
 VARIANTS = {
     "rope": {"model": {"vocab_size": VOCAB, "init_method_std": 0.4}, "feedback": {}},
     "learned": {"model": {"vocab_size": VOCAB, "init_method_std": 0.5, "position_embedding_type": "learned_absolute",
                           "tie_embeddings": False, "normalization": "RMSNorm"},
-                "feedback": {"bias": True, "prefix_mixin": 0.3}},
+                # the bounded mixin with W_U at 3 x I: its spectral clamp is active, so the export must
+                # write W_U / sigma_max as the trained model applies it
+                "feedback": {"bias": True, "prefix_mixin": 0.3, "mixin": "bounded", "value_init_scale": 3.0}},
 }
 # The rope variant again, trained and saved at PP=2 (two pipeline stages, the tied embedding on both).
 VARIANTS["rope_pp2"] = {**VARIANTS["rope"], "parallel": {"tensor": 1, "pipeline": 2}}

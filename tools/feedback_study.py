@@ -46,6 +46,7 @@ SMOKE = ["train.steps=12", "schedule.feedback_start_step=4", "eval.every=6", "ch
 # One stabiliser changed at a time, from the feedback-heavy run (the one whose fed-back mode trains most).
 ABLATIONS = {
     "no_mixin": ["feedback.prefix_mixin=0.0"],
+    "bounded_mixin": ["feedback.mixin=bounded"],
     "no_jitter": ["feedback.jitter_std=0.0"],
     "untied": ["model.tie_embeddings=false"],
     "fusion_lr_x10": ["optimizer.fusion_lr_multiplier=10.0"],

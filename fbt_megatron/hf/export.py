@@ -264,6 +264,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     return out
 
 
+def as_applied(key: str, tensor: torch.Tensor, feedback) -> torch.Tensor:
+    """A stored weight as the model applies it: under ``feedback.mixin: bounded`` W_U divided by
+    max(1, its spectral norm) (model/feedback.py), so the exported model computes the trained one."""
+    if key == "feedback.value.weight" and feedback.mixin == "bounded":
+        sigma = torch.linalg.matrix_norm(tensor.float(), ord=2)
+        return tensor / sigma.clamp_min(1.0).to(tensor.dtype)
+    return tensor
+
+
 def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTensors, out: Path, *, dtype: str,
                   max_shard_bytes: int, tok_source, standard: bool, progress: bool | None, label: str) -> str:
     """Every file of the export into ``out``; returns a one-line summary."""
@@ -298,6 +307,7 @@ def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTenso
     with bar:
         for unit in units:
             for (row, layer), tensor in zip(unit, reader.read(unit, num_layers)):
+                tensor = as_applied(row.key, tensor, recipe.feedback)
                 for name, t in zip(mapping.hf_names(row, layer), mapping.to_hf(row, tensor)):
                     pending[name] = t.to(DTYPES[dtype]).contiguous().clone()  # own storage: no views into `tensor`
             while next_shard < len(shards) and all(n in pending for n in shards[next_shard]):

@@ -29,9 +29,10 @@ rows of both), the product is formed on the local slice and gathered back to [S,
 parallelism the local slice is redistributed to the sequence-parallel layout by an all-to-all instead.
 
 Stabilisers (switches in FeedbackConfig; our documented reading of the paper, see docs/feedback.md):
-- prefix mixin a: the fed-back state is (1-a) h + a h_init, a pull toward a learned constant state
-  that shrinks the map's Lipschitz constant by (1-a) (h_init is used by nothing else under the
-  embedding rule);
+- prefix mixin a: the fed-back state is (1-a) h + a h_init, a pull toward a learned constant state.
+  With ``mixin: affine`` W_U can grow to undo the (1-a); with ``mixin: bounded`` the fusion applies
+  W_U / max(1, sigma_max(W_U)), so ||d x_t / d h_{t-1}|| <= (1-a) * max gate < 1 - a: the part of the
+  pass-to-pass map the feedback adds is a contraction by (1-a) whatever the weights learn;
 - depth scaling: a normal-initialised W_U starts at std / sqrt(2 * num_layers), like Megatron's
   residual-output init;
 - weight tying: input embedding and LM head share weights (ModelConfig.tie_embeddings), so fed-back
@@ -86,6 +87,39 @@ class LatentFeedback(MegatronModule):
         self.initial_state = torch.nn.Parameter(torch.empty(hidden, dtype=config.params_dtype))
         with torch.no_grad():
             self.initial_state.normal_(0.0, 1.0)
+        if feedback.mixin == "bounded":
+            # the power iteration's vector, the same on every TP rank (a fixed generator), warm from step to step
+            start = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+            self.register_buffer("_power_vector", start / start.norm(), persistent=False)
+            self._exact_sigma: tuple | None = None  # (weight version, sigma) for eval-mode forwards
+
+    # ----------------------------------------------------------------- the bounded mixin
+    def value_weight(self) -> torch.Tensor | None:
+        """W_U as the fusion applies it: None (the parameter as it is) under ``mixin: affine``; under
+        ``bounded`` W_U / max(1, sigma_max(W_U)) (this rank's rows). sigma is exact in eval mode
+        (validation, decoding, analysis; a constant there) and a warm-started power-iteration estimate,
+        differentiable, in training (one iteration a forward, as torch's spectral_norm)."""
+        if self.feedback.mixin != "bounded":
+            return None
+        weight = self.value.weight
+        sigma = self._sigma_exact(weight) if not self.training else self._sigma_estimate(weight)
+        return weight / sigma.clamp_min(1.0).to(weight.dtype)
+
+    def _sigma_exact(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if self._exact_sigma is None or self._exact_sigma[0] != key:
+            w = weight.detach().float()
+            gram = tensor_parallel.reduce_from_tensor_model_parallel_region(w.t() @ w)  # sum over TP row blocks
+            self._exact_sigma = (key, torch.linalg.eigvalsh(gram)[-1].clamp_min(0.0).sqrt())
+        return self._exact_sigma[1]
+
+    def _sigma_estimate(self, weight: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            w, v = weight.detach().float(), self._power_vector.to(weight.device)
+            v = tensor_parallel.reduce_from_tensor_model_parallel_region(w.t() @ (w @ v))
+            self._power_vector = v / v.norm().clamp_min(1e-12)
+        u = weight.float() @ self._power_vector.to(weight.device)  # this rank's rows of W v
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(u.square().sum()).sqrt()
 
     # ----------------------------------------------------------------- the recurrence's pieces
     def fed_back(self, top_state: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -177,7 +211,7 @@ class LatentFeedback(MegatronModule):
 
     def fuse(self, state: torch.Tensor, token_gate: torch.Tensor) -> torch.Tensor:
         """Fuse states with a precomputed :meth:`token_gate`; same output as :meth:`forward`."""
-        value, _ = self.value(state)
+        value, _ = self.value(state, weight=self.value_weight())
         local = value * token_gate if self.mode == "glu" else value + token_gate
         local = local.expand(token_gate.shape)  # [1, 1, D/TP] value from a constant state
         if self.sequence_parallel:  # [S*B, D/TP] -> [S*B/TP, D]: tokens are sequence-major

@@ -6,6 +6,7 @@ For each row and t = 0..S-1, with d(t) the start of t's document (position 0 or 
     x_t = e_t                                                   at a document start (no state exists)
     x_t = (W_U s_t + b_U) * sigmoid(W_G e_t + b_G)              elsewhere (glu; additive: sum)
     s_t = (1 - a) h_{t-1} + a h_init                            (prefix mixin a)
+    W_U <- W_U / max(1, sigma_max(W_U))                         (mixin: bounded)
     h_t = Stack(x_{d(t)}, ..., x_t)[-1]                         (document_causal: the document only,
                                                                  positions counted from d(t);
                                                                  causal: x_0, ..., x_t, positions t)
@@ -35,8 +36,12 @@ def _fusion(model: FBTGPTModel):
     """x = fuse(s, e) from the weights of W_U, W_G (TP=1: the whole matrices)."""
     fb, cfg = model.feedback, model.feedback_config
 
+    w_u = fb.value.weight
+    if cfg.mixin == "bounded":  # W_U / max(1, its largest singular value)
+        w_u = w_u / torch.linalg.matrix_norm(w_u.float(), ord=2).clamp_min(1.0).to(w_u.dtype)
+
     def fuse(state, embedded):
-        value, gate = _linear(state, fb.value), _linear(embedded, fb.gate)
+        value, gate = F.linear(state, w_u, fb.value.bias), _linear(embedded, fb.gate)
         return value * torch.sigmoid(gate) if cfg.fusion == "glu" else value + gate
 
     return fuse

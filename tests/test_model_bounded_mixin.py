@@ -1,0 +1,75 @@
+"""The bounded prefix mixin (``feedback.mixin: bounded``): W_U is applied as W_U / max(1, sigma_max),
+so the fused input's Jacobian in the fed-back state has spectral norm <= (1 - a) * max gate < 1 - a,
+whatever the weights; the affine mixin does not bound it. References from the formula (exact SVD)."""
+
+import pytest
+import torch
+
+from fbt_megatron.model.fbt_gpt import build_model
+from fbt_megatron.model.sequential import sequential_forward
+from tests.model_helpers import feedback, make_inputs, tiny_model_config
+
+D = 32
+
+
+def fusion(mixin, scale=5.0, a=0.3):
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(), feedback(mixin=mixin, prefix_mixin=a))
+    with torch.no_grad():  # a W_U far outside the unit ball (sigma_max ~ scale * 2 sqrt(D) / sqrt(D))
+        model.feedback.value.weight.copy_(torch.randn(D, D, generator=torch.Generator().manual_seed(3)) * scale / D ** 0.5)
+    return model
+
+
+def state_jacobian_norm(fb, h, e) -> float:
+    """sigma_max of d x / d h for one position: x = fuse(fed_back(h), gate(e))."""
+    gate = fb.token_gate(e.view(1, 1, -1))
+    jac = torch.autograd.functional.jacobian(lambda s: fb.fuse(fb.fed_back(s.view(1, 1, -1)), gate).view(-1), h)
+    return float(torch.linalg.matrix_norm(jac, ord=2))
+
+
+def test_bounded_fusion_is_the_formula_in_eval_and_in_training(single_process):
+    fb = fusion("bounded").feedback.eval()
+    s, e = torch.randn(6, 2, D), torch.randn(6, 2, D)
+    w = fb.value.weight.detach()
+    sigma = torch.linalg.matrix_norm(w, ord=2)
+    assert sigma > 2
+    want = (s @ (w / sigma).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
+    with torch.no_grad():
+        torch.testing.assert_close(fb(s, e), want, rtol=1e-5, atol=1e-6)
+    fb.train()
+    for _ in range(60):  # the power iteration warms up over forwards
+        out = fb(s, e)
+    torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
+    out.sum().backward()  # sigma carries gradient to W_U
+    assert fb.value.weight.grad is not None and fb.value.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("a", [0.0, 0.1, 0.5])
+def test_bounded_mixin_bounds_the_fed_back_path_and_affine_does_not(single_process, a):
+    h, e = torch.randn(D), torch.randn(D)
+    bounded = fusion("bounded", a=a).feedback.eval()
+    norm = state_jacobian_norm(bounded, h, e)
+    assert norm <= (1 - a) + 1e-5, norm
+    affine = fusion("affine", a=a).feedback.eval()
+    assert state_jacobian_norm(affine, h, e) > 1.5 * (1 - a)  # the same weights, unbounded
+    # the clamp leaves a W_U inside the unit ball as it is
+    small = fusion("bounded", scale=0.1, a=a).feedback.eval()
+    same = fusion("affine", scale=0.1, a=a).feedback.eval()
+    torch.testing.assert_close(state_jacobian_norm(small, h, e), state_jacobian_norm(same, h, e))
+
+
+def test_bounded_model_is_the_recurrence_after_seq_len_passes(single_process):
+    model = fusion("bounded").eval()
+    ids, _, doc_start = make_inputs(seq=8)
+    ref = sequential_forward(model, ids, doc_start=doc_start)  # W_U / sigma from torch.linalg.matrix_norm
+    with torch.no_grad():
+        out = model(ids, doc_start=doc_start, num_passes=8)
+    torch.testing.assert_close(out.logits[..., :64], ref.logits[..., :64], rtol=1e-4, atol=1e-5)
+
+
+def test_bounded_mixin_refused_with_zero3():
+    from fbt_megatron.recipe import Recipe
+    from fbt_megatron.testing.training import tiny_recipe
+
+    with pytest.raises(ValueError, match="mixin='bounded' with parallel.zero_stage=3"):
+        Recipe.model_validate(tiny_recipe("run", feedback={"mixin": "bounded"}, parallel={"zero_stage": 3}))
