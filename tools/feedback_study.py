@@ -1,7 +1,7 @@
 """The feedback study (issue 40): does the fed-back mode learn more from the same tokens, given steps?
 
     python tools/feedback_study.py [--seeds 1,2] [--scale tiny|medium] [--groups main,compute,stabilisers,state]
-                                   [--jobs 2] [--reuse] [--out docs/results]
+                                   [--steps N] [--jobs 2] [--reuse] [--out docs/results]
 
 Trains, from ``recipes/research/tiny_feedback.yaml`` (WSD LR, the switch to multi-pass batches on the
 plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), per seed:
@@ -86,9 +86,12 @@ def mix_arg(mix: list[float]) -> str:
     return "schedule.mix=[" + ",".join(str(p) for p in mix) + "]"
 
 
-def plan(groups: list[str], scale: str, smoke: bool) -> dict[str, list[str]]:
-    """Run name -> ``fbt train`` overrides of the research recipe (seed added per run)."""
+def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None) -> dict[str, list[str]]:
+    """Run name -> ``fbt train`` overrides of the research recipe (seed added per run). ``steps``: a
+    shorter or longer run, the switch kept at 20 % of it."""
     base = SCALES[scale] + (SMOKE if smoke else [])
+    if steps:
+        base += [f"train.steps={steps}", f"schedule.feedback_start_step={steps // 5}", f"checkpoint.every={steps // 5}"]
     steps, start = recipe_steps(base)
     runs: dict[str, list[str]] = {}
     if "main" in groups:
@@ -134,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     ap.add_argument("--groups", default="main,compute,stabilisers,state")
+    ap.add_argument("--steps", type=int, default=None, help="train.steps of every run (default: the recipe's "
+                    "3000), the switch at 20 %% of it; runs go to RUNS/SCALE_STEPS")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
     ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, train the rest")
@@ -147,9 +152,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state")
     seeds = [int(s) for s in a.seeds.split(",")]
-    root = Path(a.runs or f"runs/research/feedback_study/{a.scale}").resolve()
+    root = Path(a.runs or f"runs/research/feedback_study/{a.scale}" + (f"_{a.steps}" if a.steps else "")).resolve()
     t0 = time.perf_counter()
-    summaries = train(plan(groups, a.scale, a.smoke), seeds, root, a.jobs, a.reuse)
+    summaries = train(plan(groups, a.scale, a.smoke, a.steps), seeds, root, a.jobs, a.reuse)
     if a.train_only:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
