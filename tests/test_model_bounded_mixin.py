@@ -73,3 +73,32 @@ def test_bounded_mixin_refused_with_zero3():
 
     with pytest.raises(ValueError, match="mixin='bounded' with parallel.zero_stage=3"):
         Recipe.model_validate(tiny_recipe("run", feedback={"mixin": "bounded"}, parallel={"zero_stage": 3}))
+
+
+@pytest.mark.parametrize("mixin", ["bounded", "affine"])
+def test_one_step_map_of_a_model_is_within_the_bound(single_process, mixin):
+    """The whole one-step map d h_t / d h_{t-1} of a model (research/fixed_point's estimator) against
+    the bound the mixin gives it: (1 - a) x the stack's own Jacobian d h_t / d x_t at the same point.
+    The bounded mixin holds it for a W_U far outside the unit ball; the affine one does not."""
+    from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms, stack_inputs
+    from fbt_megatron.research.stability import power_spectral_norm
+
+    a, t = 0.3, 5
+    model = fusion(mixin, scale=8.0, a=a).eval()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    top = iterate_passes(model, ids, 8)["top"]  # the exact recurrence's states
+    one_step = one_step_jacobian_norms(model, ids, top, [t])[0]["spectral_norm"]
+    fb = model.feedback
+    with torch.no_grad():
+        emb, mask, rotary, reset = stack_inputs(model, ids)
+        x = fb.pass_input(top, emb, fb.token_gate(emb), reset)[: t + 1]
+
+    def stack(x_t):  # x_t -> h_t, the earlier positions' inputs fixed
+        return model.run_stack(torch.cat([x[:t], x_t.view(1, 1, -1)]), mask[..., : t + 1, : t + 1],
+                               rotary[: t + 1])[-1, 0]
+
+    bound = (1 - a) * power_spectral_norm(stack, x[t, 0])
+    if mixin == "bounded":
+        assert one_step <= 1.02 * bound, (one_step, bound)  # 2 %: the estimators' own error
+    else:
+        assert one_step > 1.5 * bound, (one_step, bound)
