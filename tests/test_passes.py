@@ -42,3 +42,19 @@ def test_custom_mix_with_a_deeper_pass():
     schedule = PassSchedule(PassScheduleConfig(mix=[0.5, 0.0, 0.0, 0.5]))
     assert schedule.max_passes == 4
     assert set(schedule.counts(0, 500)) == {1, 4}
+
+
+def test_max_passes_is_the_deepest_count_with_a_nonzero_probability():
+    """Evaluation runs ``max_passes`` deep (train/run.py): a mix whose trailing entries are 0 never trains
+    those depths, so they do not count."""
+    assert PassSchedule(PassScheduleConfig(mix=[0.75, 0.25, 0.0])).max_passes == 2
+    assert PassSchedule(PassScheduleConfig(mix=[1.0, 0.0, 0.0])).max_passes == 1
+    assert PassSchedule(PassScheduleConfig(mix=[0.0, 0.0, 1.0])).max_passes == 3
+
+
+def test_the_switch_step_itself_draws_from_the_mix():
+    """``feedback_start_step`` is the first step of the feedback phase: with a mix that always draws 2
+    passes, the step before it is single-pass and the step itself is not."""
+    schedule = PassSchedule(PassScheduleConfig(feedback_start_step=7, mix=[0.0, 1.0], seed=3))
+    assert [schedule.num_passes(s) for s in range(5, 10)] == [1, 1, 2, 2, 2]
+    assert schedule.counts(0, 10) == {1: 7, 2: 3}
