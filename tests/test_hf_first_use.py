@@ -262,6 +262,20 @@ def test_bf16_export_writes_bf16_tensors(export, tmp_path, single_process):
         assert 1e-4 < rel(m16(ids).logits, m32(ids).logits) < 0.05
 
 
+def test_export_forward_passes_is_the_deepest_trained_count(tmp_path):
+    """config.forward_passes (what a plain forward runs) is the deepest pass count the recipe trains:
+    a mix ending in 0 ([0.75, 0.25, 0.0]) never trained 3 passes, so its export forwards 2."""
+    from fbt_megatron.hf.export import hf_config
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.training import tiny_recipe
+
+    for mix, deepest in [([0.75, 0.25, 0.0], 2), ([0.75, 0.22, 0.03], 3), ([1.0, 0.0, 0.0], 1)]:
+        recipe = load_recipe(data=tiny_recipe(tmp_path, schedule={"mix": mix}))
+        assert hf_config(recipe, {}, {}, "fp32")["forward_passes"] == deepest, mix
+    off = load_recipe(data=tiny_recipe(tmp_path, feedback={"fusion": "off"}))
+    assert hf_config(off, {}, {}, "fp32")["forward_passes"] == 1
+
+
 def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_process, monkeypatch, capsys):
     """`fbt convert to-hf` with a missing --tokenizer: a clear error before anything is written; a failure
     in the middle of writing the weights leaves no OUT_DIR (nor its temporary directory); an existing
