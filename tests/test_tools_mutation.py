@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from mutation import EQUIVALENTS, MAP, excluded, mutated_line  # noqa: E402
+from mutation import EQUIVALENTS, MAP, annotation_spans, excluded, in_annotation, mutated_line  # noqa: E402
 
 CORE = ["model/feedback.py", "passes.py", "model/fbt_gpt.py", "train/run_lock.py", "checkpoint/manager.py",
         "checkpoint/rng.py", "hf/export.py", "hf/importer.py", "serving/vllm_model.py"]
@@ -41,3 +41,11 @@ def test_equivalent_mutants_name_a_mapped_file_the_lines_and_a_reason():
         assert e["file"] in MAP and e["operator"].startswith("core/"), e
         assert e["before"] != e["after"] and len(e["reason"]) > 20, e
         assert e["before"] in {ln.strip() for ln in (ROOT / e["file"]).read_text().splitlines()}, e
+
+
+def test_annotations_that_are_never_evaluated_are_not_mutated():
+    code = "from __future__ import annotations\n\ndef f(a: int | None, b=1 | 2) -> str | None:\n    x: int | None = a\n"
+    spans = annotation_spans(code)
+    assert in_annotation((3, 13), spans) and in_annotation((3, 37), spans) and in_annotation((4, 11), spans)
+    assert not in_annotation((3, 25), spans)  # 1 | 2, a default value, runs
+    assert annotation_spans(code.split("\n", 1)[1]) == []  # evaluated without the __future__ import

@@ -18,7 +18,8 @@ the original and mutated text of their line, so the list survives edits elsewher
 Operators: cosmic-ray's core set, less the binary-operator and comparison replacements that only repeat
 one another (``a + b`` -> ``a ^ b``, ``a < b`` -> ``a is b``, ...): each arithmetic operator is replaced
 by its inverse, each comparison by its boundary neighbour and by its negation (as mutmut does).
-A line marked ``# pragma: no mutate`` is not mutated.
+A line marked ``# pragma: no mutate`` is not mutated, nor an annotation that is never evaluated
+(``from __future__ import annotations``).
 
 Budget: at most ~20 minutes a file on 2 cores, from the mapped tests' own time (each mutant runs them
 once, stopping at the first failure); ``--limit`` samples N mutants evenly for a quick look.
@@ -82,6 +83,32 @@ def excluded(operator: str) -> bool:
         if operator.startswith("core/" + family):
             return operator[len("core/" + family):] not in keep
     return False
+
+
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions (line, column) of the annotations of a module with ``from __future__ import
+    annotations``, which are never evaluated (a mutant there, ``int | None`` -> ``int & None``, is no
+    mutant); empty for other modules."""
+    import ast
+
+    tree = ast.parse(source)
+    future = any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and
+                 any(a.name == "annotations" for a in n.names) for n in tree.body)
+    if not future:
+        return []
+    nodes = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            nodes.append(n.annotation)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            nodes.append(n.returns)
+        elif isinstance(n, ast.AnnAssign):
+            nodes.append(n.annotation)
+    return [((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)) for a in nodes]
+
+
+def in_annotation(pos: tuple[int, int], spans) -> bool:
+    return any(start <= tuple(pos) < end for start, end in spans)
 
 
 def copy_checkout(dest: Path) -> None:
@@ -167,13 +194,14 @@ def run(args) -> int:
     cr = str(Path(python).with_name("cosmic-ray"))
     subprocess.run([cr, "init", str(config), str(session)], cwd=src, check=True)
     lines = (src / file).read_text().splitlines()
+    spans = annotation_spans((src / file).read_text())
     with use_db(str(session), WorkDB.Mode.open) as db:
         items = list(db.pending_work_items)
         keep = []
         for item in items:
             m = item.mutations[0]
             line = lines[m.start_pos[0] - 1]
-            if excluded(m.operator_name) or "pragma: no mutate" in line:
+            if excluded(m.operator_name) or "pragma: no mutate" in line or in_annotation(m.start_pos, spans):
                 db.set_result(item.job_id, WorkResult(output="filtered", worker_outcome=WorkerOutcome.SKIPPED))
             else:
                 keep.append(item)
