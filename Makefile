@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: setup train test bench vllm-env
+.PHONY: setup train test bench vllm-env mutation
 setup: $(STAMP)
 
 # vLLM's CPU build in a venv of its own for the serving tests (tests/vllm_env.py; cached under
@@ -38,3 +38,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py
+
+# Mutation testing of one core file against the tests mapped to it (tools/mutation.py; not in CI):
+#   make mutation FILE=fbt_megatron/passes.py    prints killed / survived / equivalent and the survivors
+mutation: $(STAMP)
+	@test -n "$(FILE)" || { echo "usage: make mutation FILE=fbt_megatron/passes.py"; exit 2; }
+	@$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install -q 'cosmic-ray>=8.7,<9'
+	nice -n 10 $(PY) tools/mutation.py $(FILE)

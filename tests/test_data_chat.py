@@ -139,6 +139,50 @@ def test_bad_conversations_are_counted_by_kind_and_refused_under_strict(tmp_path
     assert "in.jsonl:2: bad conversation: unknown_role (--strict)" in r.stderr
 
 
+def test_a_conversation_of_exactly_max_tokens_is_kept(tmp_path, fx):
+    """``--max-tokens N`` keeps conversations of up to N tokens (the template's rendering, counted by the
+    tokenizer): one of exactly N is written, under N - 1 it is counted as too long."""
+    from data_pipeline.chat import chat_tokenizer, prepare_chat
+
+    short = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}
+    conv = fx["conversations"][0]
+    n = len(chat_tokenizer(fx["tokenizer"]).apply_chat_template(conv["messages"], tokenize=True, return_dict=False))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(short) + "\n" + json.dumps(conv) + "\n")
+    for max_tokens, written, too_long in [(n, 2, 0), (n - 1, 1, 1)]:
+        index = prepare_chat([str(src)], tmp_path / f"out{max_tokens}", fx["tokenizer"], max_tokens=max_tokens,
+                             progress=False)
+        assert (index["num_samples"], index["meta"]["bad_rows"]["counts"]["too_long"]) == (written, too_long)
+
+
+def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx):
+    """One run has one chat template (it ships with the checkpoints and the export): a mix of chat
+    datasets prepared with different templates is refused, naming the sources, before SFT runs."""
+    from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, ChatError, prepare_chat, sources_chat_template
+    from data_pipeline.config import DataConfig
+    from fbt_megatron.recipe import RecipeError, load_recipe
+    from fbt_megatron.train.cli import sft_recipe as resolve
+    from chat_helpers import sft_recipe
+
+    other = DEFAULT_CHAT_TEMPLATE.replace("<|", "<<|")
+    assert other != DEFAULT_CHAT_TEMPLATE
+    src = tmp_path / "few.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in fx["conversations"][:4]))
+    prepare_chat([str(src)], tmp_path / "other", fx["tokenizer"], chat_template=other, max_tokens=96, progress=False)
+    prepare_chat([str(src)], tmp_path / "same", fx["tokenizer"], max_tokens=96, progress=False)
+    section = chat_data_section(fx)
+    chat = section["sources"][0]
+    section["sources"] = [chat, {"name": "other", "path": str(tmp_path / "other"), "weight": 1.0}]
+    with pytest.raises(ChatError, match=r"sources \['chat', 'other'\] hold different chat templates"):
+        sources_chat_template(DataConfig(**section), require=False)
+    r = sft_recipe(tmp_path / "run", fx)
+    r["data"]["pipeline"] = section
+    with pytest.raises(RecipeError, match="different chat templates"):
+        resolve(load_recipe(data=r), "sft")
+    section["sources"] = [chat, {"name": "same", "path": str(tmp_path / "same"), "weight": 1.0}]
+    assert sources_chat_template(DataConfig(**section), require=True) == DEFAULT_CHAT_TEMPLATE
+
+
 def test_a_chat_dataset_without_its_template_is_refused_by_name(tmp_path, fx):
     import shutil
 

@@ -207,6 +207,18 @@ def test_export_import_export_is_bit_identical(exported, tmp_path, single_proces
     recipe["logging"] = {"tensorboard": False}
     summary = run_distributed(train_fn, 2, recipe)[0]
     assert summary["step"] == 1 and summary["checkpoint"].endswith("step_00000001")
+    # Its export carries the whole history: the source's steps and pass counts plus the step trained since.
+    from fbt_megatron.config import PassScheduleConfig
+    from fbt_megatron.passes import PassSchedule
+
+    export_checkpoint(tmp_path / "imported", tmp_path / "continued", log=lambda *a: None)
+    source = json.loads((export / "config.json").read_text())["fbt"]
+    k = PassSchedule(PassScheduleConfig(**recipe["schedule"])).num_passes(0)
+    assert source["steps"] == 3 and source["pass_counts"].get(str(k), 0) > 0, (source, k)  # k adds to a count
+    want = dict(source["pass_counts"])
+    want[str(k)] += 1
+    got = json.loads((tmp_path / "continued" / "config.json").read_text())["fbt"]
+    assert (got["steps"], got["pass_counts"], got["recipe_name"]) == (4, want, source["recipe_name"])
 
 
 def _stock_llama(path: Path):

@@ -206,6 +206,76 @@ def test_scaled_rope_is_refused_on_import(tmp_path, single_process):
     assert not (tmp_path / "out4").exists()
 
 
+def test_tied_config_with_a_different_lm_head_is_refused_on_import(tmp_path, single_process):
+    """config.json says tie_word_embeddings but the weights hold an lm_head that differs from the
+    embedding: importing would keep the embedding as the head and drop the real one, so it is refused
+    naming both tensors; nothing is written. With the head equal to the embedding it imports."""
+    from safetensors.torch import load_file, save_file
+
+    from fbt_megatron.hf.importer import import_hf
+
+    _llama(tmp_path / "llama", tie_word_embeddings=False)
+    cfg_file = tmp_path / "llama" / "config.json"
+    cfg_file.write_text(json.dumps(dict(json.loads(cfg_file.read_text()), tie_word_embeddings=True)))
+    weights = tmp_path / "llama" / "model.safetensors"
+    tensors = load_file(weights)
+    assert not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    with pytest.raises(ConversionError, match="tie_word_embeddings is set but lm_head.weight differs from "
+                                              "model.embed_tokens.weight"):
+        import_hf(tmp_path / "llama", tmp_path / "out", log=lambda *a: None)
+    assert not (tmp_path / "out" / "checkpoints" / "latest").exists()
+
+    save_file(dict(tensors, **{"lm_head.weight": tensors["model.embed_tokens.weight"].clone()}), weights,
+              metadata={"format": "pt"})
+    import_hf(tmp_path / "llama", tmp_path / "tied", log=lambda *a: None)
+    assert (tmp_path / "tied" / "checkpoints" / "latest").exists()
+
+
+def test_bf16_export_writes_bf16_tensors(export, tmp_path, single_process):
+    """`fbt convert to-hf --dtype bf16`: every tensor in the safetensors files is bfloat16 and is the fp32
+    export's value rounded to bfloat16; config.json says bfloat16; transformers loads the --standard
+    bf16 export as a bfloat16 model whose logits are the fp32 model's within bfloat16 precision."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from fbt_megatron.hf import cli
+
+    run, fp32, _ = export
+    assert cli.main(["to-hf", str(run), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    full = load_file(fp32 / "model.safetensors")
+    half = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert set(half) == set(full)
+    for name, t in half.items():
+        assert t.dtype == torch.bfloat16, name
+        assert torch.equal(t, full[name].to(torch.bfloat16)), name
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert (config["dtype"], config["torch_dtype"]) == ("bfloat16", "bfloat16")
+
+    assert cli.main(["to-hf", str(run), str(tmp_path / "std16"), "--dtype", "bf16", "--standard"]) == 0
+    assert cli.main(["to-hf", str(run), str(tmp_path / "std32"), "--standard"]) == 0
+    assert {t.dtype for t in load_file(tmp_path / "std16" / "model.safetensors").values()} == {torch.bfloat16}
+    m16 = LlamaForCausalLM.from_pretrained(tmp_path / "std16", dtype="auto").eval()
+    m32 = LlamaForCausalLM.from_pretrained(tmp_path / "std32", dtype="auto").eval()
+    assert m16.dtype == torch.bfloat16 and m32.dtype == torch.float32
+    ids = _request(tmp_path)["ids"]
+    with torch.no_grad():
+        assert 1e-4 < rel(m16(ids).logits, m32(ids).logits) < 0.05
+
+
+def test_export_forward_passes_is_the_deepest_trained_count(tmp_path):
+    """config.forward_passes (what a plain forward runs) is the deepest pass count the recipe trains:
+    a mix ending in 0 ([0.75, 0.25, 0.0]) never trained 3 passes, so its export forwards 2."""
+    from fbt_megatron.hf.export import hf_config
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.testing.training import tiny_recipe
+
+    for mix, deepest in [([0.75, 0.25, 0.0], 2), ([0.75, 0.22, 0.03], 3), ([1.0, 0.0, 0.0], 1)]:
+        recipe = load_recipe(data=tiny_recipe(tmp_path, schedule={"mix": mix}))
+        assert hf_config(recipe, {}, {}, "fp32")["forward_passes"] == deepest, mix
+    off = load_recipe(data=tiny_recipe(tmp_path, feedback={"fusion": "off"}))
+    assert hf_config(off, {}, {}, "fp32")["forward_passes"] == 1
+
+
 def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_process, monkeypatch, capsys):
     """`fbt convert to-hf` with a missing --tokenizer: a clear error before anything is written; a failure
     in the middle of writing the weights leaves no OUT_DIR (nor its temporary directory); an existing

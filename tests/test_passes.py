@@ -84,3 +84,36 @@ def test_a_checkpoint_keeps_the_schedule_seed_it_was_trained_with():
     assert [old.num_passes(s) for s in range(500)] == [trained.num_passes(s) for s in range(500)]
     assert old.state_dict()["seed"] == 0  # and the next checkpoint records it
     assert resumed(_recipe(seed=1234, schedule={"feedback_start_step": 0, "seed": 5}), 0).config.seed == 5
+
+
+def test_max_passes_is_the_deepest_count_with_a_nonzero_probability():
+    """Evaluation runs ``max_passes`` deep (train/run.py): a mix whose trailing entries are 0 never trains
+    those depths, so they do not count."""
+    assert PassSchedule(PassScheduleConfig(mix=[0.75, 0.25, 0.0])).max_passes == 2
+    assert PassSchedule(PassScheduleConfig(mix=[1.0, 0.0, 0.0])).max_passes == 1
+    assert PassSchedule(PassScheduleConfig(mix=[0.0, 0.0, 1.0])).max_passes == 3
+
+
+def test_the_switch_step_itself_draws_from_the_mix():
+    """``feedback_start_step`` is the first step of the feedback phase: with a mix that always draws 2
+    passes, the step before it is single-pass and the step itself is not."""
+    schedule = PassSchedule(PassScheduleConfig(feedback_start_step=7, mix=[0.0, 1.0], seed=3))
+    assert [schedule.num_passes(s) for s in range(5, 10)] == [1, 1, 2, 2, 2]
+    assert schedule.counts(0, 10) == {1: 7, 2: 3}
+
+
+def test_step_flops_count_every_pass_and_the_fused_ones():
+    """In units of one forward (backward = 2 forwards): grad_mode 'all' runs k forwards and k backwards,
+    'last' k forwards and the last pass's backward. The fusion runs in passes 2..k (pass 1 reads the token
+    embedding) unless the first pass is fused too, and is backpropagated with its pass."""
+    from fbt_megatron.passes import fusion_forwards, step_flops, step_forwards
+
+    stack, fusion = 10.0, 1.0
+    for k in (1, 2, 3):
+        assert step_forwards(k, "all") == 3 * k and step_forwards(k, "last") == k + 2
+        assert fusion_forwards(k, "all") == 3 * (k - 1)
+        assert fusion_forwards(k, "last") == (k - 1) + (2 if k > 1 else 0)
+        assert fusion_forwards(k, "all", fused_first_pass=True) == 3 * k
+        assert fusion_forwards(k, "last", fused_first_pass=True) == k + 2
+        assert step_flops(k, "all", stack, fusion) == 3 * k * stack + 3 * (k - 1) * fusion
+        assert step_flops(k, "last", stack, fusion, fused_first_pass=True) == (k + 2) * (stack + fusion)

@@ -107,6 +107,32 @@ def test_unreadable_fresh_lock_is_waited_for_then_taken_when_old(tmp_path):
     assert not lock_file.exists()
 
 
+def test_a_lock_being_written_is_waited_for_not_taken(tmp_path):
+    """A run that just created ``run.lock`` and is still writing it (unreadable, seconds old) holds the
+    run directory: a second run waits for the content and then refuses; it does not take the lock over."""
+    import threading
+
+    from fbt_megatron.train.run_lock import _start_time
+
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text("{\"host\": ")  # created by the other run a moment ago, not yet complete
+    parent = os.getppid()  # a live process on this host: the other run
+    live = {"host": socket.gethostname(), "pid": parent, "pid_started": _start_time(parent), "locked_at": time.time()}
+
+    def finish_writing():
+        time.sleep(0.6)
+        lock_file.write_text(json.dumps(live))
+
+    writer = threading.Thread(target=finish_writing)
+    writer.start()
+    try:
+        with pytest.raises(RunDirLocked, match=f"in use by another run \\(host {socket.gethostname()}, pid {parent}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        writer.join()
+    assert json.loads(lock_file.read_text()) == live  # the other run's lock, untouched
+
+
 def test_two_takers_of_one_stale_lock_cannot_both_win(tmp_path, monkeypatch):
     """B judged a dead run's lock stale; before B removes it, A takes it over and holds it. B must not
     remove A's fresh lock: it re-reads the holder under the takers' guard and refuses."""

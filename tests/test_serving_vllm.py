@@ -167,6 +167,23 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     assert err is not None and "does not serve LoRA adapters on a feedback export" in err, err
 
 
+def test_plugin_one_token_prompt_among_decoding_requests(vllm_python, model, tmp_path):
+    """A 1-token prompt that arrives while other requests decode is scheduled in a decode-only step (every
+    request one token: the plugin's decode path), its token at position 0 beside tokens that read their
+    previous state. Position 0 has no previous state: it takes the plain first pass's input, not a state read
+    from its KV slot (which an earlier, finished request left behind). Its tokens and the running requests'
+    are `fbt generate`'s (FUSED prefill); the late request's step took the decode path (no general step but
+    the running requests' prefill)."""
+    run, hf, std, refs = model
+    assert PROMPTS[-1] == [77]
+    res = run_side(vllm_python, [job("late", hf, step_kinds=True, late={"prompt": PROMPTS[-1], "after_steps": 2})],
+                   tmp_path, plugin=True)["late"]
+    assert res["tokens"] == refs["fused"]  # the batch before, whose requests leave states in the KV slots
+    assert res["late_tokens"] == refs["fused"]
+    kinds = res["late_step_kinds"]
+    assert kinds.get("general") == 1 and kinds.get("decode", 0) >= NEW_TOKENS, kinds
+
+
 def test_plugin_gate_table_formula(vllm_python, tmp_path):
     """The plugin's fusion against its formula (float64), glu and additive, with biases: the token's gate computed
     per token and read from the vocabulary's gate table, which is built from the raw W_G after vLLM's CPU GEMM

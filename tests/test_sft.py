@@ -269,6 +269,29 @@ def test_an_sft_recipe_without_a_schedule_gets_the_papers_mix_from_step_0(fx, ba
         assert (s.feedback_start_step, s.mix) == (0, [0.75, 0.22, 0.03]), keep_model
 
 
+def test_an_sft_recipe_without_a_feedback_section_takes_the_checkpoints(fx, tmp_path):
+    """The fusion is part of the architecture: an SFT recipe that sets no ``model``/``feedback`` section
+    fine-tunes the model ``init_from`` was trained as (here an additive fusion with the ``state`` first
+    input and another mixin), not the recipe defaults, whose weights would load under the same names."""
+    from fbt_megatron.config import FeedbackConfig
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.train.cli import sft_recipe as resolve
+
+    trained_as = {"fusion": "additive", "first_input": "state", "prefix_mixin": 0.3, "jitter_std": 0.0}
+    base = tmp_path / "base"
+    run_distributed(train_fn, 1, tiny_recipe(
+        base, data={"source": "pipeline", "pipeline": chat_data_section(fx, name="text")}, feedback=trained_as,
+        model={"vocab_size": 512, "max_sequence_length": 64}, train={"steps": 1}, checkpoint={"at_end": True}))
+    r = sft_recipe(tmp_path / "sft", fx, base)
+    del r["model"], r["feedback"]
+    got = resolve(load_recipe(data=r), "sft")
+    assert got.feedback == FeedbackConfig(**trained_as)
+    assert (got.model.vocab_size, got.model.max_sequence_length) == (512, 64)
+    # a recipe that sets its own feedback section keeps it
+    r = sft_recipe(tmp_path / "sft", fx, base, feedback={"prefix_mixin": 0.2})
+    assert resolve(load_recipe(data=r), "sft").feedback == FeedbackConfig(jitter_std=0.02, prefix_mixin=0.2)
+
+
 def test_fbt_sft_is_task_sft(fx, tmp_path):
     """`fbt sft RECIPE` runs a recipe that does not say `task: sft` as an SFT run: its plain-text source is
     refused by name before anything runs (`fbt train` of the same recipe would pretrain on it)."""

@@ -120,3 +120,31 @@ def test_usr1_before_the_first_step_is_remembered(tmp_path):
     out = run_distributed(_signal_while_building, 1, recipe)[0]
     assert out["step"] == 1 and out["preempted"] == "SIGUSR1", out["stop_reason"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
+def _train_then_take_signals(recipe_data: dict) -> dict:
+    """train_fn, then what a process that lives on after training (a notebook, a driver script) does
+    with SIGTERM/SIGUSR1: its signal mask and handlers, and whether a program it starts afterwards (it
+    inherits the mask) ends on SIGTERM as scancel expects."""
+    watched = {signal.SIGTERM, signal.SIGUSR1}
+    before = {s: signal.getsignal(s) for s in watched}
+    train_fn(recipe_data)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, []) & watched
+    after = {s: signal.getsignal(s) for s in watched}
+    child = subprocess.Popen(["sleep", "60"])
+    time.sleep(0.2)
+    child.send_signal(signal.SIGTERM)
+    try:
+        code = child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        code = "still running 10 s after SIGTERM: " + str(child.wait())
+    return {"blocked": sorted(s.name for s in blocked), "handlers_restored": after == before, "child": code}
+
+
+def test_after_training_the_process_takes_sigterm_and_sigusr1_again(tmp_path):
+    """The trainer blocks SIGTERM/SIGUSR1 while it trains; once train() has returned they are unblocked
+    and their handlers are the ones from before, so the process (and anything it starts) ends on scancel."""
+    recipe = tiny_recipe(tmp_path, train={"steps": 2}, checkpoint={"every": 1000, "at_end": True})
+    out = run_distributed(_train_then_take_signals, 1, recipe)[0]
+    assert out == {"blocked": [], "handlers_restored": True, "child": -signal.SIGTERM}, out

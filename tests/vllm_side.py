@@ -6,7 +6,10 @@
 REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
 "error": true (the engine must fail to start),
 "preemptions": true (count the scheduler's preemptions: vLLM's ``vllm:num_preemptions`` counter),
-"step_kinds": true (the plugin's forwards by path, ``FBTForCausalLM.step_kinds``, over all calls)}]}.
+"step_kinds": true (the plugin's forwards by path, ``FBTForCausalLM.step_kinds``, over all calls),
+"late": {"prompt": [ids], "after_steps": N} (after the batch, the prompts but the last run again through the
+engine's own step loop, and ``prompt`` added after N steps, while they decode: its tokens are
+``late_tokens``, the plugin's forwards by path during that phase ``late_step_kinds``)}]}.
 Each job starts an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: no
 engine or worker processes to start, ~5 s per engine instead of ~60 s), generates greedily, shuts it down.
 ``--calls``: the job's engine starts and makes one untimed call, then each line read on stdin makes one timed
@@ -57,6 +60,8 @@ def run(job):
         res = {"tokens": [list(o.outputs[0].token_ids) for o in out]}
         if job.get("step_kinds"):
             res["step_kinds"] = llm.apply_model(lambda model: dict(model.step_kinds))[0]
+        if job.get("late"):
+            res.update(late(llm, job))
         if job.get("preemptions"):
             res["preemptions"] = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         return res
@@ -64,6 +69,32 @@ def run(job):
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def late(llm, job):
+    """The job's prompts but the last through ``LLMEngine.step``, and ``late.prompt`` added once they have run
+    ``late.after_steps`` steps: scheduled among requests that decode (after the batch above, whose freed KV
+    slots the new requests reuse)."""
+    from vllm.inputs import TokensPrompt
+
+    prompts, params = inputs(job)
+    engine = llm.llm_engine
+    kinds = lambda: llm.apply_model(lambda model: dict(model.step_kinds))[0]  # noqa: E731
+    before = kinds()
+    for i, p in enumerate(prompts[:-1]):
+        engine.add_request(f"running-{i}", p, params)
+    tokens = {}
+    for step in range(10_000):
+        if step == job["late"]["after_steps"]:
+            engine.add_request("late", TokensPrompt(prompt_token_ids=job["late"]["prompt"]), params)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if not engine.has_unfinished_requests() and step >= job["late"]["after_steps"]:
+            break
+    after = kinds()
+    return {"late_tokens": [tokens[f"running-{i}"] for i in range(len(prompts) - 1)] + [tokens["late"]],
+            "late_step_kinds": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
 
 
 def serve_calls(job, answer_fd: int) -> None:

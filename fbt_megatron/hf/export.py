@@ -178,7 +178,9 @@ def standard_hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
 
 def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
     fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
-    deepest = len(recipe.schedule.mix) if recipe.feedback.fusion != "off" else 1
+    from fbt_megatron.passes import PassSchedule
+
+    deepest = PassSchedule(recipe.schedule).max_passes if recipe.feedback.fusion != "off" else 1  # trained
     cfg = {
         "architectures": ["FBTForCausalLM"],
         # AutoModel: the bare stack, which refuses vLLM's Transformers backend naming the vLLM plugin
