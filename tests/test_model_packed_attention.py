@@ -99,13 +99,18 @@ def test_sdpa_packed_attends_each_document_alone(single_process):
         torch.testing.assert_close(out[a:b], ref, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape,k,mode", [("tiny", 1, "all"), ("llama", 3, "all"), ("llama", 2, "last")])
-def test_packed_emulation_equals_mask_path(single_process, shape, k, mode):
-    """The packed path (rows end to end, cu_seqlens, Megatron's THD RoPE; each document attended
-    alone on CPU) gives the mask path's loss, top states and every parameter's gradient to 1e-6
-    (gradients relative to their largest entry when that exceeds 1)."""
+@pytest.mark.parametrize("shape,k,mode,seq", [("tiny", 1, "all", 10), ("llama", 3, "all", 10),
+                                              ("llama", 2, "last", 10), ("llama", 2, "all", 16)])
+def test_packed_emulation_equals_mask_path(single_process, shape, k, mode, seq):
+    """The packed path (rows end to end, cu_seqlens, Megatron's THD RoPE from the plain table; each
+    document attended alone on CPU) gives the mask path's loss, top states and every parameter's
+    gradient to 1e-6 (gradients relative to their largest entry when that exceeds 1). At seq 16 the
+    two rows pack 32 tokens, max_sequence_length: the table handed over is one row longer, so Megatron's
+    THD RoPE still maps each document from position 0 (RoPE is relative, so an offset shared by a
+    document attended alone would change values only by rounding: the length is pinned by
+    test_packed_rope_inputs_are_the_plain_table)."""
     config = tiny_model_config(**(LLAMA if shape == "llama" else {}))
-    ids, labels, doc_start = make_inputs(seq=10)
+    ids, labels, doc_start = make_inputs(seq=seq)
     results = []
     for packed in (False, True):
         torch.manual_seed(0)
@@ -122,6 +127,37 @@ def test_packed_emulation_equals_mask_path(single_process, shape, k, mode):
     for name in grads0:
         err = (grads1[name] - grads0[name]).abs().max() / grads0[name].abs().max().clamp_min(1.0)
         assert err <= 1e-6, (name, float(err))  # relative to the gradient's scale (fp32 rounding ~1e-7)
+
+
+def test_attention_backend_per_dtype():
+    """TE's flash and fused attention run bf16/fp16 only, and packed (THD) sequences have no unfused TE
+    backend: fp32 on TE runs the dense mask on the unfused backend; sequence parallelism changes nothing."""
+    from fbt_megatron.model.attention import attention_backend
+
+    for dtype in (torch.bfloat16, torch.float16):
+        assert attention_backend(True, "document_causal", dtype) == "packed"
+        assert attention_backend(True, "causal", dtype) == "flash"
+    for mask in ("document_causal", "causal"):
+        assert attention_backend(True, mask, torch.float32) == "unfused"
+        for dtype in (torch.float32, torch.bfloat16):
+            assert attention_backend(False, mask, dtype) == "sdpa"
+
+
+def test_packed_rope_inputs_are_the_plain_table(single_process):
+    """The packed path hands RoPE the plain frequency table (no row per packed token, which sends
+    Megatron's THD RoPE down its per-document .item() branch) and never a table as long as the packed
+    tokens; on CPU (no TE) Megatron's unfused RoPE runs, on TE's packed path its fused THD RoPE."""
+    from fbt_megatron.model.attention import packed_rotary_length
+
+    assert packed_rotary_length(32, 20) == 32 and packed_rotary_length(32, 32) == 33
+    model = build_model(tiny_model_config(**LLAMA), feedback(), packed=True)
+    table = model.gpt.rotary_pos_emb(32)
+    for batch, seq in ((2, 10), (2, 16), (1, 32)):
+        _, positions = model.attention_inputs(reset_positions(None, batch, seq, "cpu"))
+        freqs = model.rotary(positions)
+        assert freqs.shape[1:] == table.shape[1:] and freqs.shape[0] != batch * seq
+        torch.testing.assert_close(freqs[:32], table, rtol=0, atol=0)
+    assert model.attention_backend == "packed-emulation" and not model.config.apply_rope_fusion
 
 
 def test_packed_refused_with_a_causal_mask(single_process):
