@@ -35,6 +35,27 @@ def test_te_norm_names_map_to_the_local_spec():
         "gpt.decoder.layers.0.pre_mlp_layernorm.weight": 3, "gpt.decoder.layers.0.pre_mlp_layernorm.bias": 4}
 
 
-@pytest.mark.skipif(gpu_smoke.refuse_reason() is not None, reason="needs a CUDA GPU with transformer-engine")
-def test_smoke_runs_on_gpu():
+@pytest.mark.gpu
+def test_smoke_runs_on_gpu(cuda_device):
+    reason = gpu_smoke.refuse_reason()  # decided when the test runs, in this session's environment
+    if reason:
+        pytest.skip(reason)
     assert gpu_smoke.main(["--steps", "2", "--passes", "1,3", "model.num_layers=2"]) == 0
+
+
+def test_session_device_decision():
+    """The suite runs the CPU path, except a session of the GPU tests alone on a CUDA machine; a caller's
+    FBT_DEVICE always wins; a GPU test says why it skips."""
+    from fbt_megatron.testing.gpu import gpu_skip_reason, session_env
+
+    cpu = {"FBT_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}
+    assert session_env("", {}, cuda_available=True) == cpu
+    assert session_env("", {}, cuda_available=False) == cpu
+    assert session_env("not gpu", {}, cuda_available=True) == cpu
+    assert session_env("gpu", {}, cuda_available=True) == {}
+    assert session_env("gpu", {}, cuda_available=False) == cpu
+    assert session_env("", {"FBT_DEVICE": "cuda"}, cuda_available=True) == {}
+    assert session_env("gpu", {"FBT_DEVICE": "cpu"}, cuda_available=True) == {}
+    assert "no CUDA device" in gpu_skip_reason(use_cuda=False, cuda_available=False)
+    assert "pytest -m gpu" in gpu_skip_reason(use_cuda=False, cuda_available=True)
+    assert gpu_skip_reason(use_cuda=True, cuda_available=True) is None

@@ -165,24 +165,24 @@ def test_packed_refused_with_a_causal_mask(single_process):
         build_model(tiny_model_config(attention_mask="causal"), feedback(), packed=True)
 
 
-def _te_available() -> bool:
+@pytest.mark.gpu
+def test_gpu_te_packed_equals_mask_path(cuda_device, single_process):
+    """On CUDA with Transformer Engine: the TE spec's packed (THD, flash/fused, fused THD RoPE) attention
+    gives the loss of its dense-mask (unfused) path on the same weights, in bf16."""
     try:
         import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _te_available(), reason="needs a CUDA GPU with transformer-engine: TE's packed "
-                    "(THD) flash attention against its dense-mask path on the same weights")
-def test_gpu_te_packed_equals_mask_path(single_process):
+    except ImportError as e:
+        pytest.skip(f"transformer-engine is not importable: {e}")
     config = tiny_model_config(**LLAMA)
     ids, labels, doc_start = (t.cuda() for t in make_inputs(seq=10))
     losses = []
     for packed in (False, True):
         torch.manual_seed(0)
-        model = build_model(config, feedback(), packed=packed).train()
+        model = build_model(config, feedback(), packed=packed, dtype=torch.bfloat16).train()
+        core = model.gpt.decoder.layers[0].self_attention.core_attention
+        assert type(core).__module__.startswith("megatron.core.extensions.transformer_engine"), type(core)
         assert model.attention_backend == ("packed" if packed else "unfused") and model.packed == packed
+        assert model.config.apply_rope_fusion == packed
         out = model(ids, doc_start=doc_start, labels=labels, num_passes=2)
         losses.append(out.token_loss.float())
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)  # bf16
