@@ -115,6 +115,20 @@ def layer_spec(model: ModelConfig):
     return specs.get_gpt_layer_local_spec(normalization=model.normalization)
 
 
+def install_cpu_replacements() -> None:
+    """On the CPU path only, put the CPU replacements where Megatron looks its functions up: RoPE's cos/sin
+    once per forward (``model/rope.py``), the loss's row maximum by ``amax`` and its one-rank collectives
+    skipped (``model/cross_entropy.py``), SwiGLU without a compiler (``model/swiglu.py``), one-rank linear
+    layers as a plain product (``model/one_rank_linear.py``). On any other device nothing is replaced: the GPU
+    runs Megatron's and Transformer Engine's own functions (these were measured on CPU only)."""
+    if runtime.use_cuda():
+        return
+    rope.install()
+    cross_entropy.install()
+    swiglu.install()
+    one_rank_linear.install()
+
+
 def _seeded_layer_spec(spec, base_seed: int):
     """``spec`` whose layers draw their (CPU) initial weights from a generator seeded by the layer's
     *global* number: a pipeline stage that builds only layers 5..8 gets the same values as the
@@ -185,10 +199,7 @@ class FBTGPTModel(MegatronModule):
         config.apply_rope_fusion = self.attention_backend == "packed"
         spec = adapt_layer_spec(spec, model.attention_mask, get_num_layers_to_build(config),
                                 packed=packed)  # this stage's layers
-        rope.install()  # Megatron's attention computes RoPE's cos/sin once per forward (model/rope.py)
-        cross_entropy.install()  # the loss's row maximum without an argmax (model/cross_entropy.py)
-        swiglu.install()  # the fused SwiGLU switch on CPU without a compiler (model/swiglu.py)
-        one_rank_linear.install()  # TP=1 linear layers on CPU as a plain product (model/one_rank_linear.py)
+        install_cpu_replacements()
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,
