@@ -20,7 +20,6 @@ boundary): exactly one gradient accumulation and one optimiser update per step f
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from fbt_megatron.parallel.messages import Channel
 from fbt_megatron.parallel.runner import StepOutput
 from fbt_megatron.parallel.schedule import FORWARD, Op, build_schedule, grad_passes_for
+from fbt_megatron.parallel.timing import StepClock
 
 
 @dataclass
@@ -107,8 +107,9 @@ class PipelineRunner:
         batch, seq_len = micro_batches[0]["input_ids"].shape
         device = micro_batches[0]["input_ids"].device
         dtype = model.config.params_dtype
+        clock = StepClock(device) if timings else None
         channel = Channel(schedule, self.stage, self.stage_ranks, self.pp_group,
-                           (seq_len, batch, model.config.hidden_size), dtype, device)
+                           (seq_len, batch, model.config.hidden_size), dtype, device, clock=clock)
         self._tied_leaf = None
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
@@ -119,17 +120,22 @@ class PipelineRunner:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._residuals = torch.zeros(max(k - 1, 0), dtype=torch.float64, device=device)
         self._residual_max = torch.full((), -1.0, dtype=torch.float64, device=device)
-        seconds = []
+        marks = []
         for i, op in enumerate(schedule.ops[self.stage]):
-            t0, waited = time.perf_counter(), channel.waited
+            start, waits = (clock.mark(), len(channel.waits)) if timings else (None, 0)
             channel.exchange(i)  # the messages planned before this op (sends of the previous one)
             if op.kind == FORWARD:
                 self._forward(op, jitter_seeds[op.micro_batch] if jitter_seeds else None)
             else:
                 self._backward(op)
-            if timings:  # (op, start, end, seconds of it spent waiting for a message)
-                seconds.append((op, t0, time.perf_counter(), channel.waited - waited))
+            if timings:
+                marks.append((op, start, clock.mark(), waits, len(channel.waits)))
         channel.finish()
+        seconds = []
+        if timings:  # (op, start, end, seconds of it spent waiting for a message)
+            clock.resolve()
+            seconds = [(op, clock.at(start), clock.at(end), sum(clock.between(a, b) for a, b in channel.waits[w0:w1]))
+                       for op, start, end, w0, w1 in marks]
         if self._saved:
             raise RuntimeError(f"pipeline step left {len(self._saved)} activations without a backward")
         if self._tied_leaf is not None:  # the shared weight: one accumulation, summed over both stages
