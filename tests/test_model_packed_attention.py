@@ -265,3 +265,19 @@ def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):
     assert out.shape == (s, b, heads * d) and out.is_contiguous()
     out.backward(torch.ones_like(out))
     assert seen == {"inputs": [True, True, True], "mask": torch.float32, "grad": True}
+
+
+def test_padded_vocabulary_columns_are_minus_infinity_in_place(single_process):
+    """The LM head's padded columns (vocab 64 padded to 128) are -inf, filled in place from a column index
+    (no mask copied to the device per call): the other columns are the plain product, and no gradient
+    reaches the padded rows of the output weight."""
+    model = build_model(tiny_model_config(**LLAMA), feedback())
+    assert model._padding_start == 64 and model._padding_columns[64:].all() and not model._padding_columns[:64].any()
+    top = torch.randn(5, 2, 32, requires_grad=True)
+    logits = model.head(top)  # [B, S, V_pad]
+    weight = model.gpt.output_layer.weight
+    assert logits.shape == (2, 5, 128) and torch.isneginf(logits[..., 64:]).all()
+    torch.testing.assert_close(logits[..., :64], (top @ weight.t()).transpose(0, 1)[..., :64], rtol=0, atol=1e-6)
+    labels = torch.randint(0, 64, (2, 5))
+    model.head(top, labels).sum().backward()
+    assert weight.grad[64:].abs().max() == 0 and weight.grad[:64].abs().max() > 0

@@ -47,9 +47,10 @@ def test_plan_attention_backend_and_scores():
                                          64, "h100", 0.4, flash=True).memory.activations
 
     # fp32 on TE has no flash/fused backend and THD none at all: the dense mask on TE's unfused backend,
-    # one layer's scores (4-byte) with selective recompute (the recipe's), every layer's of every kept
+    # one layer's scores (4-byte) with selective recompute, every layer's of every kept
     # pass without it
-    fp32 = load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true", "precision=fp32"])
+    fp32 = load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true", "precision=fp32",
+                                "model.recompute=selective"])
     flash_fp32 = plan(fp32, 64, "h100", 0.4, flash=True)
     unfused = plan(fp32, 64, "h100", 0.4)
     assert unfused.attention == "unfused"

@@ -220,8 +220,10 @@ class FBTGPTModel(MegatronModule):
         torch.default_generator.manual_seed(init_seed)  # the fusion's init, whatever layers came before
         self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" and first else None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
-        # This rank's LM-head columns that are vocabulary padding (None when it holds none).
+        # This rank's LM-head columns that are vocabulary padding (None when it holds none): a tail of its
+        # columns, filled from _padding_start on (an int: no mask to copy to the device per head call).
         self._padding_columns = vocab.local_padding_mask(model.vocab_size, self.padded_vocab_size)
+        self._padding_start = None if self._padding_columns is None else int(self._padding_columns.int().argmax())
 
     # ----------------------------------------------------------------- helpers
     def causal_mask(self, seq_len: int, device) -> torch.Tensor:
@@ -278,8 +280,8 @@ class FBTGPTModel(MegatronModule):
         if weight is None and self.gpt.share_embeddings_and_output_weights:
             weight = self.gpt.shared_embedding_or_output_weight()
         logits, _ = self.gpt.output_layer(top_state, weight=weight)
-        if self._padding_columns is not None:
-            logits = logits.masked_fill(self._padding_columns.to(logits.device), float("-inf"))
+        if self._padding_start is not None:  # in place: the padded tail of this rank's columns
+            logits[..., self._padding_start:].fill_(float("-inf"))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.gpt.compute_language_model_loss(labels, logits)
