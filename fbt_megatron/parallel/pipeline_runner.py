@@ -90,12 +90,16 @@ class PipelineRunner:
         summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
         when there is none; default: through the engine if the runner has one, else torch autograd).
         Returns the loss sum and pass residuals, identical on every stage."""
-        from fbt_megatron.parallel.runner import engine_backward, finish_backward, to_device
+        from fbt_megatron.parallel.runner import StepGradients, engine_backward, finish_backward, to_device
 
         micro_batches = [to_device(b, device) for b in micro_batches]  # the schedule holds them all
 
         through_engine = backward is None and self.engine is not None
-        if backward is None:
+        collected = None  # ZeRO-2: the step's gradients reach DeepSpeed in one backward (StepGradients)
+        if through_engine and training and torch.is_grad_enabled() and self.engine.zero_stage == 2:
+            collected = StepGradients(self.model.parameters())
+            backward = collected.backward
+        elif backward is None:
             backward = engine_backward(self.engine) if through_engine else _default_backward
         model, cfg = self.model, self.model.feedback_config
         k = num_passes
@@ -114,7 +118,7 @@ class PipelineRunner:
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
         self._ctx = dict(k=k, grad_passes=grad_passes, training=training, scale=scale, channel=channel,
-                         backward=backward, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
+                         backward=backward, collected=collected, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
         self._mbs = [_MicroBatch(b) for b in micro_batches]
         self._saved: dict = {}
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -141,12 +145,14 @@ class PipelineRunner:
         if self._tied_leaf is not None:  # the shared weight: one accumulation, summed over both stages
             grad = self._tied_leaf.grad if self._tied_leaf.grad is not None else torch.zeros_like(self._tied_leaf)
             dist.all_reduce(grad, group=self.embedding_group)
-            backward([self.shared_weight()], [grad])
+            self._call_backward([self.shared_weight()], [grad], [])
         sums = torch.cat([self._loss_sum.view(1), self._residuals])
         dist.all_reduce(sums, group=self.pp_group)  # lives on the last stage: give it to every stage
         dist.all_reduce(self._residual_max, op=dist.ReduceOp.MAX, group=self.pp_group)
         self._mbs, self._saved = [], {}
-        if through_engine and training:
+        if collected is not None:
+            collected.finish(self.engine)
+        elif through_engine and training:
             finish_backward(self.engine, self.model)
         return StepOutput(sums[0], list(sums[1:]), self._residual_max if k > 1 else None, seconds)
 
@@ -239,6 +245,14 @@ class PipelineRunner:
         self._loss_sum += tok_sum.detach().double() / heads
         return tok_sum * (ctx["scale"] / heads) if grad else None
 
+    def _call_backward(self, tensors, grads, leaves) -> None:
+        """The step's backward function; :class:`.runner.StepGradients` also gets the tensors whose ``.grad``
+        the runner reads (torch's own backward fills them by itself)."""
+        if self._ctx["collected"] is not None:
+            self._ctx["collected"].backward(tensors, grads, leaves)
+        else:
+            self._ctx["backward"](tensors, grads)
+
     def _backward(self, op: Op) -> None:
         ctx, mb = self._ctx, self._mbs[op.micro_batch]
         b, j = op.micro_batch, op.pass_index
@@ -259,7 +273,9 @@ class PipelineRunner:
                 if leaf is not None and leaf.grad is not None:
                     tensors.append(graph)
                     grads.append(leaf.grad)
-        ctx["backward"](tensors, grads)
+        # the tensors whose .grad is read after this op (sent, or accumulated over passes)
+        leaves = [x if not self.first else None, ring_in, mb.embedded_leaf, mb.gate_leaf, self._tied_leaf]
+        self._call_backward(tensors, grads, leaves)
         if not self.first:
             ctx["channel"].send(("grad", self.stage, b, j), self.stage - 1, x.grad)
         elif j - 1 in ctx["grad_passes"]:
