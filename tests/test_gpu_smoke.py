@@ -59,3 +59,48 @@ def test_session_device_decision():
     assert "no CUDA device" in gpu_skip_reason(use_cuda=False, cuda_available=False)
     assert "pytest -m gpu" in gpu_skip_reason(use_cuda=False, cuda_available=True)
     assert gpu_skip_reason(use_cuda=True, cuda_available=True) is None
+
+
+CHECK_SPEC = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(CHECK_SPEC)
+CHECK_SPEC.loader.exec_module(gpu_check)
+
+
+def test_gpu_check_refuses_without_cuda(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FBT_DEVICE", raising=False)
+    for argv in ([], ["--multi"]):
+        assert gpu_check.main(argv) == 2
+        assert "gpu_check: refusing: no CUDA device" in capsys.readouterr().err
+    monkeypatch.setenv("FBT_DEVICE", "cpu")
+    assert gpu_check.main([]) == 2
+    assert "FBT_DEVICE=cpu" in capsys.readouterr().err
+
+
+def test_gpu_check_keeps_going_after_a_failed_step_and_names_it(tmp_path):
+    import json
+
+    ran = []
+
+    def wrong():
+        ran.append("wrong")
+        gpu_check.check(False, "peak 90 GB over the plan")
+
+    def crash():
+        ran.append("crash")
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    def fine():
+        ran.append("fine")
+        return {"tokens_s": 1.0}
+
+    lines = []
+    report = gpu_check.run_steps({"wrong": wrong, "crash": crash, "fine": fine}, tmp_path, print_fn=lines.append)
+    assert ran == ["wrong", "crash", "fine"] and report["failed"] == ["wrong", "crash"]
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["steps"]["wrong"]["status"] == "failed" and "peak 90 GB" in saved["steps"]["wrong"]["error"]
+    assert saved["steps"]["crash"]["status"] == "error" and "illegal memory access" in saved["steps"]["crash"]["error"]
+    assert saved["steps"]["fine"] == {"status": "passed", "tokens_s": 1.0, "seconds": saved["steps"]["fine"]["seconds"]}
+    assert any("wrong: failed" in line for line in lines)
