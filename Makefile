@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: setup train test bench vllm-env mutation
+.PHONY: setup train test bench vllm-env mutation gpu-check gpu-check-multi
 setup: $(STAMP)
 
 # vLLM's CPU build in a venv of its own for the serving tests (tests/vllm_env.py; cached under
@@ -45,3 +45,13 @@ mutation: $(STAMP)
 	@test -n "$(FILE)" || { echo "usage: make mutation FILE=fbt_megatron/passes.py"; exit 2; }
 	@$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install -q 'cosmic-ray>=8.7,<9'
 	nice -n 10 $(PY) tools/mutation.py $(FILE)
+
+# On a GPU node, in the cluster's own CUDA/NGC environment (docs/install.md: it keeps that torch, not
+# .venv's CPU build): the GPU check (benchmarks/gpu_check.py; one GPU, about 10 minutes, no network) and
+# the 2-8 GPU one (TP=2+SP, PP=2 with 3 passes, DP=2 against one GPU). Each writes runs/gpu_check*/gpu_check.json.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py
+
+gpu-check-multi:
+	$(GPU_PY) benchmarks/gpu_check.py --multi

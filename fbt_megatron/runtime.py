@@ -191,7 +191,6 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     """Megatron parallel groups + seeds. Call after init_distributed. ``timeout_s``: the collective
     timeout of Megatron's groups (TP, PP, DP, ...; megatron's default is 30 minutes)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     install_cpu_shims()
     layout.data(dist.get_world_size())  # validates divisibility with a clear message
@@ -205,17 +204,44 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60.0}),
     )
     set_seed(seed)
-    if use_cuda():
-        model_parallel_cuda_manual_seed(seed)
-    else:
-        from megatron.core.tensor_parallel import random as mp_random
+    seed_model_parallel_rngs(seed)
 
-        tracker = mp_random.get_cuda_rng_tracker()
-        tracker.reset()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-        tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-        tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+
+PIPELINE_SEED_STRIDE = 100  # Megatron-LM's _set_random_seed: seed + 100 * pipeline rank
+TENSOR_SEED_OFFSET = 2718  # megatron.core.tensor_parallel.model_parallel_cuda_manual_seed's offset
+EXPERT_SEED_OFFSET = 1024
+
+
+def model_parallel_seeds(seed: int, tp_rank: int, pp_rank: int) -> dict[str, int]:
+    """The seeds of Megatron's RNG tracker states for a rank (Megatron-LM's convention): every pipeline
+    stage offsets the seed by 100 x its rank, so stage k's layers (initialised on the GPU from the
+    tracker) and dropout do not replay stage 0's stream; the tensor-parallel state adds 2718 + TP rank."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    stage = seed + PIPELINE_SEED_STRIDE * pp_rank
+    return {mp_random._DATA_PARALLEL_RNG_TRACKER_NAME: stage,
+            mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME: stage + TENSOR_SEED_OFFSET + tp_rank,
+            mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME: stage + EXPERT_SEED_OFFSET}
+
+
+def seed_model_parallel_rngs(seed: int) -> None:
+    """Seed Megatron's RNG tracker for this rank (:func:`model_parallel_seeds`): on CUDA through
+    Megatron's ``model_parallel_cuda_manual_seed`` with the stage's seed (which also seeds the CUDA
+    default generator), on CPU the CPU tracker with the same numbers. torch's CPU generator keeps
+    ``seed`` on every rank: the model's CPU initialisation is seeded per global layer (layout-invariant)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    seeds = model_parallel_seeds(seed, tp_rank, pp_rank)
+    if use_cuda():
+        mp_random.model_parallel_cuda_manual_seed(seeds[mp_random._DATA_PARALLEL_RNG_TRACKER_NAME])
+        return
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    for name, value in seeds.items():
+        tracker.add(name, value)
 
 
 def set_seed(seed: int) -> None:

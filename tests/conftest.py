@@ -2,8 +2,33 @@ import os
 
 import pytest
 
-os.environ.setdefault("FBT_DEVICE", "cpu")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+def pytest_configure(config):
+    """The CPU path for the suite; CUDA kept for a session of GPU tests alone (``pytest -m gpu``, what
+    ``make gpu-check`` runs) on a CUDA machine (``fbt_megatron/testing/gpu.py``). Runs before any test
+    module imports fbt_megatron or DeepSpeed."""
+    import torch
+
+    from fbt_megatron import runtime
+    from fbt_megatron.testing.gpu import session_env
+
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; runs under `pytest -m gpu` (make gpu-check), "
+                            "skips with the reason elsewhere")
+    os.environ.update(session_env(config.option.markexpr or "", os.environ, torch.cuda.is_available()))
+    runtime.quiet_known_warnings()  # again, now that the device is decided (the package's import ran it)
+
+
+@pytest.fixture
+def cuda_device():
+    """For a GPU test: skips, saying why, where this session cannot run CUDA (decided when the test runs)."""
+    import torch
+
+    from fbt_megatron import runtime
+    from fbt_megatron.testing.gpu import gpu_skip_reason
+
+    reason = gpu_skip_reason(runtime.use_cuda(), torch.cuda.is_available())
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture

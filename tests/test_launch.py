@@ -19,7 +19,7 @@ def test_big_recipes_render_for_their_layout(recipe, nodes, tmp_path):
     assert "#SBATCH --signal=B:USR1@300" in p1 and "#SBATCH --requeue" in p1
     assert "train.stop_at_step=" in p1 and "train.stop_at_step=" not in p2
     assert "#SBATCH --dependency=afterok:<phase1>" in p2
-    assert '--rdzv-endpoint="$FBT_RDZV_HOST:$FBT_RDZV_PORT"' in p1 and "FBT_RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))" in p1
+    assert '--rdzv-endpoint="$FBT_RDZV_HOST:$FBT_RDZV_PORT"' in p1 and "FBT_RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))" in p1
     assert "{{" not in p1
     # the rendered script is valid bash
     script = tmp_path / "job.sbatch"
@@ -122,3 +122,30 @@ def test_submit_checks_an_sft_recipe_as_fbt_sft_does(tmp_path, capsys):
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(recipe))
     assert main(args) == 2
     assert "recipe key 'model.attention_mask'" in capsys.readouterr().err
+
+
+def test_gpu_script_environment_allocation_and_port(tmp_path):
+    """A GPU job: one CUDA work queue per device (Megatron's overlap), expandable CUDA segments (1/2/3-pass
+    batches), whole nodes with all their memory; a CPU job none of the CUDA settings. The rendezvous port,
+    run through bash for job ids across the range, stays below Linux's ephemeral ports (32768-60999)."""
+    out = []
+    submit(JobSpec(recipe="recipes/fbt-1b-400b.yaml", nodes=8, gpus_per_node=8, workdir=tmp_path),
+           dry_run=True, print_fn=out.append)
+    gpu = out[0].splitlines()
+    for line in ("export CUDA_DEVICE_MAX_CONNECTIONS=1",
+                 'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"',
+                 "#SBATCH --exclusive", "#SBATCH --mem=0"):
+        assert line in gpu, line
+    first_srun = next(i for i, line in enumerate(gpu) if line.lstrip().startswith("srun "))
+    assert gpu.index("export CUDA_DEVICE_MAX_CONNECTIONS=1") < first_srun
+    out.clear()
+    submit(JobSpec(recipe="recipes/tiny.yaml", nodes=1, gpus_per_node=1, cpu=True, workdir=tmp_path),
+           dry_run=True, print_fn=out.append)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out[0] and "--exclusive" not in out[0]
+
+    port_line = next(line for line in gpu if line.startswith("export FBT_RDZV_PORT="))
+    ids = [1, 12_345, 32_767, 40_000, 987_654_321, *range(0, 200_000, 997)]
+    script = "for SLURM_JOB_ID in " + " ".join(map(str, ids)) + "; do " + port_line + "; echo $FBT_RDZV_PORT; done"
+    ports = [int(p) for p in subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                                            check=True).stdout.split()]
+    assert len(ports) == len(ids) and all(1024 < p < 32768 for p in ports), (min(ports), max(ports))

@@ -99,13 +99,18 @@ def test_sdpa_packed_attends_each_document_alone(single_process):
         torch.testing.assert_close(out[a:b], ref, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape,k,mode", [("tiny", 1, "all"), ("llama", 3, "all"), ("llama", 2, "last")])
-def test_packed_emulation_equals_mask_path(single_process, shape, k, mode):
-    """The packed path (rows end to end, cu_seqlens, Megatron's THD RoPE; each document attended
-    alone on CPU) gives the mask path's loss, top states and every parameter's gradient to 1e-6
-    (gradients relative to their largest entry when that exceeds 1)."""
+@pytest.mark.parametrize("shape,k,mode,seq", [("tiny", 1, "all", 10), ("llama", 3, "all", 10),
+                                              ("llama", 2, "last", 10), ("llama", 2, "all", 16)])
+def test_packed_emulation_equals_mask_path(single_process, shape, k, mode, seq):
+    """The packed path (rows end to end, cu_seqlens, Megatron's THD RoPE from the plain table; each
+    document attended alone on CPU) gives the mask path's loss, top states and every parameter's
+    gradient to 1e-6 (gradients relative to their largest entry when that exceeds 1). At seq 16 the
+    two rows pack 32 tokens, max_sequence_length: the table handed over is one row longer, so Megatron's
+    THD RoPE still maps each document from position 0 (RoPE is relative, so an offset shared by a
+    document attended alone would change values only by rounding: the length is pinned by
+    test_packed_rope_inputs_are_the_plain_table)."""
     config = tiny_model_config(**(LLAMA if shape == "llama" else {}))
-    ids, labels, doc_start = make_inputs(seq=10)
+    ids, labels, doc_start = make_inputs(seq=seq)
     results = []
     for packed in (False, True):
         torch.manual_seed(0)
@@ -124,29 +129,60 @@ def test_packed_emulation_equals_mask_path(single_process, shape, k, mode):
         assert err <= 1e-6, (name, float(err))  # relative to the gradient's scale (fp32 rounding ~1e-7)
 
 
+def test_attention_backend_per_dtype():
+    """TE's flash and fused attention run bf16/fp16 only, and packed (THD) sequences have no unfused TE
+    backend: fp32 on TE runs the dense mask on the unfused backend; sequence parallelism changes nothing."""
+    from fbt_megatron.model.attention import attention_backend
+
+    for dtype in (torch.bfloat16, torch.float16):
+        assert attention_backend(True, "document_causal", dtype) == "packed"
+        assert attention_backend(True, "causal", dtype) == "flash"
+    for mask in ("document_causal", "causal"):
+        assert attention_backend(True, mask, torch.float32) == "unfused"
+        for dtype in (torch.float32, torch.bfloat16):
+            assert attention_backend(False, mask, dtype) == "sdpa"
+
+
+def test_packed_rope_inputs_are_the_plain_table(single_process):
+    """The packed path hands RoPE the plain frequency table (no row per packed token, which sends
+    Megatron's THD RoPE down its per-document .item() branch) and never a table as long as the packed
+    tokens; on CPU (no TE) Megatron's unfused RoPE runs, on TE's packed path its fused THD RoPE."""
+    from fbt_megatron.model.attention import packed_rotary_length
+
+    assert packed_rotary_length(32, 20) == 32 and packed_rotary_length(32, 32) == 33
+    model = build_model(tiny_model_config(**LLAMA), feedback(), packed=True)
+    table = model.gpt.rotary_pos_emb(32)
+    for batch, seq in ((2, 10), (2, 16), (1, 32)):
+        _, positions = model.attention_inputs(reset_positions(None, batch, seq, "cpu"))
+        freqs = model.rotary(positions)
+        assert freqs.shape[1:] == table.shape[1:] and freqs.shape[0] != batch * seq
+        torch.testing.assert_close(freqs[:32], table, rtol=0, atol=0)
+    assert model.attention_backend == "packed-emulation" and not model.config.apply_rope_fusion
+
+
 def test_packed_refused_with_a_causal_mask(single_process):
     with pytest.raises(ValueError, match="attention_mask: document_causal"):
         build_model(tiny_model_config(attention_mask="causal"), feedback(), packed=True)
 
 
-def _te_available() -> bool:
+@pytest.mark.gpu
+def test_gpu_te_packed_equals_mask_path(cuda_device, single_process):
+    """On CUDA with Transformer Engine: the TE spec's packed (THD, flash/fused, fused THD RoPE) attention
+    gives the loss of its dense-mask (unfused) path on the same weights, in bf16."""
     try:
         import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _te_available(), reason="needs a CUDA GPU with transformer-engine: TE's packed "
-                    "(THD) flash attention against its dense-mask path on the same weights")
-def test_gpu_te_packed_equals_mask_path(single_process):
+    except ImportError as e:
+        pytest.skip(f"transformer-engine is not importable: {e}")
     config = tiny_model_config(**LLAMA)
     ids, labels, doc_start = (t.cuda() for t in make_inputs(seq=10))
     losses = []
     for packed in (False, True):
         torch.manual_seed(0)
-        model = build_model(config, feedback(), packed=packed).train()
+        model = build_model(config, feedback(), packed=packed, dtype=torch.bfloat16).train()
+        core = model.gpt.decoder.layers[0].self_attention.core_attention
+        assert type(core).__module__.startswith("megatron.core.extensions.transformer_engine"), type(core)
         assert model.attention_backend == ("packed" if packed else "unfused") and model.packed == packed
+        assert model.config.apply_rope_fusion == packed
         out = model(ids, doc_start=doc_start, labels=labels, num_passes=2)
         losses.append(out.token_loss.float())
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)  # bf16
@@ -229,3 +265,19 @@ def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):
     assert out.shape == (s, b, heads * d) and out.is_contiguous()
     out.backward(torch.ones_like(out))
     assert seen == {"inputs": [True, True, True], "mask": torch.float32, "grad": True}
+
+
+def test_padded_vocabulary_columns_are_minus_infinity_in_place(single_process):
+    """The LM head's padded columns (vocab 64 padded to 128) are -inf, filled in place from a column index
+    (no mask copied to the device per call): the other columns are the plain product, and no gradient
+    reaches the padded rows of the output weight."""
+    model = build_model(tiny_model_config(**LLAMA), feedback())
+    assert model._padding_start == 64 and model._padding_columns[64:].all() and not model._padding_columns[:64].any()
+    top = torch.randn(5, 2, 32, requires_grad=True)
+    logits = model.head(top)  # [B, S, V_pad]
+    weight = model.gpt.output_layer.weight
+    assert logits.shape == (2, 5, 128) and torch.isneginf(logits[..., 64:]).all()
+    torch.testing.assert_close(logits[..., :64], (top @ weight.t()).transpose(0, 1)[..., :64], rtol=0, atol=1e-6)
+    labels = torch.randint(0, 64, (2, 5))
+    model.head(top, labels).sum().backward()
+    assert weight.grad[64:].abs().max() == 0 and weight.grad[:64].abs().max() > 0

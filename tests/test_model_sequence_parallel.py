@@ -54,3 +54,54 @@ def test_fusion_sequence_parallel_matches_tensor_parallel():
         for name in plain[3]:
             if plain[3][name] is not None:
                 torch.testing.assert_close(sp[3][name], plain[3][name], rtol=1e-6, atol=1e-6)
+
+
+def packed_model_outputs(full_state):
+    """TP=2, packed documents (the CPU emulation of TE's THD path), with and without sequence parallelism:
+    the loss, the top states and every parameter's full gradient (sequence-parallel norm gradients summed
+    over TP, as the engine does)."""
+    from fbt_megatron.config import ModelConfig
+    from fbt_megatron.model.fbt_gpt import build_model
+    from model_helpers import LLAMA, make_inputs
+
+    ids, labels, doc_start = make_inputs(seq=10)
+    out = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        # no jitter: with the rows as one row the noise is drawn in the packed order (same distribution)
+        model = build_model(ModelConfig(**LLAMA), feedback(jitter_std=0.0), sequence_parallel=sp, packed=True).train()
+        assert model.packed and model.config.sequence_parallel == sp
+        load_full_weights(model, full_state)
+        result = model(ids, doc_start=doc_start, labels=labels, num_passes=3)
+        result.token_loss.sum().backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if getattr(p, "sequence_parallel", False):
+                g = g.clone()
+                torch.distributed.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
+            grads[name] = unshard(g, p, name, model)
+        out[sp] = (result.token_loss.detach(), result.hidden.detach(), grads)
+    return out
+
+
+def test_packed_attention_under_sequence_parallelism_matches_tensor_parallel(single_process):
+    """Under sequence parallelism the packed (THD) path stays on (no dense S x S scores): the rows are
+    laid end to end as one row so each rank's sequence chunk is a contiguous share of the packed tokens.
+    Loss, top states and gradients equal TP=2 without it."""
+    from fbt_megatron.config import ModelConfig
+    from fbt_megatron.model import tp_layout
+    from fbt_megatron.model.fbt_gpt import build_model
+    from model_helpers import LLAMA
+
+    torch.manual_seed(0)
+    reference = build_model(ModelConfig(**LLAMA), feedback(), packed=True)
+    full = {n: tp_layout.to_full(n, p.detach().clone(), p, reference) for n, p in reference.named_parameters()}
+    for rank_out in run_distributed(packed_model_outputs, 2, full, layout=ParallelLayout(tensor=2)):
+        (loss0, hidden0, grads0), (loss1, hidden1, grads1) = rank_out[False], rank_out[True]
+        torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-5)
+        torch.testing.assert_close(hidden1, hidden0, rtol=0, atol=1e-5)
+        assert grads1.keys() == grads0.keys()
+        for name in grads0:
+            err = (grads1[name] - grads0[name]).abs().max() / grads0[name].abs().max().clamp_min(1.0)
+            assert err <= 1e-5, (name, float(err))

@@ -40,21 +40,29 @@ def test_plan_attention_backend_and_scores():
     no_te = plan(recipe, 64, "h100", 0.4, te=False)  # local layers, torch SDPA: no scores stored either
     assert no_te.attention == "sdpa" and no_te.memory.activations == packed.memory.activations
 
-    # sequence parallelism keeps TE's dense-mask (unfused) attention: one layer's scores with selective
-    # recompute (the recipe's), every layer's of every kept pass without it
-    sp = load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true"])
-    flash_sp = plan(sp, 64, "h100", 0.4, flash=True)
-    unfused = plan(sp, 64, "h100", 0.4)
+    # sequence parallelism keeps the packed path (the 13B recipe's layout): no scores
+    sp = plan(load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true"]), 64, "h100", 0.4)
+    assert sp.attention == "packed" and sp.fits
+    assert sp.memory.activations == plan(load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+                                         64, "h100", 0.4, flash=True).memory.activations
+
+    # fp32 on TE has no flash/fused backend and THD none at all: the dense mask on TE's unfused backend,
+    # one layer's scores (4-byte) with selective recompute, every layer's of every kept
+    # pass without it
+    fp32 = load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true", "precision=fp32",
+                                "model.recompute=selective"])
+    flash_fp32 = plan(fp32, 64, "h100", 0.4, flash=True)
+    unfused = plan(fp32, 64, "h100", 0.4)
     assert unfused.attention == "unfused"
-    assert unfused.memory.activations - flash_sp.memory.activations == pytest.approx(SCORES / 2)  # TP=2
-    full = load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true", "model.recompute=none"])
+    assert unfused.memory.activations - flash_fp32.memory.activations == pytest.approx(2 * SCORES / 2)  # TP=2
+    full = load_recipe(RECIPE, ["parallel.tensor=2", "parallel.sequence_parallel=true", "model.recompute=none",
+                                "precision=fp32"])
     kept = plan(full, 64, "h100", 0.4)
     flash_kept = plan(full, 64, "h100", 0.4, flash=True)
-    assert kept.memory.activations - flash_kept.memory.activations == pytest.approx(22 * 3 * SCORES / 2)
+    assert kept.memory.activations - flash_kept.memory.activations == pytest.approx(22 * 3 * 2 * SCORES / 2)
     assert not kept.fits and flash_kept.fits
-    assert any("does not fit because attention runs unfused" in w for w in kept.warnings)
-    assert kept.suggestion[0].sequence_parallel is False  # a layout where documents are packed again
-    assert kept.suggestion[1].total <= 80 * GB
+    assert any("does not fit because attention runs unfused" in w and "bf16" in w for w in kept.warnings)
+    assert not kept.phases[1]["fits"] and kept.phases[1]["memory"].total == pytest.approx(kept.memory.total)
 
 
 def test_gelu_on_gpu_is_exact(single_process):

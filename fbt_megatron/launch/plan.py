@@ -19,8 +19,8 @@ size, g the key/value heads (query groups; g = a without GQA), f the MLP width, 
   ZeRO-1 shards the 12 optimiser bytes over DP, ZeRO-2 also the 4 gradient bytes, ZeRO-3 also the
   weights; TP and PP divide all of them), activations per layer and micro-batch s*b*h*(34 + 5as/h)
   bytes for the GPT block (Korthikanti et al. 2022; the 5as/h term only where attention runs unfused —
-  ``model.attention.attention_backend``: Transformer Engine with a dense mask, i.e. ``document_causal``
-  under sequence parallelism — and for one layer only with ``recompute: selective``; packed documents
+  ``model.attention.attention_backend``: Transformer Engine with a dense mask, i.e. an fp32 run on TE —
+  and for one layer only with ``recompute: selective``; packed documents
   on TE, TE's causal flash and torch SDPA store no scores; 10 of
   the 34 replicated under TP without sequence parallelism), generalised: the TP-sharded 24 are
   Q, proj input (4) + K, V (4g/a) + the MLP's inner activations (4f/h for GELU: its input and fc2's;
@@ -162,7 +162,9 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     layer's at a time (selective recompute of the core attention)."""
     n = shape.params() / (layout.tp * layout.pp)
     weights = n * weight_bytes / (dp if layout.zero >= 3 else 1)
-    grads = n * grad_bytes / (dp if layout.zero >= 2 else 1)
+    # ZeRO-2 shards the gradients, except under a pipeline: there the step's gradients are summed whole
+    # and reduced once (parallel/runner.py StepGradients), held as ZeRO-1 holds them
+    grads = n * grad_bytes / (dp if layout.zero >= 2 and layout.pp == 1 else 1)
     optimizer = n * optimizer_bytes / (dp if layout.zero >= 1 else 1)
     s, b, h, a, t = shape.seq, layout.micro_batch, shape.hidden, shape.heads, layout.tp
     # Korthikanti et al.: 34 sbh bytes at 2-byte activations (24 of them in TP-sharded matmul inputs,
@@ -207,13 +209,10 @@ def _divides(shape: Shape, tp: int) -> bool:
     return all(x % tp == 0 for x in (shape.hidden, shape.heads, shape.query_groups or shape.heads, shape.ffn))
 
 
-def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpus_per_node=8, allow_pp=False,
-                   flash_for=None):
+def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpus_per_node=8, allow_pp=False):
     """The cheapest layout that fits: ZeRO-3 only if nothing else fits (it all-gathers the weights for
     every micro-batch and every pass: 3x for a 3-pass step), then the smallest TP*PP (least
-    communication; TP stays within a node), then the lowest ZeRO stage, then the largest micro-batch.
-    ``flash_for(layout)``: whether the attention stores no scores in that layout (sequence parallelism
-    can change the backend)."""
+    communication; TP stays within a node), then the lowest ZeRO stage, then the largest micro-batch."""
     best = None
     pps = [p for p in (1, 2, 4, 8, 16) if shape.layers % p == 0] if allow_pp else [1]
     for tp, pp, zero in itertools.product((1, 2, 4, 8), pps, (1, 2, 3)):
@@ -226,8 +225,7 @@ def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpu
             if global_batch % (mb * dp):
                 continue
             lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1 and pp == 1)  # no SP with PP > 1
-            kw = mem_kw if flash_for is None else {**mem_kw, "flash": flash_for(lay)}
-            mem = memory_per_gpu(shape, lay, dp, passes_kept, **kw)
+            mem = memory_per_gpu(shape, lay, dp, passes_kept, **mem_kw)
             if mem.total <= capacity:
                 key = (zero == 3, tp * pp, pp, zero, -mb)
                 if best is None or key < best[0]:
@@ -241,6 +239,8 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
          reserve: float | None = None, fp32: bool = False, te: bool = True) -> Plan:
     """``te``: the GPU run has transformer-engine (``pip install -e '.[gpu]'``), so its layers are TE's;
     the attention backend follows (``model.attention.attention_backend``). ``flash`` overrides it."""
+    import torch
+
     from fbt_megatron.model.attention import attention_backend
 
     shape = Shape.from_recipe(recipe)
@@ -261,12 +261,14 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
     passes_kept = kmax if grad_mode == "all" else 1
     if recipe.schedule.feedback_start_step >= recipe.train.steps:
         passes_kept = 1
-    backend = attention_backend(te and gpu != "cpu", recipe.model.attention_mask, layout.sequence_parallel)
-    mem_kw = dict(weight_bytes=4 if fp32 else 2, act_bytes=4 if fp32 else 2,
+    full = fp32 or recipe.precision == "fp32"  # fp32 training ("auto" is bf16 on a GPU)
+    backend = attention_backend(te and gpu != "cpu", recipe.model.attention_mask,
+                                torch.float32 if full else torch.bfloat16)
+    mem_kw = dict(weight_bytes=4 if full else 2, act_bytes=4 if full else 2,
                   flash=backend != "unfused" if flash is None else flash,
                   scores_transient=recipe.model.recompute == "selective",
                   reserve=(0.0 if fp32 else 5 * GB) if reserve is None else reserve)
-    if fp32:  # fp32 training (CPU): the weights are the masters; no separate fp32 copy
+    if full:  # fp32 training: the weights are the masters; no separate fp32 copy
         mem_kw.update(grad_bytes=4, optimizer_bytes=8 if layout.zero == 0 else 12)
     memory = memory_per_gpu(shape, layout, dp, passes_kept, **mem_kw)
     fits = capacity is None or memory.total <= capacity
@@ -275,18 +277,11 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
         if flash_total <= capacity:
             warnings.append(f"the layout does not fit because attention runs unfused ({backend}: TE with a dense "
                             f"document mask, 5as/h bytes of scores per layer); with packed documents it needs "
-                            f"{flash_total / GB:.2f} GB: turn sequence parallelism off, or use "
-                            f"model.attention_mask: causal")
+                            f"{flash_total / GB:.2f} GB: train in bf16 (precision: bf16)")
     suggestion = None
     if not fits:
-        def flash_for(lay):
-            if flash is not None:
-                return flash
-            return attention_backend(te and gpu != "cpu", recipe.model.attention_mask, lay.sequence_parallel) != "unfused"
-
-        suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, flash_for=flash_for) \
-            or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True,
-                              flash_for=flash_for)
+        suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node) \
+            or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True)
         if suggestion and suggestion[0].pp > 1:
             warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 and no "
                             "sequence parallelism there, docs/pipeline.md)")
@@ -295,15 +290,19 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
     tokens_per_step = recipe.tokens_per_step
     start = min(recipe.schedule.feedback_start_step, recipe.train.steps)
     phases = []
-    for name, steps, f in (("1: single-pass", start, 1.0), (f"2: feedback mix {mix}", recipe.train.steps - start, factor)):
+    for name, steps, f, kept in (("1: single-pass", start, 1.0, 1),
+                                 (f"2: feedback mix {mix}", recipe.train.steps - start, factor, passes_kept)):
         if steps <= 0:
             continue
+        phase_memory = memory_per_gpu(shape, layout, dp, kept, **mem_kw)  # its deepest step
         tokens = steps * tokens_per_step
         flops = tokens * single * f
         seconds = flops / (mfu * peak * gpus)
         phases.append({"name": name, "steps": steps, "tokens": tokens, "flops": flops, "seconds": seconds,
                        "gpu_hours": seconds * gpus / 3600, "tokens_per_s": tokens / seconds,
-                       "step_seconds": seconds / steps, "flops_per_token": single * f})
+                       "step_seconds": seconds / steps, "flops_per_token": single * f,
+                       "memory": phase_memory, "passes_kept": kept,
+                       "fits": capacity is None or phase_memory.total <= capacity})
     return Plan(shape, shape.params(recipe.feedback.bias), single, factor, phases, memory, layout, dp, fits,
                 capacity or float("inf"), suggestion, phases[0]["tokens_per_s"] if phases else 0.0, warnings,
                 backend)
@@ -362,7 +361,9 @@ def format_plan(pl: Plan, recipe, gpus: int, gpu: str, mfu: float, peak: float) 
         total_h += p["gpu_hours"]
         lines.append(f"phase {p['name']}: {p['steps']:,} steps, {p['tokens'] / 1e9:.4g} B tokens, "
                      f"{p['tokens_per_s'] / gpus:,.0f} tokens/s/GPU ({p['tokens_per_s']:,.0f} total), "
-                     f"{p['step_seconds']:.3g} s/step, {_fmt_time(p['seconds'])}, {p['gpu_hours']:,.0f} GPU-hours")
+                     f"{p['step_seconds']:.3g} s/step, {_fmt_time(p['seconds'])}, {p['gpu_hours']:,.0f} GPU-hours, "
+                     f"{p['memory'].total / GB:.2f} GB/GPU at {p['passes_kept']} kept pass(es)"
+                     + ("" if p["fits"] else " (DOES NOT FIT)"))
     lines.append(f"total        {_fmt_time(total_s)} wall, {total_h:,.0f} GPU-hours")
     lines += [f"note         {w}" for w in pl.warnings]
     return "\n".join(lines)

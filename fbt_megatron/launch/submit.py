@@ -53,6 +53,16 @@ class JobSpec:
     workdir: Path = field(default_factory=Path.cwd)
 
 
+GPU_ENV = [
+    # one CUDA work queue per device: Megatron's TP/SP communication overlap relies on kernels running in
+    # the order they were issued
+    "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+    # the 1/2/3-pass batches allocate different activation sizes: expandable segments keep them from
+    # fragmenting the cache (kept if the cluster's environment already sets it)
+    'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"',
+]
+
+
 def _q(x) -> str:
     return shlex.quote(str(x))
 
@@ -78,12 +88,15 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
             + " ".join(_q(a) for a in torchrun[3:]))
     health = [spec.python, "-m", "fbt_megatron.launch.health", "--run-dir", str(run_dir),
               "--gpus", "0" if spec.cpu else str(spec.gpus_per_node)]
-    extra = [f"#SBATCH --gpus-per-node={spec.gpus_per_node}"] if not spec.cpu else []
+    # GPU nodes whole (--exclusive, --mem=0: all of each node's memory; a shared node's other jobs would
+    # take GPU memory and host memory for pinned buffers)
+    extra = [f"#SBATCH --gpus-per-node={spec.gpus_per_node}", "#SBATCH --exclusive", "#SBATCH --mem=0"] \
+        if not spec.cpu else []
     for flag, value in (("partition", spec.partition), ("account", spec.account), ("dependency", spec.dependency)):
         if value:
             extra.append(f"#SBATCH --{flag}={value}")
     extra += [f"#SBATCH {a}" for a in spec.sbatch_args]
-    env = ["export FBT_DEVICE=cpu DS_ACCELERATOR=cpu"] if spec.cpu else []
+    env = ["export FBT_DEVICE=cpu DS_ACCELERATOR=cpu"] if spec.cpu else GPU_ENV
     fields = {
         "job_name": job_name, "nodes": f"{spec.min_nodes}-{spec.nodes}" if elastic else spec.nodes,
         "cpus_per_task": cpus, "time": spec.time,

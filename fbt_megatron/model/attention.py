@@ -11,15 +11,22 @@ A training row packs several documents. ``ModelConfig.attention_mask`` chooses:
   with absolute positions 0..S-1 (Megatron's default pretraining layout). The recurrent state still
   restarts at each document; only attention crosses the boundary.
 
-How attention runs (``attention_backend``):
+How attention runs (``attention_backend``, chosen from the layers, the mask and the dtype):
 
-- ``packed`` (Transformer Engine layers, ``document_causal``, no sequence parallelism — what a GPU run
-  with ``pip install -e '.[gpu]'`` gets): the batch's rows are laid end to end as one packed sequence in
-  Megatron's THD layout, documents delimited by ``cu_seqlens`` derived from ``doc_start``
-  (:func:`packed_seq_params`, Megatron's ``PackedSeqParams``), and the spec's attention stays
-  ``causal``: TE runs it as ``padding_causal`` with its flash/fused backends, each document attending
-  only to itself, with no S x S mask. RoPE gets one frequency row per packed token (its position in
-  its document), which Megatron's THD RoPE maps exactly.
+- ``packed`` (Transformer Engine layers, ``document_causal``, bf16/fp16 — what a GPU run with TE gets):
+  the batch's rows are laid end to end as one packed sequence in Megatron's THD layout, documents
+  delimited by ``cu_seqlens`` derived from ``doc_start`` (:func:`packed_seq_params`, Megatron's
+  ``PackedSeqParams``), and the spec's attention stays ``causal``: TE runs it as ``padding_causal`` with
+  its flash/fused backends, each document attending only to itself, with no S x S mask. RoPE gets the
+  plain frequency table and ``cu_seqlens``: TE's fused THD RoPE restarts positions at every packed
+  sequence, which is where a document's positions restart (no per-token rows, no host sync). Under
+  sequence parallelism the model lays a micro-batch's rows end to end as one row first
+  (``FBTGPTModel.forward``), so each TP rank's sequence chunk is a contiguous 1/TP of the packed
+  tokens, the layout Megatron's sequence-parallel THD path expects.
+- ``flash`` (TE layers, ``causal``, bf16/fp16): TE's flash/fused causal attention.
+- ``unfused`` (TE layers in fp32, or asked for the dense mask): TE's flash and fused backends run
+  bf16/fp16 only and THD rules out its unfused backend, so fp32 runs the dense ``[B, 1, S, S]`` mask
+  (``arbitrary``) on TE's unfused backend — 5·a·s²·b bytes of scores per layer (``fbt plan`` counts them).
 - ``sdpa`` (Megatron's local layers: CPU, or a GPU without TE): Megatron's core attention is replaced by
   :class:`SDPADotProductAttention`, which computes the same thing with ``torch.nn.functional.
   scaled_dot_product_attention`` (fused kernels on CPU and GPU, no stored S x S probabilities) from a
@@ -28,8 +35,6 @@ How attention runs (``attention_backend``):
   gradient laid out ``[B, S, heads, d]``, the layout SDPA's CPU kernels run fastest on. For
   ``document_causal`` the spec's self-attention is switched to ``AttnMaskType.arbitrary`` so the mask
   is honoured.
-- ``unfused`` (TE layers with a mask: ``document_causal`` under sequence parallelism): the dense mask
-  with ``arbitrary``, which TE runs with its unfused backend — 5·a·s²·b bytes of scores per layer.
 
 On CPU, :class:`SDPADotProductAttention` also runs the packed layout, one document at a time (each
 document attended alone): the emulation of the GPU path that the tests compare with the mask path.
@@ -88,10 +93,13 @@ def rotary_for_positions(table: torch.Tensor, positions: torch.Tensor) -> torch.
     return table[:, 0, 0, :][positions.t()].unsqueeze(2)
 
 
-def packed_rotary(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Per-token frequencies [B*S, 1, 1, D] for the packed layout (rows end to end). Megatron's THD
-    RoPE reads a table with one row per packed token at the token's offset (its "exact mapping")."""
-    return table[:, 0, 0, :][positions.reshape(-1)][:, None, None, :]
+def packed_rotary_length(max_sequence_length: int, packed_tokens: int) -> int:
+    """Rows of the plain RoPE table handed to the packed (THD) path: at least the longest document,
+    never the number of packed tokens. Megatron's unfused THD RoPE (the CPU emulation) reads a table of
+    exactly ``cu_seqlens[-1]`` rows as one row per packed token at the token's offset (positions that
+    do not restart); any other length maps each packed sequence from the table's row 0, as TE's fused
+    THD RoPE does on GPU."""
+    return max_sequence_length + (max_sequence_length == packed_tokens)
 
 
 def packed_seq_params(reset: torch.Tensor) -> PackedSeqParams:
@@ -124,19 +132,24 @@ def _uses_te_attention(spec) -> bool:
     return getattr(core, "__module__", "").startswith("megatron.core.extensions.transformer_engine")
 
 
-def attention_backend(te_layers: bool, attention_mask: str, sequence_parallel: bool) -> str:
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def attention_backend(te_layers: bool, attention_mask: str, dtype: torch.dtype) -> str:
     """What runs attention (module doc): ``packed`` (TE, THD), ``flash`` (TE, causal), ``unfused``
-    (TE with a dense mask) or ``sdpa`` (Megatron's local layers). Only ``unfused`` stores the
-    5·a·s²·b bytes of scores per layer (``fbt plan`` counts them)."""
+    (TE with a dense mask: fp32, where TE has neither flash nor fused attention and THD has no
+    backend) or ``sdpa`` (Megatron's local layers). Only ``unfused`` stores the 5·a·s²·b bytes of
+    scores per layer (``fbt plan`` counts them). Sequence parallelism changes nothing here: the packed
+    path runs under it (``FBTGPTModel.forward``)."""
     if not te_layers:
         return "sdpa"
-    if attention_mask == "causal":
-        return "flash"
-    return "unfused" if sequence_parallel else "packed"
+    if dtype not in HALF_DTYPES:
+        return "unfused"
+    return "flash" if attention_mask == "causal" else "packed"
 
 
-def spec_backend(spec, attention_mask: str, sequence_parallel: bool) -> str:
-    return attention_backend(_uses_te_attention(spec), attention_mask, sequence_parallel)
+def spec_backend(spec, attention_mask: str, dtype: torch.dtype) -> str:
+    return attention_backend(_uses_te_attention(spec), attention_mask, dtype)
 
 
 class _SequenceFirst(torch.autograd.Function):

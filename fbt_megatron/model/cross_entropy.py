@@ -16,7 +16,7 @@ its worker thread and waits (~60 µs each on this project's CPU machine; six a s
 
 :func:`install` puts :func:`calculate_logits_max` on Megatron's class and :func:`vocab_parallel_cross_entropy`
 where Megatron's language models look it up (``megatron.core.tensor_parallel``), idempotent; the model calls
-it when it is built.
+it when it is built, on the CPU path only (``fbt_gpt.install_cpu_replacements``): a GPU runs Megatron's loss.
 """
 
 from __future__ import annotations

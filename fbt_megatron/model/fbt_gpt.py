@@ -31,7 +31,7 @@ from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.model import cross_entropy, one_rank_linear, rope, swiglu, vocab
 from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
-                                          document_positions, from_packed, packed_rotary, packed_seq_params,
+                                          document_positions, from_packed, packed_rotary_length, packed_seq_params,
                                           rotary_for_positions, spec_backend, to_packed)
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.kernels import fused_switches
@@ -115,6 +115,20 @@ def layer_spec(model: ModelConfig):
     return specs.get_gpt_layer_local_spec(normalization=model.normalization)
 
 
+def install_cpu_replacements() -> None:
+    """On the CPU path only, put the CPU replacements where Megatron looks its functions up: RoPE's cos/sin
+    once per forward (``model/rope.py``), the loss's row maximum by ``amax`` and its one-rank collectives
+    skipped (``model/cross_entropy.py``), SwiGLU without a compiler (``model/swiglu.py``), one-rank linear
+    layers as a plain product (``model/one_rank_linear.py``). On any other device nothing is replaced: the GPU
+    runs Megatron's and Transformer Engine's own functions (these were measured on CPU only)."""
+    if runtime.use_cuda():
+        return
+    rope.install()
+    cross_entropy.install()
+    swiglu.install()
+    one_rank_linear.install()
+
+
 def _seeded_layer_spec(spec, base_seed: int):
     """``spec`` whose layers draw their (CPU) initial weights from a generator seeded by the layer's
     *global* number: a pipeline stage that builds only layers 5..8 gets the same values as the
@@ -168,23 +182,24 @@ class FBTGPTModel(MegatronModule):
             model.vocab_size, self.padded_vocab_size, config.embedding_init_method_std or config.init_method_std)
         rng_before = torch.get_rng_state()
         spec = spec if spec is not None else layer_spec(model)
-        self.attention_backend = spec_backend(spec, model.attention_mask, config.sequence_parallel)
+        self.attention_backend = spec_backend(spec, model.attention_mask, config.params_dtype)
         if packed is None:
             packed = self.attention_backend == "packed"
-        elif packed and (model.attention_mask != "document_causal" or config.sequence_parallel):
-            raise ValueError("packed sequences need model.attention_mask: document_causal and no sequence "
-                             f"parallelism (got {model.attention_mask}, sequence_parallel={config.sequence_parallel})")
+        elif packed and (model.attention_mask != "document_causal" or self.attention_backend == "unfused"):
+            raise ValueError("packed sequences need model.attention_mask: document_causal and, on Transformer "
+                             "Engine's layers, bf16/fp16 (TE has no fp32 backend for packed sequences) (got "
+                             f"{model.attention_mask}, {config.params_dtype})")
         self.packed = packed
         if packed and self.attention_backend == "sdpa":
             self.attention_backend = "packed-emulation"  # local layers: each document attended alone
         elif not packed and self.attention_backend == "packed":
             self.attention_backend = "unfused"  # TE layers asked for the dense mask
+        # TE's fused THD RoPE: positions restart at every packed sequence from the plain table, on device
+        # (Megatron's unfused THD RoPE splits by .tolist() and reads offsets with .item(): host syncs).
+        config.apply_rope_fusion = self.attention_backend == "packed"
         spec = adapt_layer_spec(spec, model.attention_mask, get_num_layers_to_build(config),
                                 packed=packed)  # this stage's layers
-        rope.install()  # Megatron's attention computes RoPE's cos/sin once per forward (model/rope.py)
-        cross_entropy.install()  # the loss's row maximum without an argmax (model/cross_entropy.py)
-        swiglu.install()  # the fused SwiGLU switch on CPU without a compiler (model/swiglu.py)
-        one_rank_linear.install()  # TP=1 linear layers on CPU as a plain product (model/one_rank_linear.py)
+        install_cpu_replacements()
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,
@@ -205,8 +220,10 @@ class FBTGPTModel(MegatronModule):
         torch.default_generator.manual_seed(init_seed)  # the fusion's init, whatever layers came before
         self.feedback = LatentFeedback(config, feedback) if feedback.fusion != "off" and first else None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
-        # This rank's LM-head columns that are vocabulary padding (None when it holds none).
+        # This rank's LM-head columns that are vocabulary padding (None when it holds none): a tail of its
+        # columns, filled from _padding_start on (an int: no mask to copy to the device per head call).
         self._padding_columns = vocab.local_padding_mask(model.vocab_size, self.padded_vocab_size)
+        self._padding_start = None if self._padding_columns is None else int(self._padding_columns.int().argmax())
 
     # ----------------------------------------------------------------- helpers
     def causal_mask(self, seq_len: int, device) -> torch.Tensor:
@@ -263,18 +280,24 @@ class FBTGPTModel(MegatronModule):
         if weight is None and self.gpt.share_embeddings_and_output_weights:
             weight = self.gpt.shared_embedding_or_output_weight()
         logits, _ = self.gpt.output_layer(top_state, weight=weight)
-        if self._padding_columns is not None:
-            logits = logits.masked_fill(self._padding_columns.to(logits.device), float("-inf"))
+        if self._padding_start is not None:  # in place: the padded tail of this rank's columns
+            logits[..., self._padding_start:].fill_(float("-inf"))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.gpt.compute_language_model_loss(labels, logits)
 
     def rotary(self, positions: torch.Tensor):
-        """RoPE frequencies [S, B, 1, D] for positions [B, S] (None without RoPE)."""
+        """RoPE frequencies for positions [B, S] (None without RoPE): per token [S, B, 1, D] on the dense
+        path; on the packed path the plain table [P, 1, 1, D], which Megatron's THD RoPE maps from row 0
+        in every packed sequence (``cu_seqlens``), so positions restart per document without a row per
+        token (:func:`~fbt_megatron.model.attention.packed_rotary_length`)."""
         if self.model_config.position_embedding_type != "rope":
             return None
+        if self.packed:
+            return self.gpt.rotary_pos_emb(packed_rotary_length(self.model_config.max_sequence_length,
+                                                                positions.numel()))
         table = self.gpt.rotary_pos_emb(self.model_config.max_sequence_length)  # [P, 1, 1, D]
-        return packed_rotary(table, positions) if self.packed else rotary_for_positions(table, positions)
+        return rotary_for_positions(table, positions)
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
@@ -290,6 +313,8 @@ class FBTGPTModel(MegatronModule):
         if self.config.sequence_parallel and seq_len % self.config.tensor_model_parallel_size:
             raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "
                              f"{self.config.tensor_model_parallel_size} (sequence parallelism splits it)")
+        if self.packed and self.config.sequence_parallel and batch > 1:
+            return self._rows_as_one(input_ids, position_ids, doc_start, labels, num_passes, jitter_seed)
         reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
         mask, positions = self.attention_inputs(reset, position_ids)
         rotary = self.rotary(positions)
@@ -322,6 +347,24 @@ class FBTGPTModel(MegatronModule):
                     residuals.append((new_top - top).norm() / top.norm().clamp_min(1e-12))
             top = new_top
         return self._output(top, labels, heads, residuals)
+
+    def _rows_as_one(self, input_ids, position_ids, doc_start, labels, num_passes, jitter_seed) -> FBTOutput:
+        """Packed attention under sequence parallelism: the B rows end to end as one row (each row start
+        a document start), so the sequence split gives each TP rank a contiguous 1/TP of the packed tokens
+        (Megatron's SP + THD layout); outputs come back in the rows' shapes. Each row's tokens see the same
+        documents, positions and fed-back states as before: rows never share a document. Only the training
+        jitter differs: its noise is drawn in the packed order (the same distribution, another draw)."""
+        batch, seq_len = input_ids.shape
+        starts = reset_positions(doc_start, batch, seq_len, input_ids.device).t()  # [B, S], row starts set
+
+        def one_row(t):
+            return None if t is None else t.reshape(1, -1)
+
+        out = self.forward(one_row(input_ids), one_row(position_ids), one_row(starts), one_row(labels),
+                           num_passes, jitter_seed)
+        return FBTOutput(token_loss=None if out.token_loss is None else out.token_loss.reshape(batch, seq_len),
+                         logits=None if out.logits is None else out.logits.reshape(batch, seq_len, -1),
+                         hidden=from_packed(out.hidden, batch), pass_residuals=out.pass_residuals)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron's sharded state dict, with the vocabulary-parallel weights stored TP-independently

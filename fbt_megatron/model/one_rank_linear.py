@@ -12,7 +12,7 @@ faster (alternating in one process).
 
 :func:`install` puts :func:`linear_with_grad_accumulation_and_async_allreduce` and the two mappings where
 Megatron's layers look them up (``megatron.core.tensor_parallel.layers``); the model calls it when it is
-built. They take the short way only for CPU tensors over a one-rank group without gradient accumulation
+built, on the CPU path only (``fbt_gpt.install_cpu_replacements``). They take the short way only for CPU tensors over a one-rank group without gradient accumulation
 fusion, sequence parallelism or deferred embedding gradients; everything else (GPU tensors, TP > 1) is
 Megatron's own function, as are frozen weights (Megatron's ``linear_with_frozen_weight``, not replaced).
 The short way is Megatron's own product, ``torch.matmul(input, weight.t())`` then the bias, under torch's

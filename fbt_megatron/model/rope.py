@@ -19,7 +19,8 @@ Every other case goes to Megatron's own function unchanged: fused RoPE (TE), the
 ``mscale`` other than 1, partial rotary, frequencies that require grad.
 
 :func:`install` puts :func:`apply_rotary_pos_emb` where Megatron's attention looks the function up
-(``megatron.core.transformer.attention.apply_rotary_pos_emb``); the model calls it when it is built.
+(``megatron.core.transformer.attention.apply_rotary_pos_emb``); the model calls it when it is built,
+on the CPU path only (``fbt_gpt.install_cpu_replacements``): a GPU runs Megatron's and TE's own RoPE.
 ``tests/test_rope.py`` pins it to the Megatron-Core versions it was written against.
 """
 

@@ -14,7 +14,7 @@ to Megatron's compiled function unchanged. Only the dense MLP's call is replaced
 ``weighted_bias_swiglu_impl`` (per-token scales) would still compile on CPU.
 
 :func:`install` puts it where Megatron's MLP looks the function up (``megatron.core.transformer.mlp``);
-the model calls it when it is built, and ``model/kernels.py`` turns the switch on for SwiGLU everywhere.
+the model calls it when it is built on the CPU path only (``fbt_gpt.install_cpu_replacements``), and ``model/kernels.py`` turns the switch on for SwiGLU everywhere.
 """
 
 from __future__ import annotations

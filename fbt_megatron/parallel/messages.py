@@ -12,7 +12,6 @@ p2p). A sent tensor is dropped as soon as its batch completes, right after the o
 from __future__ import annotations
 
 import bisect
-import time
 
 import torch
 import torch.distributed as dist
@@ -95,7 +94,8 @@ class Channel:
     schedule step) and waits for it. A sent tensor is dropped when its batch completes, right after the
     op that produced it; a received one is held until its op takes it (:meth:`recv`)."""
 
-    def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], group, shape, dtype, device):
+    def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], group, shape, dtype, device,
+                 clock=None):
         self.stage, self.ranks, self.group = stage, stage_ranks, group
         self.shape, self.dtype, self.device = shape, dtype, device
         self.plan = message_plan(schedule, stage)
@@ -103,7 +103,8 @@ class Channel:
         self.next = 0  # the first batch of the plan not yet issued
         self.outbox: dict = {}  # msg -> tensor the runner sent, awaiting its batch
         self.inbox: dict = {}  # msg -> received tensor, awaiting its op
-        self.waited = 0.0  # seconds spent blocked in batches (benchmarks: idle, not work)
+        self.clock = clock  # a timing.StepClock when the step is timed (benchmarks)
+        self.waits: list = []  # (start, end) marks around each batch's wait: idle, not work
         self.peak_held = 0  # most tensors held in the outbox and inbox at once
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
@@ -129,10 +130,11 @@ class Channel:
                     buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                     ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[peer], self.group, self.tags[msg]))
                     received.append((msg, buffer))
-            t0 = time.perf_counter()
+            start = self.clock.mark() if self.clock else None
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            self.waited += time.perf_counter() - t0
+            if self.clock:
+                self.waits.append((start, self.clock.mark()))
             self.inbox.update(received)
             self.peak_held = max(self.peak_held, len(self.outbox) + len(self.inbox))
             self.next += 1

@@ -20,7 +20,6 @@ boundary): exactly one gradient accumulation and one optimiser update per step f
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from fbt_megatron.parallel.messages import Channel
 from fbt_megatron.parallel.runner import StepOutput
 from fbt_megatron.parallel.schedule import FORWARD, Op, build_schedule, grad_passes_for
+from fbt_megatron.parallel.timing import StepClock
 
 
 @dataclass
@@ -90,12 +90,16 @@ class PipelineRunner:
         summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
         when there is none; default: through the engine if the runner has one, else torch autograd).
         Returns the loss sum and pass residuals, identical on every stage."""
-        from fbt_megatron.parallel.runner import engine_backward, finish_backward, to_device
+        from fbt_megatron.parallel.runner import StepGradients, engine_backward, finish_backward, to_device
 
         micro_batches = [to_device(b, device) for b in micro_batches]  # the schedule holds them all
 
         through_engine = backward is None and self.engine is not None
-        if backward is None:
+        collected = None  # ZeRO-2: the step's gradients reach DeepSpeed in one backward (StepGradients)
+        if through_engine and training and torch.is_grad_enabled() and self.engine.zero_stage == 2:
+            collected = StepGradients(self.model.parameters())
+            backward = collected.backward
+        elif backward is None:
             backward = engine_backward(self.engine) if through_engine else _default_backward
         model, cfg = self.model, self.model.feedback_config
         k = num_passes
@@ -107,40 +111,48 @@ class PipelineRunner:
         batch, seq_len = micro_batches[0]["input_ids"].shape
         device = micro_batches[0]["input_ids"].device
         dtype = model.config.params_dtype
+        clock = StepClock(device) if timings else None
         channel = Channel(schedule, self.stage, self.stage_ranks, self.pp_group,
-                           (seq_len, batch, model.config.hidden_size), dtype, device)
+                           (seq_len, batch, model.config.hidden_size), dtype, device, clock=clock)
         self._tied_leaf = None
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
         self._ctx = dict(k=k, grad_passes=grad_passes, training=training, scale=scale, channel=channel,
-                         backward=backward, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
+                         backward=backward, collected=collected, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
         self._mbs = [_MicroBatch(b) for b in micro_batches]
         self._saved: dict = {}
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._residuals = torch.zeros(max(k - 1, 0), dtype=torch.float64, device=device)
         self._residual_max = torch.full((), -1.0, dtype=torch.float64, device=device)
-        seconds = []
+        marks = []
         for i, op in enumerate(schedule.ops[self.stage]):
-            t0, waited = time.perf_counter(), channel.waited
+            start, waits = (clock.mark(), len(channel.waits)) if timings else (None, 0)
             channel.exchange(i)  # the messages planned before this op (sends of the previous one)
             if op.kind == FORWARD:
                 self._forward(op, jitter_seeds[op.micro_batch] if jitter_seeds else None)
             else:
                 self._backward(op)
-            if timings:  # (op, start, end, seconds of it spent waiting for a message)
-                seconds.append((op, t0, time.perf_counter(), channel.waited - waited))
+            if timings:
+                marks.append((op, start, clock.mark(), waits, len(channel.waits)))
         channel.finish()
+        seconds = []
+        if timings:  # (op, start, end, seconds of it spent waiting for a message)
+            clock.resolve()
+            seconds = [(op, clock.at(start), clock.at(end), sum(clock.between(a, b) for a, b in channel.waits[w0:w1]))
+                       for op, start, end, w0, w1 in marks]
         if self._saved:
             raise RuntimeError(f"pipeline step left {len(self._saved)} activations without a backward")
         if self._tied_leaf is not None:  # the shared weight: one accumulation, summed over both stages
             grad = self._tied_leaf.grad if self._tied_leaf.grad is not None else torch.zeros_like(self._tied_leaf)
             dist.all_reduce(grad, group=self.embedding_group)
-            backward([self.shared_weight()], [grad])
+            self._call_backward([self.shared_weight()], [grad], [])
         sums = torch.cat([self._loss_sum.view(1), self._residuals])
         dist.all_reduce(sums, group=self.pp_group)  # lives on the last stage: give it to every stage
         dist.all_reduce(self._residual_max, op=dist.ReduceOp.MAX, group=self.pp_group)
         self._mbs, self._saved = [], {}
-        if through_engine and training:
+        if collected is not None:
+            collected.finish(self.engine)
+        elif through_engine and training:
             finish_backward(self.engine, self.model)
         return StepOutput(sums[0], list(sums[1:]), self._residual_max if k > 1 else None, seconds)
 
@@ -233,6 +245,14 @@ class PipelineRunner:
         self._loss_sum += tok_sum.detach().double() / heads
         return tok_sum * (ctx["scale"] / heads) if grad else None
 
+    def _call_backward(self, tensors, grads, leaves) -> None:
+        """The step's backward function; :class:`.runner.StepGradients` also gets the tensors whose ``.grad``
+        the runner reads (torch's own backward fills them by itself)."""
+        if self._ctx["collected"] is not None:
+            self._ctx["collected"].backward(tensors, grads, leaves)
+        else:
+            self._ctx["backward"](tensors, grads)
+
     def _backward(self, op: Op) -> None:
         ctx, mb = self._ctx, self._mbs[op.micro_batch]
         b, j = op.micro_batch, op.pass_index
@@ -253,7 +273,9 @@ class PipelineRunner:
                 if leaf is not None and leaf.grad is not None:
                     tensors.append(graph)
                     grads.append(leaf.grad)
-        ctx["backward"](tensors, grads)
+        # the tensors whose .grad is read after this op (sent, or accumulated over passes)
+        leaves = [x if not self.first else None, ring_in, mb.embedded_leaf, mb.gate_leaf, self._tied_leaf]
+        self._call_backward(tensors, grads, leaves)
         if not self.first:
             ctx["channel"].send(("grad", self.stage, b, j), self.stage - 1, x.grad)
         elif j - 1 in ctx["grad_passes"]:

@@ -105,3 +105,38 @@ def finish_backward(engine, model) -> None:
     epilogue) over what the step's backward calls accumulated."""
     param = next(p for p in model.parameters() if p.requires_grad)
     engine.backward((param * 0.0).sum(), is_boundary=True)
+
+
+class StepGradients:
+    """A pipeline step's parameter gradients summed outside DeepSpeed (in fp32) and handed to it in ONE
+    ``engine.backward`` at the accumulation boundary (:meth:`finish`). ZeRO-2 reduces a gradient every
+    time its hook fires, i.e. in every backward call: through the engine, each of a step's m·k stage-pass
+    backward ops would reduce every gradient of the stage again. The stage's gradients are held whole
+    for the step instead (as ZeRO-1 holds them; Megatron's distributed optimizer does the same).
+
+    :meth:`backward` is a ``backward(tensors, grads, leaves)`` for :meth:`PipelineRunner.run`: the
+    gradients of the parameters go into the sums, those of ``leaves`` (the non-parameter tensors whose
+    ``.grad`` the runner reads: received activations, the embedding leaves, the tied-weight copy) are
+    accumulated into their ``.grad`` as torch's backward would."""
+
+    def __init__(self, params):
+        self.params = [p for p in params if p.requires_grad]
+        self.sums: list = [None] * len(self.params)
+
+    def backward(self, tensors, grads, leaves=()) -> None:
+        leaves = [t for t in leaves if t is not None and t.requires_grad and t.is_leaf]
+        got = torch.autograd.grad(tensors, self.params + leaves, grads, allow_unused=True)
+        for i, g in enumerate(got[:len(self.params)]):
+            if g is not None:
+                self.sums[i] = g.float() if self.sums[i] is None else self.sums[i].add_(g)
+        for leaf, g in zip(leaves, got[len(self.params):]):
+            if g is not None:
+                leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+    def finish(self, engine) -> None:
+        """The step's one ``engine.backward``: the surrogate sum(p * g) has gradient g for each p (cast to
+        p's dtype once), so DeepSpeed's hooks see each gradient once and reduce it once."""
+        terms = [(p * g).sum() for p, g in zip(self.params, self.sums) if g is not None]
+        surrogate = sum(terms) if terms else (self.params[0] * 0.0).sum()
+        self.sums = [None] * len(self.params)
+        engine.backward(surrogate, is_boundary=True)
