@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,14 +76,16 @@ def test_fusion_lr_multiplier_scales_adams_step_of_the_fusion_only(single_proces
 
 
 def test_study_smoke_trains_reads_out_and_reports(tmp_path):
-    """The one command of the study at a toy size: every run of the main and state groups trains, is
-    read out at 1, 2, 3 passes and the exact recurrence, and the report compares them."""
+    """The one command of the study at a toy size: the runs train, are read out at 1, 2, 3 passes and
+    the exact recurrence, and the report compares them; with the run folders gone, ``--reuse``
+    rebuilds the same report from the recorded one without training."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "tools/feedback_study.py"), "--smoke", "--seeds", "1", "--groups", "main,state",
-           "--jobs", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)]
+           "--only", "standard,fbt_heavy,state_fbt_heavy", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+           "--out", str(out)]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads((out / "feedback_phase.json").read_text())
+    data = json.loads((out / "feedback_study_tiny_smoke.json").read_text())
     fbt = data["readouts"]["fbt_heavy_seed1"]
     assert set(fbt["val_loss"]) == {"1", "2", "3", "128"}  # 128 passes: the exact recurrence at seq_length 128
     assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
@@ -93,8 +96,9 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert set(history) == {"1", "2", "3"}  # eval.passes of the research recipe
     comparisons = data["comparisons"]["fbt_heavy"]
     assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
-    md = (out / "feedback_phase.md").read_text()
+    md = (out / "feedback_study_tiny_smoke.md").read_text()
     assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md
-    # --reuse summarises the finished runs again without training
+    shutil.rmtree(tmp_path / "runs")
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "[feedback_study] fbt" not in again.stdout
+    assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]
+    assert json.loads((out / "feedback_study_tiny_smoke.json").read_text())["comparisons"] == data["comparisons"]

@@ -18,7 +18,9 @@ and at the exact recurrence (passes = sequence length), answer NLL and exact mat
 arithmetic under standard and feedback decoding, the fusion's gate saturation and W_U's distance from
 its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
-reported as mean ± standard error over seeds. Writes docs/results/feedback_phase.{md,json,png}.
+reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS].{md,json,png};
+with ``--reuse`` a run recorded there stands in for its run folder when that is gone, so the study
+can be continued run by run (``--only``) across machines. docs/results/feedback_phase.md is the write-up.
 
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
 ~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
@@ -112,11 +114,24 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None) -
     return runs
 
 
-def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool) -> dict:
-    """Train every (run, seed) not finished yet (``reuse``) under ``root/NAME_seedS``; returns their summaries."""
+def recorded_runs(report: Path) -> dict:
+    """Runs recorded in an earlier report's JSON (``{run: {"val_history", "readouts"}}``): with ``--reuse``
+    they stand in for run folders that are gone (a study spans sessions; the runs folder need not)."""
+    if not report.is_file():
+        return {}
+    data = json.loads(report.read_text())
+    return {name: {"val_history": data["val_history"][name], "readouts": data["readouts"][name]}
+            for name in data.get("readouts", {}) if name in data.get("val_history", {})}
+
+
+def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
+          recorded: dict | None = None) -> dict:
+    """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
+    ``recorded``) under ``root/NAME_seedS``; returns their summaries."""
     from data_pipeline.embedded import build_embedded
     from fbt_megatron.research.runs import ROOT, run_jobs, train_run
 
+    recorded = recorded or {}
     # Built once here: runs started together would each try to build it (the second one fails on its lock).
     build_embedded(ROOT / "data/embedded", seq_length=128, progress=False, log=lambda m: None)
 
@@ -125,6 +140,8 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
         done = run_dir / "summary.json"
         if reuse and done.is_file():
             return json.loads(done.read_text())
+        if reuse and f"{name}_seed{seed}" in recorded:
+            return recorded[f"{name}_seed{seed}"]
         print(f"[feedback_study] {name} seed {seed}", flush=True)
         return train_run(RECIPE, run_dir, [f"name=study_{name}_{seed}", f"seed={seed}", *runs[name]])
 
@@ -143,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
     ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, train the rest")
     ap.add_argument("--train-only", action="store_true", help="train, do not read out or write the report")
+    ap.add_argument("--only", default=None, help="run names of the groups to train or summarise (comma-separated, "
+                    "e.g. standard,fbt_heavy); default all")
     ap.add_argument("--smoke", action="store_true", help="a few steps at a toy size (tests)")
     ap.add_argument("--out", default="docs/results")
     a = ap.parse_args(argv)
@@ -153,8 +172,17 @@ def main(argv=None) -> int:
         ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state")
     seeds = [int(s) for s in a.seeds.split(",")]
     root = Path(a.runs or f"runs/research/feedback_study/{a.scale}" + (f"_{a.steps}" if a.steps else "")).resolve()
+    runs = plan(groups, a.scale, a.smoke, a.steps)
+    if a.only:
+        only = [n for n in a.only.split(",") if n]
+        if set(only) - set(runs):
+            ap.error(f"--only: {sorted(set(only) - set(runs))} not in the groups' runs {sorted(runs)}")
+        runs = {n: runs[n] for n in only}
+    stem = f"feedback_study_{a.scale}" + (f"_{a.steps}" if a.steps else "") + ("_smoke" if a.smoke else "")
+    out_dir = Path(a.out).resolve()
+    recorded = recorded_runs(out_dir / f"{stem}.json")
     t0 = time.perf_counter()
-    summaries = train(plan(groups, a.scale, a.smoke, a.steps), seeds, root, a.jobs, a.reuse)
+    summaries = train(runs, seeds, root, a.jobs, a.reuse, recorded)
     if a.train_only:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
@@ -162,14 +190,14 @@ def main(argv=None) -> int:
     from fbt_megatron.research.runs import ROOT
     from fbt_megatron.research.study import read_out, render
 
-    out_dir = Path(a.out).resolve()
     os.chdir(ROOT)  # the runs were trained there: their recipes name data by paths relative to it
     runtime.init_distributed()
     try:
-        readouts = {name: read_out(root / name, smoke=a.smoke) for name in summaries}
+        readouts = {name: recorded[name]["readouts"] if name in recorded and not (root / name).is_dir()
+                    else read_out(root / name, smoke=a.smoke) for name in summaries}
     finally:
         runtime.shutdown()
-    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir)
+    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem)
     print(out.read_text())
     return 0
 
