@@ -125,9 +125,10 @@ def recorded_runs(report: Path) -> dict:
 
 
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
-          recorded: dict | None = None) -> dict:
+          recorded: dict | None = None, train_missing: bool = True) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
-    ``recorded``) under ``root/NAME_seedS``; returns their summaries."""
+    ``recorded``) under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only
+    the finished ones, nothing trained)."""
     from data_pipeline.embedded import build_embedded
     from fbt_megatron.research.runs import ROOT, run_jobs, train_run
 
@@ -142,11 +143,13 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
             return json.loads(done.read_text())
         if reuse and f"{name}_seed{seed}" in recorded:
             return recorded[f"{name}_seed{seed}"]
+        if not train_missing:
+            return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
         return train_run(RECIPE, run_dir, [f"name=study_{name}_{seed}", f"seed={seed}", *runs[name]])
 
     todo = [(name, seed) for seed in seeds for name in runs]
-    return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs))}
+    return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs)) if s is not None}
 
 
 def main(argv=None) -> int:
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
     ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, train the rest")
     ap.add_argument("--train-only", action="store_true", help="train, do not read out or write the report")
+    ap.add_argument("--summarise-only", action="store_true",
+                    help="train nothing: report the runs already finished (implies --reuse)")
     ap.add_argument("--only", default=None, help="run names of the groups to train or summarise (comma-separated, "
                     "e.g. standard,fbt_heavy); default all")
     ap.add_argument("--smoke", action="store_true", help="a few steps at a toy size (tests)")
@@ -182,7 +187,8 @@ def main(argv=None) -> int:
     out_dir = Path(a.out).resolve()
     recorded = recorded_runs(out_dir / f"{stem}.json")
     t0 = time.perf_counter()
-    summaries = train(runs, seeds, root, a.jobs, a.reuse, recorded)
+    summaries = train(runs, seeds, root, a.jobs, a.reuse or a.summarise_only, recorded,
+                      train_missing=not a.summarise_only)
     if a.train_only:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
