@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fbt_megatron.hf import mapping
+from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
 from fbt_megatron.hf.mapping import ConversionError
 
@@ -166,11 +166,16 @@ def _convert_sentencepiece(model: Path, out: Path) -> None:
 
 # ---------------------------------------------------------------------- config
 def standard_hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
-    """transformers' own LlamaConfig fields for the model without its fusion."""
+    """transformers' own config fields for the model without its fusion, as its family (Llama; Qwen2 for
+    q/k/v-only biases; Mistral when imported from one: ``families.standard_family``)."""
     fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
     for name in mapping.FBT_ONLY_FIELDS:
         fields.pop(name)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "use_cache": True,
+    family = families.standard_family(recipe.model, prov.get("source_model_type"))
+    if family.implied:  # the family's modelling code fixes these (Qwen2: q/k/v biases, none elsewhere)
+        fields = {k: v for k, v in fields.items() if k not in ("attention_bias", "mlp_bias")}
+    return {"architectures": [family.architecture], "model_type": family.model_type, **fields,
+            **family.standard_fields, "use_cache": True,
             "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype],  # (4.x reads torch_dtype)
             "bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
             "pad_token_id": tokens.get("pad_token_id"), "fbt": dict(prov, exported_as="standard")}
