@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("prepare", help="tokenize sources into WebDataset shards with an index "
                                        "(parallel; run the same command again to resume after a crash)")
     q.add_argument("--input", nargs="+", required=True, help="JSONL files, text files or directories")
-    q.add_argument("--tokenizer", required=True)
+    q.add_argument("--tokenizer", required=True,
+                   help="a sentencepiece .model, a Hugging Face tokenizer.json, or a model directory holding either")
     q.add_argument("--out", required=True, help="dataset directory to write")
     q.add_argument("--name", help="source name (default: the output directory's name)")
     q.add_argument("--shard-mb", type=float, default=16.0,

@@ -98,7 +98,7 @@ def build_recipe(cfg: dict, stock: bool, out: Path, fusion: str | None) -> dict:
         "parallel": {"tensor": 1, "zero_stage": 0},
         "batch": {"global_batch_size": 8, "micro_batch_size": 1},
         # Synthetic tokens keep the recipe runnable as written; train on real data tokenized with the
-        # model's tokenizer (hf_import/tokenizer.model) by setting data.source=pipeline and data.pipeline.
+        # model's tokenizer (`fbt data prepare --tokenizer <out>/hf_import`) by setting data.source=pipeline.
         "data": {"source": "synthetic", "seq_length": seq, "synthetic": {"vocab_size": model["vocab_size"]}},
         "train": {"steps": 1000},
         "checkpoint": {"every": 200, "resume": True},
@@ -169,7 +169,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
                  "# mix runs from step 0); it cannot be switched on for a stock checkpoint without training.\n"
                  if stock and recipe.feedback.fusion != "off" else "")
               + "# data: synthetic tokens as written; for real training set data.source=pipeline with shards\n"
-              + "# tokenized by the model's tokenizer (hf_import/tokenizer.model when the source has one).\n")
+              + "# tokenized by the model's tokenizer: `fbt data prepare --tokenizer {}`.\n".format(out / IMPORT_DIR))
     (out / "recipe.yaml").write_text(header + yaml.safe_dump(recipe_data, sort_keys=False))
     log(f"imported {root} ({'stock ' + cfg['model_type'] if stock else 'FBT export'}) -> {path}")
     return path
