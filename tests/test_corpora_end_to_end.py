@@ -89,6 +89,18 @@ def test_llama_checkpoint_feedback_phase_on_own_corpus(tmp_path, single_process)
     tok = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "export"))
     for text in TEXTS[:5]:
         assert tok.encode(text, add_special_tokens=False) == original.encode(text, add_special_tokens=False)
+    # The tokenizer travels with every checkpoint: without the import's copy, to-hf writes the checkpoint's.
+    from fbt_megatron.hf.export import export_checkpoint
+
+    ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (ckpt / name).read_bytes() == (hf / name).read_bytes()
+    (tmp_path / "run" / "hf_import").rename(tmp_path / "moved")
+    export_checkpoint(tmp_path / "run", tmp_path / "export2", log=lambda *a: None)
+    assert (tmp_path / "export2" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    again = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "export2"))
+    assert again.eos_token == "<|end_of_text|>" and again.encode(TEXTS[7]) == original.encode(TEXTS[7])
+
     model = FBTForCausalLM.from_pretrained(tmp_path / "export").eval()  # the export's modelling file
     prompt = tok(TEXTS[0][:30], return_tensors="pt", add_special_tokens=False)
     out = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)

@@ -137,3 +137,48 @@ def test_mistral_window_covering_the_context_imports(tmp_path):
 
     cfg = dict(COMMON, model_type="mistral", sliding_window=256)
     assert normalise(cfg, "config.json")["sliding_window"] == 256
+
+
+def test_family_exports_under_oldest_transformers(tmp_path, single_process):
+    """Both exports of every family under the oldest supported transformers (4.57, which reads
+    ``rope_scaling`` and ``rope_theta`` where 5.x reads ``rope_parameters``): the family's class and the
+    stock model's logits (the reference computed by the running 5.x)."""
+    import os
+    import subprocess
+    import sys
+
+    import transformers_envs
+
+    from fbt_megatron.hf.export import export_checkpoint
+    from fbt_megatron.hf.importer import import_hf
+
+    try:
+        python = transformers_envs.ensure("4.57.6")
+    except transformers_envs.Unavailable as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # CI must test the whole range
+            pytest.fail(f"transformers 4.57.6: {e}")
+        pytest.skip(str(e))
+    refs, exports = {}, []
+    for family in FAMILIES:
+        with torch.no_grad():
+            refs[family] = _stock(family, tmp_path / family / "stock")(IDS).logits
+        import_hf(tmp_path / family / "stock", tmp_path / family / "run", log=lambda *a: None)
+        for kind, standard in (("fbt", False), ("std", True)):
+            export_checkpoint(tmp_path / family / "run", tmp_path / family / kind, standard=standard,
+                              log=lambda *a: None)
+            exports.append(f"{family}/{kind}")
+    torch.save({"ids": IDS, "exports": exports}, tmp_path / "request.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
+    side = Path(__file__).with_name("hf_families_side.py")
+    proc = subprocess.run([str(python), str(side), str(tmp_path), str(tmp_path / "request.pt"),
+                           str(tmp_path / "result.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = torch.load(tmp_path / "result.pt")
+    assert res["version"] == "4.57.6"
+    for family in FAMILIES:
+        assert res[f"{family}/std"]["class"] == FAMILIES[family][1]
+        assert res[f"{family}/fbt"]["class"] == "FBTForCausalLM"
+        for kind in ("fbt", "std"):
+            assert rel(res[f"{family}/{kind}"]["logits"], refs[family]) < 1e-5, (family, kind)
