@@ -15,14 +15,19 @@ from .errors import DataError
 
 
 def _cmd_tokenizer(a) -> int:
-    from .tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
+    from .tokenizer import load_tokenizer, tokenizer_files, tokenizer_hash, train_tokenizer
 
     out = Path(a.out)
     if a.load:
         load_tokenizer(a.load)  # validates
         if Path(a.load).resolve() != out.resolve():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(a.load, out)
+            if Path(a.load).is_dir():  # a Hugging Face model directory: its tokenizer files into OUT/
+                out.mkdir(parents=True, exist_ok=True)
+                for name, file in tokenizer_files(a.load).items():
+                    shutil.copyfile(file, out / name)
+            else:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(a.load, out)
         h = tokenizer_hash(out)
     else:
         if not a.input:
@@ -124,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fbt data", description="Tokenizer, WebDataset shards and the token mix")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    t = sub.add_parser("tokenizer", help="train a sentencepiece model from text sources, or load one")
+    t = sub.add_parser("tokenizer", help="train a sentencepiece model from text sources, or load one (also a "
+                                         "Hugging Face tokenizer.json or model directory: --load DIR --out DIR)")
     t.add_argument("--input", nargs="*", default=[], help="JSONL files, text files or directories")
     t.add_argument("--load", help="an existing .model to validate (and copy to --out)")
     t.add_argument("--out", required=True, help="output .model path")

@@ -100,3 +100,14 @@ def test_chat_data_with_hf_tokenizer_is_refused_by_name(tok_dir, tmp_path):
     with pytest.raises(ChatError, match="is a Hugging Face tokenizer"):
         prepare_chat([str(src)], tmp_path / "out", tok_dir, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_data_tokenizer_load_copies_a_model_directory(tok_dir, tmp_path, capsys):
+    """`fbt data tokenizer --load DIR --out OUT`: OUT gets the tokenizer's files and the same identity."""
+    from data_pipeline.tokenizer import tokenizer_hash
+    from fbt_megatron.cli import main
+
+    assert main(["data", "tokenizer", "--load", str(tok_dir), "--out", str(tmp_path / "copy")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["hash"] == tokenizer_hash(tok_dir) == tokenizer_hash(tmp_path / "copy")
+    assert printed["eos_id"] == _reference(tok_dir).convert_tokens_to_ids("<|end_of_text|>")
