@@ -57,6 +57,13 @@ def test_every_format_yields_the_documents(inputs):
     assert len(list(inputs["arrow"].glob("*.arrow"))) == 3
     for kind, path in inputs.items():
         assert list(iter_documents([str(path)])) == list(zip(IDS, TEXTS)), kind
+    # several zstd frames one after the other (as `cat a.zst b.zst` or a streaming writer leaves them)
+    import zstandard
+
+    rows = [{"text": t, "id": i} for t, i in zip(TEXTS, IDS)]
+    frames = inputs["jsonl"].with_name("frames.jsonl.zst")
+    frames.write_bytes(b"".join(zstandard.ZstdCompressor().compress(_jsonl_bytes(rows[a:a + 15])) for a in (0, 15, 30)))
+    assert list(iter_documents([str(frames)])) == list(zip(IDS, TEXTS))
 
 
 def test_formats_prepare_the_same_tokens(inputs, tmp_path):
