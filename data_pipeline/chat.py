@@ -199,7 +199,9 @@ def prepare_chat(paths, out_dir, tokenizer, *, chat_template: str | None = None,
 
     template = chat_template or DEFAULT_CHAT_TEMPLATE
     check_template(template)
-    load_tokenizer(tokenizer)  # validates (EOS present)
+    if not hasattr(load_tokenizer(tokenizer), "serialized_model_proto"):  # validates (EOS present)
+        raise ChatError(f"--format chat renders with a sentencepiece tokenizer; {tokenizer} is a Hugging Face "
+                        "tokenizer (not supported for chat data yet)")
     tok = chat_tokenizer(tokenizer, template)
     # ``bad`` is filled while the documents are read; prepare_dataset records ``meta`` in index.json
     # after the last one (its resume settings were written before the first, with the same keys)

@@ -15,14 +15,19 @@ from .errors import DataError
 
 
 def _cmd_tokenizer(a) -> int:
-    from .tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
+    from .tokenizer import load_tokenizer, tokenizer_files, tokenizer_hash, train_tokenizer
 
     out = Path(a.out)
     if a.load:
         load_tokenizer(a.load)  # validates
         if Path(a.load).resolve() != out.resolve():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(a.load, out)
+            if Path(a.load).is_dir():  # a Hugging Face model directory: its tokenizer files into OUT/
+                out.mkdir(parents=True, exist_ok=True)
+                for name, file in tokenizer_files(a.load).items():
+                    shutil.copyfile(file, out / name)
+            else:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(a.load, out)
         h = tokenizer_hash(out)
     else:
         if not a.input:
@@ -47,13 +52,16 @@ def _cmd_prepare(a) -> int:
         raise DataError("--chat-template, --strict and --max-tokens apply to --format chat")
     idx = prepare_dataset(a.input, a.out, a.tokenizer, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
                           num_workers=a.workers, text_field=a.text_field, id_field=a.id_field or None,
-                          progress=not a.quiet)
+                          progress=not a.quiet, skip_bad_rows=a.skip_bad_rows)
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "skipped_empty_documents",
+                                           "skipped_bad_rows",
                                            "tokenizer_hash", "seconds", "prepare")} | {"shards": idx["num_shards"]}))
     return 0
 
 
 def _prepare_chat(a) -> int:
+    if a.skip_bad_rows:
+        raise DataError("--skip-bad-rows applies to text data (chat: bad conversations are counted skips unless --strict)")
     from .chat import prepare_chat
 
     template = None
@@ -121,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fbt data", description="Tokenizer, WebDataset shards and the token mix")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    t = sub.add_parser("tokenizer", help="train a sentencepiece model from text sources, or load one")
+    t = sub.add_parser("tokenizer", help="train a sentencepiece model from text sources, or load one (also a "
+                                         "Hugging Face tokenizer.json or model directory: --load DIR --out DIR)")
     t.add_argument("--input", nargs="*", default=[], help="JSONL files, text files or directories")
     t.add_argument("--load", help="an existing .model to validate (and copy to --out)")
     t.add_argument("--out", required=True, help="output .model path")
@@ -133,15 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("prepare", help="tokenize sources into WebDataset shards with an index "
                                        "(parallel; run the same command again to resume after a crash)")
-    q.add_argument("--input", nargs="+", required=True, help="JSONL files, text files or directories")
-    q.add_argument("--tokenizer", required=True)
+    q.add_argument("--input", nargs="+", required=True,
+                   help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet, a datasets save directory, text files or "
+                        "directories of them")
+    q.add_argument("--tokenizer", required=True,
+                   help="a sentencepiece .model, a Hugging Face tokenizer.json, or a model directory holding either")
     q.add_argument("--out", required=True, help="dataset directory to write")
     q.add_argument("--name", help="source name (default: the output directory's name)")
     q.add_argument("--shard-mb", type=float, default=16.0,
                    help="about this many MB per shard (estimated from the text; shards are the unit of parallel work)")
     q.add_argument("--workers", type=int, default=2, help="tokenizer/shard-writer processes")
-    q.add_argument("--text-field", default="text")
+    q.add_argument("--text-field", default="text", help="the text field (JSONL) or column (Parquet, Arrow)")
     q.add_argument("--id-field", default="id")
+    q.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip and count rows that are not valid JSON/UTF-8 or lack a string text (default: an error "
+                        "naming file and row); a corrupt file or a missing column is always an error")
     q.add_argument("--quiet", action="store_true")
     q.add_argument("--format", choices=("text", "chat"), default="text",
                    help="text: documents (--text-field); chat: JSONL {\"messages\": [{\"role\", \"content\"}, ...]} "

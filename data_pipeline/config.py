@@ -31,7 +31,7 @@ class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sources: list[SourceConfig] = Field(min_length=1)
-    tokenizer: str = Field(min_length=1)  # path of the sentencepiece .model
+    tokenizer: str = Field(min_length=1)  # a sentencepiece .model, a tokenizer.json, or a directory of either
     seq_length: int = Field(ge=1)
     seed: int = 0
     # What the sources' weights share out: "tokens" (default; what a mix usually states) or "documents".

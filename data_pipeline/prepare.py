@@ -39,7 +39,7 @@ import webdataset as wds
 
 from .errors import SourceError
 from .shards import ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDS_FILE, sample_key, shard_name
-from .sources import expand_paths, iter_documents
+from .sources import expand_paths, fingerprint_files, iter_documents
 from .tokenizer import load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,10 @@ def _shard_tasks(documents, shard_bytes: int, counts: dict):
 
 def _input_fingerprint(paths: list[str]) -> list:
     out = []
-    for f in expand_paths(paths):
-        st = f.stat()
-        out.append([str(f), st.st_size, st.st_mtime_ns])
+    for source in expand_paths(paths):
+        for f in fingerprint_files(source):
+            st = f.stat()
+            out.append([str(f), st.st_size, st.st_mtime_ns])
     return out
 
 
@@ -162,13 +163,15 @@ def prepare_dataset(
     progress: bool = True,
     documents=None,
     extra_meta: dict | None = None,
+    skip_bad_rows: bool = False,
 ) -> dict:
     """Tokenize the documents behind ``paths`` (or the iterable ``documents`` of ``(doc_id, text)``) in
     ``num_workers`` processes into shards of about ``shard_bytes`` bytes in ``out_dir``; returns the index.
     ``documents`` may also yield pre-tokenized ``(doc_id, ids, loss_mask)`` (chat data, ``chat.py``).
 
     Resumable: after a crash, the same call keeps the shards the crashed run finished (see the module
-    docstring). Raises :class:`SourceError` for a missing path or a source with no documents.
+    docstring). Raises :class:`SourceError` for a missing path, a source with no documents, or a bad
+    row (``sources.py``; ``skip_bad_rows``: skipped and counted in the index instead).
     """
     out_dir = Path(out_dir)
     name = name or out_dir.name
@@ -181,11 +184,13 @@ def prepare_dataset(
         if not paths:
             raise SourceError(f"source {name!r}: no paths given")
         inputs = _input_fingerprint(paths)  # also checks every path before anything is written
-        documents = iter_documents(paths, text_field=text_field, id_field=id_field, counts=counts)
+        documents = iter_documents(paths, text_field=text_field, id_field=id_field, counts=counts,
+                                   skip_bad_rows=skip_bad_rows)
     else:
         inputs = None
     settings = {"format_version": FORMAT_VERSION, "name": name, "tokenizer_hash": thash, "shard_bytes": shard_bytes,
-                "text_field": text_field, "id_field": id_field, "inputs": inputs, "meta": extra_meta}
+                "text_field": text_field, "id_field": id_field, "inputs": inputs, "meta": extra_meta,
+                "skip_bad_rows": skip_bad_rows}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     lock = _lock(out_dir.with_name(out_dir.name + ".lock"))
     try:
@@ -306,6 +311,8 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
                         "tokens_per_s": round(done_tokens / max(seconds, 1e-9))}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
     (tmp / SETTINGS_FILE).unlink()
+    if index["skipped_bad_rows"]:
+        log.warning("source %s: skipped %d bad rows (first: %s)", name, index["skipped_bad_rows"], index["first_bad_row"])
     if index["skipped_empty_documents"]:
         log.warning("source %s: skipped %d empty documents", name, index["skipped_empty_documents"])
     if out_dir.exists():
@@ -351,6 +358,8 @@ def _write_index(tmp: Path, infos: list[dict], *, name, thash, tokenizer, vocab,
         "num_tokens": int(table[:, 2].sum()),
         "num_shards": len(infos),
         "skipped_empty_documents": counts.get("empty", 0),
+        "skipped_bad_rows": counts.get("bad_rows", 0),
+        "first_bad_row": counts.get("first_bad_row"),
         "empty_encoded_documents": sum(i["empty_encoded"] for i in infos),
         "num_files": counts.get("files"),
         "sources": [str(p) for p in paths] if paths else None,

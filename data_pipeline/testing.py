@@ -101,3 +101,24 @@ def assert_same_batches(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def train_hf_bpe(texts, out_dir: Path, vocab_size: int = 300, config: bool = True) -> Path:
+    """A Hugging Face byte-level BPE ``tokenizer.json`` trained by ``tokenizers`` on ``texts`` (Llama 3's
+    special tokens ``<|begin_of_text|>``, ``<|end_of_text|>``), in ``out_dir`` with a ``tokenizer_config.json``
+    naming them (``config=False``: the bare tokenizer.json). Returns ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tk.train_from_iterator(list(texts), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                           show_progress=False))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tk.save(str(out_dir / "tokenizer.json"))
+    if config:
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": specials[0], "eos_token": specials[1], "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return out_dir

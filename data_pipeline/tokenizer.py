@@ -1,8 +1,17 @@
-"""Sentencepiece tokenizer: training, loading and identity.
+"""Tokenizers: sentencepiece (training, loading) and Hugging Face ``tokenizers``, and their identity.
 
-The identity of a tokenizer is the SHA-256 of its ``.model`` file (first 16 hex digits). Every shard
-index records it; the loader refuses a dataset whose index names another tokenizer, and the loader
-state carries it so the trainer can refuse a checkpoint made with another one.
+A tokenizer is a sentencepiece ``.model``, a Hugging Face ``tokenizer.json``, or a model directory
+holding either (``tokenizer.json`` first). The identity of a tokenizer is the SHA-256 of its files
+(first 16 hex digits; one file: of its bytes): the ``.model``, or ``tokenizer.json`` with the
+directory's ``tokenizer_config.json`` and ``special_tokens_map.json``. Every shard index records it;
+the loader refuses a dataset whose index names another tokenizer, and the loader state carries it so
+the trainer can refuse a checkpoint made with another one.
+
+Special tokens: documents are encoded without any (no BOS, the tokenizer's own post-processor is not
+applied: ``add_special_tokens=False``), and the packer ends each document with the tokenizer's EOS.
+A Hugging Face tokenizer's EOS is ``tokenizer_config.json``'s ``eos_token`` in a model directory,
+else the first of :data:`EOS_NAMES` in the vocabulary (Llama 3's base ``<|end_of_text|>``, GPT-2 and
+Qwen's ``<|endoftext|>``, Llama 2 and Mistral's ``</s>``); without one it is refused.
 """
 
 from __future__ import annotations
@@ -18,17 +27,106 @@ import sentencepiece as spm
 from .errors import SourceError, TokenizerMismatchError
 
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+def tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
+    """{name: file} of the tokenizer at ``path`` (see the module docstring): what its identity hashes
+    and what travels with checkpoints under these names."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return {n: path / n for n in HF_TOKENIZER_FILES if (path / n).is_file()}
+        if (path / "tokenizer.model").is_file():
+            return {"tokenizer.model": path / "tokenizer.model"}
+        raise TokenizerMismatchError(f"tokenizer directory {path} holds neither tokenizer.json nor tokenizer.model")
+    if not path.is_file():
+        raise TokenizerMismatchError(f"tokenizer model not found: {path}")
+    return {"tokenizer.json" if path.suffix == ".json" else "tokenizer.model": path}
+
+
 def tokenizer_hash(model_path: str | os.PathLike) -> str:
-    path = Path(model_path)
-    if not path.is_file():
-        raise TokenizerMismatchError(f"tokenizer model not found: {path}")
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    files = tokenizer_files(model_path)
+    if len(files) == 1:
+        return hashlib.sha256(next(iter(files.values())).read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for name in sorted(files):
+        data = files[name].read_bytes()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
 
 
-def load_tokenizer(model_path: str | os.PathLike) -> spm.SentencePieceProcessor:
-    path = Path(model_path)
-    if not path.is_file():
-        raise TokenizerMismatchError(f"tokenizer model not found: {path}")
+def _special(value) -> str | None:
+    """A special token as tokenizer_config.json writes it (a string or an AddedToken dict)."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer behind the sentencepiece calls the pipeline makes
+    (``encode`` of a text or a batch, ``decode``, ``eos_id``, ``bos_id``, ``vocab_size``/``get_piece_size``).
+    A batch is encoded by ``encode_batch``: the library's own (Rayon) threads."""
+
+    def __init__(self, files: dict[str, Path]):
+        import json
+
+        from tokenizers import Tokenizer
+
+        self.path = files["tokenizer.json"]
+        try:
+            self.tk = Tokenizer.from_file(str(self.path))
+        except Exception as exn:
+            raise TokenizerMismatchError(f"cannot load Hugging Face tokenizer {self.path}: {exn}") from exn
+        config = {}
+        if "tokenizer_config.json" in files:
+            try:
+                config = json.loads(files["tokenizer_config.json"].read_text())
+            except (OSError, ValueError) as exn:
+                raise TokenizerMismatchError(f"cannot read {files['tokenizer_config.json']}: {exn}") from exn
+        eos = _special(config.get("eos_token"))
+        if eos is None:
+            eos = next((t for t in EOS_NAMES if self.tk.token_to_id(t) is not None), None)
+        if eos is None or self.tk.token_to_id(eos) is None:
+            raise TokenizerMismatchError(
+                f"tokenizer {self.path} has no EOS token (" + (f"eos_token {eos!r} is not in its vocabulary"
+                if eos else f"no tokenizer_config.json eos_token and none of {list(EOS_NAMES)}") + "); the packer needs one")
+        self._eos = self.tk.token_to_id(eos)
+        bos = _special(config.get("bos_token"))
+        self._bos = self.tk.token_to_id(bos) if bos else None
+
+    def encode(self, text, num_threads: int | None = None):
+        """Ids of a text, or a list of id lists for a list of texts; no special tokens added.
+        ``num_threads`` is sentencepiece's argument, ignored (the library sizes its own pool)."""
+        if isinstance(text, str):
+            return self.tk.encode(text, add_special_tokens=False).ids
+        return [e.ids for e in self.tk.encode_batch(list(text), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+    def eos_id(self) -> int:
+        return self._eos
+
+    def bos_id(self) -> int:
+        return -1 if self._bos is None else self._bos
+
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    get_piece_size = vocab_size
+
+    def id_to_piece(self, i: int) -> str:
+        return self.tk.id_to_token(i)
+
+
+def load_tokenizer(model_path: str | os.PathLike):
+    """A ``SentencePieceProcessor`` for a ``.model``, an :class:`HFTokenizer` for a ``tokenizer.json``
+    (or a directory holding one)."""
+    files = tokenizer_files(model_path)
+    if "tokenizer.json" in files:
+        return HFTokenizer(files)
+    path = files["tokenizer.model"]
     sp = spm.SentencePieceProcessor()
     try:
         sp.Load(str(path))

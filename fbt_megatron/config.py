@@ -26,6 +26,24 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+class RopeScaling(StrictModel):
+    """Llama 3.x's frequency-dependent RoPE scaling: transformers' ``rope_type: llama3`` and Megatron-Core's
+    ``RotaryEmbedding._apply_scaling`` (the same formula), with its four parameters, so an imported Llama
+    3.x keeps its positions (Llama 3.2: factor 32, low 1, high 4, original 8192)."""
+
+    factor: float = Field(8.0, gt=0.0)
+    low_freq_factor: float = Field(1.0, gt=0.0)
+    high_freq_factor: float = Field(4.0, gt=0.0)
+    original_max_position_embeddings: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _factors_ordered(self):
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor} (the smoothing divides by their difference)")
+        return self
+
+
 class ModelConfig(StrictModel):
     """Transformer size and architecture (Megatron-Core GPT).
 
@@ -45,6 +63,7 @@ class ModelConfig(StrictModel):
     # gelu: fc2(gelu(fc1 x)); swiglu: fc2(silu(x W_gate) * (x W_up)), Megatron's gated linear unit.
     activation: Literal["gelu", "swiglu"] = "gelu"
     add_bias_linear: bool = True  # biases in every linear layer of the stack (Llama: false)
+    add_qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2; Megatron's add_qkv_bias)
     # The tokenizer's (logical) vocabulary. The embedding and LM head are padded to a multiple of
     # vocab_pad_multiple x TP rows (padded_vocab_size); padded logits are -inf, never predicted.
     vocab_size: int = Field(4096, ge=2)
@@ -52,6 +71,7 @@ class ModelConfig(StrictModel):
     max_sequence_length: int = Field(256, ge=2)
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     rotary_base: int = Field(10000, ge=1)  # RoPE theta (Llama 2: 10000, Llama 3: 500000)
+    rope_scaling: RopeScaling | None = None  # Llama 3.x's scaled RoPE (None: plain RoPE)
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     norm_epsilon: float = Field(1e-5, gt=0.0)
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -81,6 +101,13 @@ class ModelConfig(StrictModel):
                 f"{self.num_attention_heads}; allowed: "
                 f"{[g for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0]}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _scaling_needs_rope(self):
+        if self.rope_scaling is not None and self.position_embedding_type != "rope":
+            raise ValueError(f"model.rope_scaling applies to position_embedding_type='rope' only (got "
+                             f"{self.position_embedding_type!r}); remove it")
         return self
 
     @property

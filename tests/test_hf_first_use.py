@@ -183,9 +183,12 @@ def test_standard_export_config_and_tied_embeddings(export, tmp_path, single_pro
         assert rel(plain(ids).logits, model(ids, num_passes=1).logits[..., :VOCAB]) < 1e-5
 
 
-def test_scaled_rope_is_refused_on_import(tmp_path, single_process):
-    """A Llama-3 config with scaled RoPE (rope_type llama3), as transformers 4.x writes it (rope_scaling)
-    or 5.x (rope_parameters), is refused naming the field and the type; nothing is written."""
+def test_scaled_rope_on_import(tmp_path, single_process):
+    """Llama 3's scaled RoPE (rope_type llama3), as transformers 4.x writes it (rope_scaling) or 5.x
+    (rope_parameters), imports with its four parameters in the recipe; another scaling (yarn, linear) is
+    refused naming the field and the type, and nothing is written."""
+    import yaml
+
     from fbt_megatron.hf.importer import import_hf
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -194,16 +197,23 @@ def test_scaled_rope_is_refused_on_import(tmp_path, single_process):
     cfg_file = tmp_path / "llama" / "config.json"
     v5 = json.loads(cfg_file.read_text())
     assert v5["rope_parameters"]["rope_type"] == "llama3"
-    with pytest.raises(ConversionError, match=r"rope_parameters.rope_type='llama3'.*scaled RoPE"):
-        import_hf(tmp_path / "llama", tmp_path / "out5", log=lambda *a: None)
-    assert not (tmp_path / "out5").exists()
-
+    scaling = {k: v for k, v in llama3.items() if k not in ("rope_type", "rope_theta")}
     v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}  # transformers 4.x's spelling
     v4.update(rope_theta=500000.0, rope_scaling={k: v for k, v in llama3.items() if k != "rope_theta"})
-    cfg_file.write_text(json.dumps(v4))
-    with pytest.raises(ConversionError, match=r"rope_scaling.rope_type='llama3'.*scaled RoPE"):
-        import_hf(tmp_path / "llama", tmp_path / "out4", log=lambda *a: None)
-    assert not (tmp_path / "out4").exists()
+    for name, cfg in (("v5", v5), ("v4", v4)):
+        cfg_file.write_text(json.dumps(cfg))
+        import_hf(tmp_path / "llama", tmp_path / name, log=lambda *a: None)
+        model = yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())["model"]
+        assert model["rope_scaling"] == scaling and model["rotary_base"] == 500000, name
+
+    for key, cfg in (("rope_parameters", dict(v5, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                   "rope_theta": 500000.0})),
+                     ("rope_scaling", dict(v4, rope_scaling={"rope_type": "linear", "factor": 2.0}))):
+        cfg_file.write_text(json.dumps(cfg))
+        kind = cfg[key]["rope_type"]
+        with pytest.raises(ConversionError, match=rf"{key}.rope_type='{kind}'.*scaled RoPE"):
+            import_hf(tmp_path / "llama", tmp_path / kind, log=lambda *a: None)
+        assert not (tmp_path / kind).exists()
 
 
 def test_tied_config_with_a_different_lm_head_is_refused_on_import(tmp_path, single_process):

@@ -142,7 +142,7 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     the fusion)."""
     run, hf, std, refs = model
     unservable = {"prefill_passes": 0, "feedback_decoding": "beam", "norm_type": "LayerNorm",
-                  "feedback_gate_table": "yes"}
+                  "feedback_gate_table": "yes", "qkv_bias": True}
     exact = {"prefill_passes": "exact", "feedback_gate_table": False}
     res = run_side(vllm_python, [job("fused", hf, step_kinds=True),
                                  job("exact", hf, engine={"hf_overrides": exact}, step_kinds=True),
@@ -161,7 +161,8 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     assert res["standard"]["tokens"] == refs["standard"]
     err = res["unservable"]["error"]
     assert err is not None and "serves Llama-class FBT exports only" in err, err
-    for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'", "feedback_gate_table='yes'"):
+    for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'", "feedback_gate_table='yes'",
+                  "qkv_bias=True"):
         assert field in err, (field, err)
     err = res["lora"]["error"]
     assert err is not None and "does not serve LoRA adapters on a feedback export" in err, err

@@ -61,14 +61,16 @@ def ensure_runtime(tensor: int | None = None) -> None:
 
 
 def find_tokenizer(recipe: dict, checkpoint: Path, override: str | None = None):
-    """The run's sentencepiece model: ``override``, else the copy kept in the checkpoint
-    (``tokenizer.model``, written by every save of a run on tokenized data), else, for checkpoints from
+    """The run's tokenizer: ``override``, else the copy kept in the checkpoint
+    (``tokenizer.json`` and its config files, or ``tokenizer.model``, written by every save of a run on tokenized data), else, for checkpoints from
     before that, the recipe's ``data.pipeline.tokenizer`` (a relative path is tried from the working
     directory, then from the checkpoint's parent directories)."""
     from data_pipeline.tokenizer import load_tokenizer
 
     if override:
         return load_tokenizer(override)
+    if (checkpoint / "tokenizer.json").is_file():  # a Hugging Face tokenizer travels as its files
+        return load_tokenizer(checkpoint)
     if (checkpoint / "tokenizer.model").is_file():
         return load_tokenizer(checkpoint / "tokenizer.model")
     name = ((recipe.get("data") or {}).get("pipeline") or {}).get("tokenizer")

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fbt_megatron.hf import mapping
+from data_pipeline.tokenizer import HF_TOKENIZER_FILES  # noqa: F401 (the importer's list too)
+from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
 from fbt_megatron.hf.mapping import ConversionError
 
@@ -35,7 +36,6 @@ MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 IMPORT_DIR = "hf_import"  # in a run made by `from-hf`: the source's tokenizer and provenance
 
 
@@ -76,30 +76,38 @@ def provenance(path: Path, state: dict, recipe) -> dict:
 
 # ---------------------------------------------------------------------- tokenizer
 def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
-    """("hf", dir) for an imported checkpoint's HF tokenizer, ("sp", model) for the run's sentencepiece
-    model — the copy every save keeps in the checkpoint, else (checkpoints from before that) the
-    recipe's path — or None (synthetic data: no tokenizer)."""
+    """("hf", dir) for an imported checkpoint's HF tokenizer or the copy of a run's HF tokenizer that every
+    save keeps, ("sp", model) for the run's sentencepiece model — the checkpoint's copy, else
+    (checkpoints from before that) the recipe's path — or None (synthetic data: no tokenizer)."""
     imported = import_dir(path)
     if (imported / "tokenizer.json").is_file():
         return "hf", imported
+    if (path / "tokenizer.json").is_file():  # a run on data tokenized by a Hugging Face tokenizer
+        return "hf", path
     if (path / "tokenizer.model").is_file():
         return "sp", path / "tokenizer.model"
     pipeline = recipe.data.pipeline or {}
     sp = pipeline.get("tokenizer")
     if recipe.data.source == "pipeline" and sp:
-        if not Path(sp).is_file():
+        if not Path(sp).exists():
             raise ConversionError(f"the run's tokenizer {sp} (recipe data.pipeline.tokenizer) is missing; "
-                                  "pass --tokenizer PATH.model")
-        return "sp", Path(sp)
+                                  "pass --tokenizer PATH")
+        return given_tokenizer(sp)
     return None
 
 
 def given_tokenizer(tokenizer: str | Path) -> tuple[str, Path]:
-    """``--tokenizer PATH``: a sentencepiece model file, checked before anything is written."""
-    path = Path(tokenizer)
-    if not path.is_file():
-        raise ConversionError(f"--tokenizer {tokenizer}: no such file (a sentencepiece .model is expected)")
-    return "sp", path
+    """``--tokenizer PATH``: a sentencepiece model file, a ``tokenizer.json`` or a directory of either,
+    checked before anything is written."""
+    from data_pipeline.errors import TokenizerMismatchError
+    from data_pipeline.tokenizer import tokenizer_files
+
+    try:
+        files = tokenizer_files(tokenizer)
+    except TokenizerMismatchError as err:
+        raise ConversionError(f"--tokenizer {tokenizer}: {err} (a sentencepiece .model, a tokenizer.json or a "
+                              "directory holding one is expected)") from None
+    return ("hf", Path(tokenizer)) if "tokenizer.json" in files else ("sp", files["tokenizer.model"])
 
 
 def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int | None = None,
@@ -112,14 +120,23 @@ def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int 
     if source is None:
         return {}
     kind, where = source
+    eos = None
     if kind == "hf":
-        for name in HF_TOKENIZER_FILES + ("tokenizer.model",):
-            if (where / name).is_file():
-                shutil.copyfile(where / name, out / name)
+        from data_pipeline.tokenizer import load_tokenizer, tokenizer_files
+
+        files = tokenizer_files(where)  # tokenizer.json (+ its config files), copied unchanged
+        if where.is_dir() and (where / "tokenizer.model").is_file():
+            files["tokenizer.model"] = where / "tokenizer.model"
+        for name, file in files.items():
+            shutil.copyfile(file, out / name)
+        hf = load_tokenizer(where)  # the data pipeline's EOS: the one the run was trained to end documents with
+        eos = hf.id_to_piece(hf.eos_id())
     else:
         _convert_sentencepiece(where, out)
     from transformers import PreTrainedTokenizerFast
 
+    if eos is not None:
+        _finish_tokenizer_config(out, None, max_length, eos=eos)  # a bare tokenizer.json names no EOS
     tok = PreTrainedTokenizerFast.from_pretrained(str(out))  # (AutoTokenizer would read config.json)
     if vocab_size is not None and len(tok) > vocab_size:
         raise ConversionError(f"tokenizer {where} has {len(tok)} tokens, more than the model's vocab_size="
@@ -130,7 +147,7 @@ def write_tokenizer(source: tuple[str, Path] | None, out: Path, vocab_size: int 
             "pad_token_id": tok.convert_tokens_to_ids(pad) if pad is not None else None}
 
 
-def _finish_tokenizer_config(out: Path, pad: str | None, max_length: int | None) -> None:
+def _finish_tokenizer_config(out: Path, pad: str | None, max_length: int | None, eos: str | None = None) -> None:
     """A stock class every transformers in the supported range has (``PreTrainedTokenizerFast``: it loads
     tokenizer.json as written, so the ids stay the sentencepiece model's; transformers 5 writes its own
     ``TokenizersBackend``, which 4.x lacks and which sends ``AutoTokenizer`` to the remote code), a pad
@@ -148,6 +165,8 @@ def _finish_tokenizer_config(out: Path, pad: str | None, max_length: int | None)
         if extra:
             cfg["additional_special_tokens"] = extra
         cfg.pop("extra_special_tokens")
+    if eos is not None and not cfg.get("eos_token"):
+        cfg["eos_token"] = eos
     if pad is not None:
         cfg["pad_token"] = pad
     cfg["padding_side"] = "left"
@@ -166,11 +185,16 @@ def _convert_sentencepiece(model: Path, out: Path) -> None:
 
 # ---------------------------------------------------------------------- config
 def standard_hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
-    """transformers' own LlamaConfig fields for the model without its fusion."""
+    """transformers' own config fields for the model without its fusion, as its family (Llama; Qwen2 for
+    q/k/v-only biases; Mistral when imported from one: ``families.standard_family``)."""
     fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
     for name in mapping.FBT_ONLY_FIELDS:
         fields.pop(name)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "use_cache": True,
+    family = families.standard_family(recipe.model, prov.get("source_model_type"))
+    if family.implied:  # the family's modelling code fixes these (Qwen2: q/k/v biases, none elsewhere)
+        fields = {k: v for k, v in fields.items() if k not in ("attention_bias", "mlp_bias")}
+    return {"architectures": [family.architecture], "model_type": family.model_type, **fields,
+            **family.standard_fields, "use_cache": True,
             "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype],  # (4.x reads torch_dtype)
             "bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
             "pad_token_id": tokens.get("pad_token_id"), "fbt": dict(prov, exported_as="standard")}

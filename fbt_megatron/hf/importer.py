@@ -4,7 +4,7 @@ Two sources:
 - our own exports (``model_type: fbt_llama``): every tensor, the feedback fusion included, comes back;
   the config's provenance and the tokenizer are kept in ``CHECKPOINT_DIR/hf_import/`` so that
   export -> import -> export reproduces the export bit for bit;
-- a stock Llama-architecture checkpoint (``model_type: llama``): the stack and embeddings initialise an
+- a stock Llama-architecture checkpoint (``model_type`` llama, mistral or qwen2: ``families.py``): the stack and embeddings initialise an
   FBT model whose fusion (W_U, W_G, h_init) is freshly initialised. Latent feedback needs its own
   training phase (the paper: it cannot be switched on for a stock checkpoint), so the written recipe
   starts the feedback pass mix at step 0 (``fusion="off"`` imports a plain model instead).
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from fbt_megatron.hf import mapping
+from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.export import HF_TOKENIZER_FILES, IMPORT_DIR
 from fbt_megatron.hf.mapping import ConversionError
 
-STOCK_TYPES = ("llama",)
+STOCK_TYPES = tuple(families.FAMILIES)
 FEEDBACK_MIX = [0.75, 0.22, 0.03]
 
 
@@ -72,9 +72,9 @@ def read_hf_config(root: Path) -> tuple[dict, bool]:
     if kind == "fbt_llama":
         return cfg, False
     if kind in STOCK_TYPES:
-        return cfg, True
+        return families.normalise(cfg, str(file)), True
     raise ConversionError(f"{file}: model_type={kind!r} cannot be imported; allowed: 'fbt_llama' (our exports) "
-                          f"or {STOCK_TYPES} (Llama architecture)")
+                          f"or {STOCK_TYPES} (the Llama architecture and its families)")
 
 
 def build_recipe(cfg: dict, stock: bool, out: Path, fusion: str | None) -> dict:
@@ -98,7 +98,7 @@ def build_recipe(cfg: dict, stock: bool, out: Path, fusion: str | None) -> dict:
         "parallel": {"tensor": 1, "zero_stage": 0},
         "batch": {"global_batch_size": 8, "micro_batch_size": 1},
         # Synthetic tokens keep the recipe runnable as written; train on real data tokenized with the
-        # model's tokenizer (hf_import/tokenizer.model) by setting data.source=pipeline and data.pipeline.
+        # model's tokenizer (`fbt data prepare --tokenizer <out>/hf_import`) by setting data.source=pipeline.
         "data": {"source": "synthetic", "seq_length": seq, "synthetic": {"vocab_size": model["vocab_size"]}},
         "train": {"steps": 1000},
         "checkpoint": {"every": 200, "resume": True},
@@ -160,6 +160,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
         if (root / name).is_file():
             shutil.copyfile(root / name, keep / name)
     prov = cfg.get("fbt") if not stock else {"recipe_name": f"{root.name} (stock {cfg.get('model_type')})",
+                                              "source_model_type": cfg.get("model_type"),
                                               "steps": 0, "tokens_seen": 0, "pass_counts": {},
                                               "schedule": recipe.schedule.model_dump(mode="json")}
     (keep / "provenance.json").write_text(json.dumps(prov or {}, indent=1, sort_keys=True))
@@ -168,7 +169,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
                  "# mix runs from step 0); it cannot be switched on for a stock checkpoint without training.\n"
                  if stock and recipe.feedback.fusion != "off" else "")
               + "# data: synthetic tokens as written; for real training set data.source=pipeline with shards\n"
-              + "# tokenized by the model's tokenizer (hf_import/tokenizer.model when the source has one).\n")
+              + "# tokenized by the model's tokenizer: `fbt data prepare --tokenizer {}`.\n".format(out / IMPORT_DIR))
     (out / "recipe.yaml").write_text(header + yaml.safe_dump(recipe_data, sort_keys=False))
     log(f"imported {root} ({'stock ' + cfg['model_type'] if stock else 'FBT export'}) -> {path}")
     return path

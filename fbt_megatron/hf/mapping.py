@@ -47,27 +47,54 @@ def _same(hf: str, stock=None):
     return dict(to_hf=lambda v, m: {hf: v}, from_hf=lambda c: c.get(hf, stock))
 
 
+ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _rope(v, m):
-    """transformers 5 reads ``rope_parameters``, 4.x ``rope_theta``: both are written."""
-    return {"rope_theta": float(v), "rope_parameters": {"rope_type": "default", "rope_theta": float(v)}}
+    """transformers 5 reads ``rope_parameters``, 4.x ``rope_theta`` (and ``rope_scaling`` for Llama 3's
+    scaled RoPE): all are written."""
+    theta = float(v)
+    scaling = m.get("rope_scaling")
+    if not scaling:
+        return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    llama3 = {"rope_type": "llama3", **{k: scaling[k] for k in ROPE_SCALING_FIELDS}}
+    return {"rope_theta": theta, "rope_scaling": llama3, "rope_parameters": {**llama3, "rope_theta": theta}}
 
 
-def _rope_from(c):
-    """The RoPE base; scaled RoPE (Llama 3's ``llama3``, ``linear``, ``dynamic``, ``yarn``, ...) is refused by
-    name: fbt_megatron's rotary embedding has no scaling, and keeping only the base would change the
-    model. transformers 4.x writes it as ``rope_scaling``, 5.x as ``rope_parameters``."""
+def _rope_dicts(c) -> list[tuple[str, dict]]:
+    """(field, dict) of the RoPE settings present: 4.x writes ``rope_scaling``, 5.x ``rope_parameters``.
+    Only plain RoPE and Llama 3's ``llama3`` scaling convert; another (``linear``, ``dynamic``, ``yarn``,
+    ...) is refused by name: keeping only the base would change the model."""
+    out = []
     for key in ("rope_scaling", "rope_parameters"):
         rope = c.get(key) or {}
         if not isinstance(rope, dict):
-            raise ConversionError(f"{key}={rope!r}: only plain RoPE converts (a dict with rope_type 'default')")
+            raise ConversionError(f"{key}={rope!r}: only plain RoPE or rope_type 'llama3' converts (a dict)")
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise ConversionError(f"{key}.rope_type={kind!r} ({key}={rope}): scaled RoPE has no fbt_megatron "
-                                  "equivalent (its rotary embedding is plain RoPE), so the model would change; "
-                                  "allowed: 'default'")
+        if kind not in ("default", "llama3"):
+            raise ConversionError(f"{key}.rope_type={kind!r} ({key}={rope}): this scaled RoPE has no fbt_megatron "
+                                  "equivalent, so the model would change; allowed: 'default', 'llama3'")
+        out.append((key, rope))
+    return out
+
+
+def _rope_from(c):
+    """The RoPE base (theta)."""
+    _rope_dicts(c)
     rope = c.get("rope_parameters") or {}
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     return int(theta) if float(theta).is_integer() else theta
+
+
+def _rope_scaling_from(c):
+    """Llama 3's scaling parameters (``rope_type: llama3``), or None for plain RoPE."""
+    for key, rope in _rope_dicts(c):
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            missing = [k for k in ROPE_SCALING_FIELDS if k not in rope]
+            if missing:
+                raise ConversionError(f"{key} (rope_type 'llama3') lacks {missing}")
+            return {k: rope[k] for k in ROPE_SCALING_FIELDS}
+    return None
 
 
 OPTIONS: list[Option] = [
@@ -87,10 +114,13 @@ OPTIONS: list[Option] = [
     Option("model", "add_bias_linear", True,
            to_hf=lambda v, m: {"attention_bias": v, "mlp_bias": v},
            from_hf=lambda c: _bias_from(c)),
+    # Qwen2's q/k/v biases (families.py sets the field for a stock qwen2 config)
+    Option("model", "add_qkv_bias", False, **_same("qkv_bias", False)),
     Option("model", "vocab_size", None, **_same("vocab_size")),
     Option("model", "max_sequence_length", None, **_same("max_position_embeddings")),
     Option("model", "position_embedding_type", "rope", **_same("position_embedding_type", "rope")),
     Option("model", "rotary_base", 10000, to_hf=_rope, from_hf=_rope_from),
+    Option("model", "rope_scaling", None, to_hf=lambda v, m: {}, from_hf=_rope_scaling_from),  # written by _rope
     Option("model", "normalization", "LayerNorm", **_same("norm_type", "RMSNorm")),
     Option("model", "norm_epsilon", 1e-5, **_same("rms_norm_eps")),
     Option("model", "tie_embeddings", True, **_same("tie_word_embeddings", False)),
@@ -102,7 +132,7 @@ OPTIONS: list[Option] = [
     Option("feedback", "first_input", "embedding", **_same("feedback_first_input", LEGACY_FIRST_INPUT)),
 ]
 # Fields of the FBT config that a plain LlamaConfig does not have (left out of a --standard export).
-FBT_ONLY_FIELDS = ("norm_type", "mlp_gated", "position_embedding_type", "feedback_fusion", "feedback_bias",
+FBT_ONLY_FIELDS = ("norm_type", "mlp_gated", "qkv_bias", "position_embedding_type", "feedback_fusion", "feedback_bias",
                    "feedback_prefix_mixin", "feedback_first_input")
 
 
@@ -208,6 +238,7 @@ def weight_rows(model: ModelConfig, feedback: FeedbackConfig) -> list[Row]:
     ffn = model.ffn_hidden_size or 4 * d
     gated = g("activation", "gelu") == "swiglu"
     bias = g("add_bias_linear", True)
+    qkv_bias = bias or g("add_qkv_bias", False)
     layer_norm = model.normalization == "LayerNorm"
     qkv_rows = (heads + 2 * groups) * hd
     qkv_meta = {"heads": heads, "groups": groups, "head_dim": hd}
@@ -229,7 +260,7 @@ def weight_rows(model: ModelConfig, feedback: FeedbackConfig) -> list[Row]:
     qkv_names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     norm("self_attention.linear_qkv", "input_layernorm")
     layer("self_attention.linear_qkv.weight", [f"{n}.weight" for n in qkv_names], (qkv_rows, d), "qkv", qkv_meta)
-    if bias:
+    if qkv_bias:
         layer("self_attention.linear_qkv.bias", [f"{n}.bias" for n in qkv_names], (qkv_rows,), "qkv", qkv_meta)
     layer("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], (d, heads * hd))
     if bias:

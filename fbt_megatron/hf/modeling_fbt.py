@@ -7,7 +7,8 @@ cache, masks; ``GenerationMixin``: ``generate``), with three additions:
 
 - architecture variants of the Megatron GPT the checkpoint was trained as, chosen by config fields:
   ``norm_type`` (RMSNorm or LayerNorm), ``mlp_gated`` (SwiGLU or a plain ``act(up)`` -> ``down`` MLP),
-  ``position_embedding_type`` (rope or learned absolute positions added to the token embedding);
+  ``position_embedding_type`` (rope or learned absolute positions added to the token embedding),
+  ``qkv_bias`` (biases on the q/k/v projections only, as Qwen2);
 - the latent feedback fusion: ``x_t = (W_U s_t) * sigmoid(W_G e_t)`` (``feedback_fusion="glu"``) or
   ``W_U s_t + W_G e_t`` (``"additive"``), where ``s_t = (1 - a) h_{t-1} + a h_init`` is the fed-back
   top state (prefix mixin ``a``; ``h`` is the final-norm output). Where no previous state exists
@@ -72,6 +73,7 @@ class FBTConfig(LlamaConfig):
     norm_type: str = "RMSNorm"  # or "LayerNorm" (with bias), eps = rms_norm_eps
     mlp_gated: bool = True  # SwiGLU (Llama) or a plain up -> act -> down MLP (GPT)
     position_embedding_type: str = "rope"  # or "learned_absolute"
+    qkv_bias: bool = False  # biases on q/k/v only (Qwen2); attention_bias puts them on o_proj too
     feedback_fusion: str = "glu"
     feedback_bias: bool = False
     feedback_prefix_mixin: float = 0.0
@@ -148,6 +150,11 @@ class FBTModel(LlamaModel):
             layer.post_attention_layernorm = make_norm(config)
             if not config.mlp_gated:
                 layer.mlp = PlainMLP(config)
+            if config.qkv_bias and not config.attention_bias:
+                attn = layer.self_attn
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    old = getattr(attn, name)
+                    setattr(attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
         self.norm = make_norm(config)
         if config.position_embedding_type == "learned_absolute":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)

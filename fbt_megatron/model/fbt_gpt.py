@@ -83,6 +83,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
@@ -158,6 +159,15 @@ def _seeded_spec(spec, base_seed: int):
     return _seeded_layer_spec(spec, base_seed)
 
 
+def scale_rotary(rotary, scaling) -> None:
+    """Llama 3.x's RoPE scaling on Megatron's rotary embedding, by Megatron's own formula with all four
+    parameters (GPTModel passes only the factor, the others at Llama 3's values)."""
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings)
+
+
 class FBTGPTModel(MegatronModule):
     """The whole model, or under pipeline parallelism one stage of it: a slice of the layers
     (Megatron's layer offsets, so checkpoint keys carry global layer numbers), the embedding, the
@@ -212,6 +222,8 @@ class FBTGPTModel(MegatronModule):
                 pre_process=first,
                 post_process=last,
             )
+        if model.rope_scaling is not None and model.position_embedding_type == "rope":
+            scale_rotary(self.gpt.rotary_pos_emb, model.rope_scaling)
         if config.use_cpu_initialization and last and not model.tie_embeddings:
             head_seed = int(torch.randint(2**62, (1,), generator=torch.Generator().set_state(rng_before)))
             vocab.reinit_logical_rows(self.gpt.output_layer.weight, model.vocab_size, config.init_method_std, head_seed)

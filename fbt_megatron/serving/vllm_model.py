@@ -65,6 +65,9 @@ def check_servable(config) -> None:
     """Raise naming each config field vLLM's Llama stack cannot serve."""
     wrong = [f"{k}={getattr(config, k, v)!r} (served: {v!r})" for k, v in LLAMA_CLASS.items()
              if getattr(config, k, v) != v]
+    if getattr(config, "qkv_bias", False) and not getattr(config, "attention_bias", False):
+        wrong.append("qkv_bias=True (served: false; vLLM's Llama puts attention biases on q/k/v and o_proj "
+                     "together, and Qwen2-style q/k/v-only biases are not wired in the plugin)")
     if getattr(config, "feedback_fusion", "glu") not in ("glu", "additive", "off"):
         wrong.append(f"feedback_fusion={config.feedback_fusion!r} (served: 'glu', 'additive', 'off')")
     if getattr(config, "feedback_first_input", "embedding") not in ("embedding", "state"):

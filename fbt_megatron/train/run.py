@@ -198,7 +198,10 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
 
     # The run's tokenizer travels with every checkpoint (as with an HF export): `fbt generate`/`fbt eval`
     # work from anywhere, also when the recipe named it by a path relative to where training ran.
-    tokenizer_file = ({"tokenizer.model": Path(data_pipeline_config(recipe).tokenizer)}
+    from data_pipeline.tokenizer import tokenizer_files
+
+    # tokenizer.model, or tokenizer.json with its tokenizer_config.json / special_tokens_map.json
+    tokenizer_file = (tokenizer_files(data_pipeline_config(recipe).tokenizer)
                       if recipe.data.source == "pipeline" else None)
     tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
 

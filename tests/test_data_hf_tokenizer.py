@@ -1,0 +1,113 @@
+"""`fbt data prepare --tokenizer` with a Hugging Face tokenizer (a tokenizer.json or a model directory):
+the shards hold the ids transformers' own fast tokenizer gives (no special tokens; each document ends with
+the tokenizer's EOS in the stream), the identity is the hash of its files and the loader refuses another,
+and `to-hf` writes the tokenizer back unchanged (the same ids)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from data_pipeline.errors import TokenizerMismatchError
+from data_pipeline.testing import train_hf_bpe
+
+TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits", "x = 'mixed' + \"quotes\"\n",
+         "The river ran past the stone garden; seven windows, twelve lights.", "naïve café — ünïcödé ✓"]
+CORPUS = [t * (1 + i % 3) for i, t in enumerate(TEXTS * 8)]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_hf_bpe(CORPUS, tmp_path_factory.mktemp("tok") / "llama3ish")
+
+
+def _reference(tok_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+
+
+def test_prepare_with_hf_tokenizer_gives_transformers_ids(tok_dir, tmp_path):
+    from data_pipeline.prepare import prepare_dataset
+    from data_pipeline.shards import Dataset, DatasetReader
+    from data_pipeline.tokenizer import tokenizer_hash
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    index = prepare_dataset([str(src)], tmp_path / "ds", tok_dir, num_workers=2, shard_bytes=400, progress=False)
+    ref = _reference(tok_dir)
+    assert index["tokenizer_hash"] == tokenizer_hash(tok_dir) and index["num_shards"] > 1
+    assert index["eos_id"] == ref.convert_tokens_to_ids("<|end_of_text|>")
+    reader = DatasetReader(Dataset.load(tmp_path / "ds", tokenizer_hash=index["tokenizer_hash"]))
+    for sid, text in enumerate(CORPUS):
+        assert reader.get(sid).tolist() == ref.encode(text, add_special_tokens=False)
+    reader.close()
+
+    # Another tokenizer (the same tokenizer.json with another EOS in its config) is another identity.
+    other = tmp_path / "other"
+    shutil.copytree(tok_dir, other)
+    (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|begin_of_text|>"}))
+    with pytest.raises(TokenizerMismatchError, match=f"built with tokenizer {index['tokenizer_hash']}"):
+        Dataset.load(tmp_path / "ds", tokenizer_hash=tokenizer_hash(other))
+
+
+def test_hf_tokenizer_eos_rule(tok_dir, tmp_path):
+    from data_pipeline.tokenizer import load_tokenizer
+
+    bare = tmp_path / "bare" / "tokenizer.json"  # no config: the first known EOS name in the vocabulary
+    bare.parent.mkdir()
+    shutil.copyfile(tok_dir / "tokenizer.json", bare)
+    ref = _reference(tok_dir)
+    assert load_tokenizer(bare).eos_id() == ref.convert_tokens_to_ids("<|end_of_text|>")
+    assert load_tokenizer(tok_dir).bos_id() == ref.convert_tokens_to_ids("<|begin_of_text|>")
+    data = json.loads(bare.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|end_of_text|>"]
+    vocab = data["model"]["vocab"]
+    vocab.pop("<|end_of_text|>", None)
+    bare.write_text(json.dumps(data))
+    with pytest.raises(TokenizerMismatchError, match="has no EOS token"):
+        load_tokenizer(bare)
+    (bare.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(TokenizerMismatchError, match="eos_token '<\\|nope\\|>' is not in its vocabulary"):
+        load_tokenizer(bare.parent)
+
+
+def test_to_hf_writes_the_tokenizer_back_unchanged(tok_dir, tmp_path):
+    """A bare tokenizer.json (no config) and a model directory both come back byte-identical, with the
+    same ids, and the export names the data pipeline's EOS."""
+    from transformers import PreTrainedTokenizerFast
+
+    from fbt_megatron.hf.export import given_tokenizer, write_tokenizer
+
+    ref = _reference(tok_dir)
+    for name, source in (("dir", tok_dir), ("file", tok_dir / "tokenizer.json")):
+        out = tmp_path / name
+        out.mkdir()
+        tokens = write_tokenizer(given_tokenizer(source), out, vocab_size=1000, max_length=64)
+        assert (out / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+        back = PreTrainedTokenizerFast.from_pretrained(str(out))
+        assert tokens["eos_token_id"] == ref.convert_tokens_to_ids("<|end_of_text|>") == back.eos_token_id
+        for text in TEXTS:
+            assert back.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+
+
+def test_chat_data_with_hf_tokenizer_is_refused_by_name(tok_dir, tmp_path):
+    from data_pipeline.chat import ChatError, prepare_chat
+
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    with pytest.raises(ChatError, match="is a Hugging Face tokenizer"):
+        prepare_chat([str(src)], tmp_path / "out", tok_dir, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_tokenizer_load_copies_a_model_directory(tok_dir, tmp_path, capsys):
+    """`fbt data tokenizer --load DIR --out OUT`: OUT gets the tokenizer's files and the same identity."""
+    from data_pipeline.tokenizer import tokenizer_hash
+    from fbt_megatron.cli import main
+
+    assert main(["data", "tokenizer", "--load", str(tok_dir), "--out", str(tmp_path / "copy")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["hash"] == tokenizer_hash(tok_dir) == tokenizer_hash(tmp_path / "copy")
+    assert printed["eos_id"] == _reference(tok_dir).convert_tokens_to_ids("<|end_of_text|>")
