@@ -62,9 +62,14 @@ def case_model(full_state, mode, loss_on, local_value, packed=False):
 
 def whole_model_reference(full_state, cases):
     """PP=1 in this process: per case, the loss, gradient norm and full gradients."""
+    import torch.distributed as dist
+
     mbs = micro_batches()
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
+    sizes = []  # elements of every tensor this rank sends or receives point to point
+    real_batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: sizes.extend(op.tensor.numel() for op in ops) or real_batch(ops)
     for k, mode, loss_on in cases:
         model = case_model(full_state, mode, loss_on, lambda model, n, p: full_state[n])
         loss = 0.0
@@ -86,9 +91,14 @@ def pipelined(full_state, cases, packed=False):
     the full (TP-unsharded) gradients of this stage's parameters under their PP=1 names."""
     from fbt_megatron.engine import model_parallel_grad_norm
 
+    import torch.distributed as dist
+
     mbs = micro_batches()
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
+    sizes = []  # elements of every tensor this rank sends or receives point to point
+    real_batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: sizes.extend(op.tensor.numel() for op in ops) or real_batch(ops)
     for k, mode, loss_on in cases:
         model = case_model(full_state, mode, loss_on, lambda model, n, p: shard(full_state[global_name(model, n)], p),
                            packed=packed)
@@ -106,6 +116,8 @@ def pipelined(full_state, cases, packed=False):
                                        "norm": model_parallel_grad_norm(list(model.parameters())),
                                        "gate_calls": len(gate_calls) if model.feedback is not None else None,
                                        "layout": stage_layout(model), "marked": marked}
+    dist.batch_isend_irecv = real_batch
+    results["message_sizes"] = sorted(set(sizes))
     return results
 
 
@@ -178,6 +190,7 @@ def test_pp2_equals_pp1(full_state_and_reference):
     per_rank = run_distributed(pipelined, 2, full_state, CASES, layout=ParallelLayout(pipeline=2))
     check_layout(per_rank, tp=1)
     check(reference, per_rank, CASES)
+    assert all(r["message_sizes"] == [10 * 2 * 32] for r in per_rank)  # [S, B, D] whole
 
 
 def test_pp2_tp2_equals_pp1(full_state_and_reference):
@@ -186,6 +199,8 @@ def test_pp2_tp2_equals_pp1(full_state_and_reference):
     per_rank = run_distributed(pipelined, 4, full_state, cases, layout=ParallelLayout(tensor=2, pipeline=2))
     check_layout(per_rank, tp=2)
     check(reference, per_rank, cases)
+    # each TP rank sends and receives its half of [S, B, D] (Megatron's scatter/gather over TP)
+    assert all(r["message_sizes"] == [10 * 2 * 32 // 2] for r in per_rank), [r["message_sizes"] for r in per_rank]
 
 
 def test_pp2_packed_sequences_equal_pp1_mask_path(full_state_and_reference):

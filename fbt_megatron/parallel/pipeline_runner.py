@@ -66,6 +66,7 @@ class PipelineRunner:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.tp_group = ps.get_tensor_model_parallel_group()
         self.first = self.stage == 0
         self.last = self.stage == self.stages - 1
         gpt = model.gpt
@@ -113,7 +114,8 @@ class PipelineRunner:
         dtype = model.config.params_dtype
         clock = StepClock(device) if timings else None
         channel = Channel(schedule, self.stage, self.stage_ranks, self.pp_group,
-                           (seq_len, batch, model.config.hidden_size), dtype, device, clock=clock)
+                           (seq_len, batch, model.config.hidden_size), dtype, device, clock=clock,
+                           tp_group=self.tp_group)
         self._tied_leaf = None
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
