@@ -9,7 +9,8 @@ lone ``irecv`` can deadlock; the round order cannot (the argument is in :func:`m
 p2p). A sent tensor is dropped as soon as its batch completes, right after the op that made it.
 Under tensor parallelism each TP rank sends and receives only its 1/TP share of a message and the stage
 all-gathers the whole over TP (Megatron's ``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor``):
-the TP ranks of a stage hold the same activations and gradients (no sequence parallelism here).
+the TP ranks of a stage hold the same activations and gradients. Under sequence parallelism they hold
+different chunks, and each sends its own [S/TP, B, D] chunk instead.
 """
 
 from __future__ import annotations
