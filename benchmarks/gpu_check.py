@@ -114,10 +114,12 @@ def _loss_and_grads(model, batch, passes: int):
     import torch
 
     model.zero_grad(set_to_none=True)
-    out = model(batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"], num_passes=passes)
+    # the training jitter from a seeded generator: the models compared draw the same noise
+    out = model(batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"], num_passes=passes,
+                jitter_seed=7)
     loss = out.token_loss.float().mean()
     loss.backward()
-    return float(loss), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _worst_grad(a: dict, b: dict) -> tuple[str, float]:
@@ -192,7 +194,8 @@ def _sync_count(layers: int) -> int:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             model.zero_grad(set_to_none=True)
-            out = model(batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"], num_passes=3)
+            out = model(batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"], num_passes=3,
+                        jitter_seed=7)
             out.token_loss.float().mean().backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)

@@ -194,8 +194,6 @@ class Recipe(Section):
             if p.zero_stage == 3:
                 raise ValueError("parallel.zero_stage=3 is not supported with parallel.pipeline > 1; "
                                  "allowed: 0, 1, 2")
-            if p.sequence_parallel:
-                raise ValueError("parallel.sequence_parallel is not supported with parallel.pipeline > 1")
         self.model.check_tensor_parallel(self.parallel.tensor)
         return self
 

@@ -49,10 +49,11 @@ def global_name(model, name: str) -> str:
     return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
-def case_model(full_state, mode, loss_on, local_value, packed=False):
+def case_model(full_state, mode, loss_on, local_value, packed=False, sequence_parallel=False):
     """The case's model (this rank's part), its parameters filled by ``local_value(model, name, p)``;
     ``packed``: the packed-sequence (THD, cu_seqlens) attention the GPU runs, emulated on CPU."""
-    model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on), packed=packed)
+    model = build_model(tiny_model_config(**MODEL), feedback(grad_mode=mode, loss_on=loss_on), packed=packed,
+                        sequence_parallel=sequence_parallel)
     assert model.packed == packed
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -62,9 +63,14 @@ def case_model(full_state, mode, loss_on, local_value, packed=False):
 
 def whole_model_reference(full_state, cases):
     """PP=1 in this process: per case, the loss, gradient norm and full gradients."""
+    import torch.distributed as dist
+
     mbs = micro_batches()
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
+    sizes = []  # elements of every tensor this rank sends or receives point to point
+    real_batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: sizes.extend(op.tensor.numel() for op in ops) or real_batch(ops)
     for k, mode, loss_on in cases:
         model = case_model(full_state, mode, loss_on, lambda model, n, p: full_state[n])
         loss = 0.0
@@ -81,17 +87,22 @@ def whole_model_reference(full_state, cases):
     return results
 
 
-def pipelined(full_state, cases, packed=False):
+def pipelined(full_state, cases, packed=False, sequence_parallel=False):
     """PP>1 on this rank: per case, loss, gradient norm (each parameter once over PP and TP) and
     the full (TP-unsharded) gradients of this stage's parameters under their PP=1 names."""
     from fbt_megatron.engine import model_parallel_grad_norm
 
+    import torch.distributed as dist
+
     mbs = micro_batches()
     tokens = sum(b["loss_mask"].sum() for b in mbs)
     results = {}
+    sizes = []  # elements of every tensor this rank sends or receives point to point
+    real_batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: sizes.extend(op.tensor.numel() for op in ops) or real_batch(ops)
     for k, mode, loss_on in cases:
         model = case_model(full_state, mode, loss_on, lambda model, n, p: shard(full_state[global_name(model, n)], p),
-                           packed=packed)
+                           packed=packed, sequence_parallel=sequence_parallel)
         gate_calls = []  # first stage: W_G e once per micro-batch, not once per pass (never for 1 pass)
         if model.feedback is not None:
             model.feedback.gate.register_forward_hook(lambda *a: gate_calls.append(1))
@@ -100,12 +111,20 @@ def pipelined(full_state, cases, packed=False):
         marked = [n for n, p in model.named_parameters() if getattr(p, "ds_pipe_replicated", False)]
         out = runner.run(mbs, k, training=True, scale=1.0 / float(tokens),
                          jitter_seeds=[100 + i for i in range(len(mbs))])
+        if sequence_parallel:  # norms see a chunk of the sequence each: summed over TP, as the engine does
+            from megatron.core import parallel_state as ps
+
+            for p in model.parameters():
+                if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         grads = {global_name(model, n): None if p.grad is None else unshard(p.grad, p)
                  for n, p in model.named_parameters()}
         results[(k, mode, loss_on)] = {"loss": float(out.loss_sum) / float(tokens), "grads": grads,
                                        "norm": model_parallel_grad_norm(list(model.parameters())),
                                        "gate_calls": len(gate_calls) if model.feedback is not None else None,
                                        "layout": stage_layout(model), "marked": marked}
+    dist.batch_isend_irecv = real_batch
+    results["message_sizes"] = sorted(set(sizes))
     return results
 
 
@@ -178,6 +197,7 @@ def test_pp2_equals_pp1(full_state_and_reference):
     per_rank = run_distributed(pipelined, 2, full_state, CASES, layout=ParallelLayout(pipeline=2))
     check_layout(per_rank, tp=1)
     check(reference, per_rank, CASES)
+    assert all(r["message_sizes"] == [10 * 2 * 32] for r in per_rank)  # [S, B, D] whole
 
 
 def test_pp2_tp2_equals_pp1(full_state_and_reference):
@@ -186,6 +206,22 @@ def test_pp2_tp2_equals_pp1(full_state_and_reference):
     per_rank = run_distributed(pipelined, 4, full_state, cases, layout=ParallelLayout(tensor=2, pipeline=2))
     check_layout(per_rank, tp=2)
     check(reference, per_rank, cases)
+    # each TP rank sends and receives its half of [S, B, D] (Megatron's scatter/gather over TP)
+    assert all(r["message_sizes"] == [10 * 2 * 32 // 2] for r in per_rank), [r["message_sizes"] for r in per_rank]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["mask", "packed"])
+def test_pp2_tp2_sequence_parallel_equals_pp1(full_state_and_reference, packed):
+    """TP=2 with sequence parallelism and PP=2 (the layout large models use): the stages exchange each TP
+    rank's [S/TP, B, D] chunk, the first stage gathers the fed-back state for the fusion; with packed
+    documents each micro-batch's rows run as one row. Equals PP=1 (3 passes, loss mean)."""
+    full_state, reference = full_state_and_reference
+    cases = [(3, "all", "mean")]
+    per_rank = run_distributed(pipelined, 4, full_state, cases, packed, True, layout=ParallelLayout(tensor=2, pipeline=2))
+    check_layout(per_rank, tp=2)
+    check(reference, per_rank, cases)
+    chunk = (10 * 2 if packed else 10) // 2 * (1 if packed else 2) * 32  # [S/TP, B, D]; packed: [B*S/TP, 1, D]
+    assert all(r["message_sizes"] == [chunk] for r in per_rank), [r["message_sizes"] for r in per_rank]
 
 
 def test_pp2_packed_sequences_equal_pp1_mask_path(full_state_and_reference):

@@ -224,7 +224,7 @@ def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpu
         for mb in (16, 8, 4, 2, 1):
             if global_batch % (mb * dp):
                 continue
-            lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1 and pp == 1)  # no SP with PP > 1
+            lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1)
             mem = memory_per_gpu(shape, lay, dp, passes_kept, **mem_kw)
             if mem.total <= capacity:
                 key = (zero == 3, tp * pp, pp, zero, -mb)
@@ -283,8 +283,8 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
         suggestion = suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node) \
             or suggest_layout(shape, gpus, g, capacity, passes_kept, mem_kw, gpus_per_node, allow_pp=True)
         if suggestion and suggestion[0].pp > 1:
-            warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 and no "
-                            "sequence parallelism there, docs/pipeline.md)")
+            warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 there, "
+                            "docs/pipeline.md)")
     single = shape.step_flops_per_token(1, grad_mode)
     factor = pass_factor(mix, grad_mode, shape) if recipe.feedback.fusion != "off" else 1.0
     tokens_per_step = recipe.tokens_per_step

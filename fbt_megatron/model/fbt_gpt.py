@@ -364,16 +364,22 @@ class FBTGPTModel(MegatronModule):
         """Packed attention under sequence parallelism: the B rows end to end as one row (each row start
         a document start), so the sequence split gives each TP rank a contiguous 1/TP of the packed tokens
         (Megatron's SP + THD layout); outputs come back in the rows' shapes. Each row's tokens see the same
-        documents, positions and fed-back states as before: rows never share a document. Only the training
-        jitter differs: its noise is drawn in the packed order (the same distribution, another draw)."""
+        documents, positions and fed-back states as before: rows never share a document; the training jitter
+        is drawn in the rows' order (``LatentFeedback.rows_as_one``)."""
         batch, seq_len = input_ids.shape
         starts = reset_positions(doc_start, batch, seq_len, input_ids.device).t()  # [B, S], row starts set
 
         def one_row(t):
             return None if t is None else t.reshape(1, -1)
 
-        out = self.forward(one_row(input_ids), one_row(position_ids), one_row(starts), one_row(labels),
-                           num_passes, jitter_seed)
+        if self.feedback is not None:
+            self.feedback.rows_as_one = batch
+        try:
+            out = self.forward(one_row(input_ids), one_row(position_ids), one_row(starts), one_row(labels),
+                               num_passes, jitter_seed)
+        finally:
+            if self.feedback is not None:
+                self.feedback.rows_as_one = None
         return FBTOutput(token_loss=None if out.token_loss is None else out.token_loss.reshape(batch, seq_len),
                          logits=None if out.logits is None else out.logits.reshape(batch, seq_len, -1),
                          hidden=from_packed(out.hidden, batch), pass_residuals=out.pass_residuals)

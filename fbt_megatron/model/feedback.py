@@ -60,6 +60,9 @@ class LatentFeedback(MegatronModule):
         self.feedback = feedback
         self.mode = feedback.fusion
         self.sequence_parallel = config.sequence_parallel
+        # B while a micro-batch's B rows run laid end to end as one row (packed attention under sequence
+        # parallelism): the jitter is then drawn as for the B rows, so the layouts train alike.
+        self.rows_as_one: int | None = None
         hidden = config.hidden_size
         # The fusion sees full-sequence inputs (the shift crosses sequence-parallel chunks), so its
         # linears are built without sequence parallelism; the output is redistributed explicitly.
@@ -127,7 +130,13 @@ class LatentFeedback(MegatronModule):
         a = self.feedback.prefix_mixin
         state = (1.0 - a) * top_state + a * self.initial_state if a else top_state
         if self.training and self.feedback.jitter_std > 0:
-            noise = torch.randn(state.shape, generator=generator, device=state.device, dtype=state.dtype)
+            shape = state.shape
+            if self.rows_as_one and shape[1] == 1:  # drawn in the rows' [S, B, D] order, laid end to end
+                rows = self.rows_as_one
+                noise = torch.randn((shape[0] // rows, rows, shape[2]), generator=generator, device=state.device,
+                                    dtype=state.dtype).transpose(0, 1).reshape(shape)
+            else:
+                noise = torch.randn(shape, generator=generator, device=state.device, dtype=state.dtype)
             state = state + self.feedback.jitter_std * noise
         return state
 

@@ -18,8 +18,9 @@ switch needs:
   LayerNorm only; RMSNorm is a torch norm there);
 - ``gradient_accumulation_fusion``: writes into Megatron DDP's ``param.main_grad``, which DeepSpeed does
   not provide: always off here (DeepSpeed accumulates in fp32 itself, see ``engine/engine.py``);
-- ``apply_rope_fusion``: TE's fused RoPE takes one position table for the whole batch; per-document
-  positions need the unfused path: off.
+- ``apply_rope_fusion``: off here; TE's fused bshd RoPE takes one position table for the whole batch, and
+  the dense paths need per-document positions. The model turns it on exactly when attention runs packed
+  on TE (``FBTGPTModel``): TE's fused THD RoPE restarts positions at every packed sequence.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ rank run in issue order on one stream and a send waits for its receive, so recei
 lone ``irecv`` can deadlock; the round order cannot (the argument is in :func:`message_plan`, and
 ``tests/test_pipeline_messages.py`` replays every schedule against a model of stream-ordered blocking
 p2p). A sent tensor is dropped as soon as its batch completes, right after the op that made it.
+Under tensor parallelism each TP rank sends and receives only its 1/TP share of a message and the stage
+all-gathers the whole over TP (Megatron's ``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor``):
+the TP ranks of a stage hold the same activations and gradients. Under sequence parallelism they hold
+different chunks, and each sends its own [S/TP, B, D] chunk instead.
 """
 
 from __future__ import annotations
@@ -95,9 +99,20 @@ class Channel:
     op that produced it; a received one is held until its op takes it (:meth:`recv`)."""
 
     def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], group, shape, dtype, device,
-                 clock=None):
+                 clock=None, tp_group=None):
         self.stage, self.ranks, self.group = stage, stage_ranks, group
         self.shape, self.dtype, self.device = shape, dtype, device
+        # Tensor parallelism without sequence parallelism: every TP rank of a stage holds the same
+        # activations and gradients, so each sends and receives its 1/TP share and the stage all-gathers
+        # the whole over TP (Megatron's scatter/gather of pipeline tensors), TP times less p2p traffic.
+        self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
+        numel = 1
+        for n in shape:
+            numel *= n
+        if self.tp_group is not None and numel % self.tp_group.size():
+            raise ValueError(f"pipeline message of {shape} ({numel} elements) does not split over "
+                             f"{self.tp_group.size()} tensor-parallel ranks")
+        self.message_numel = numel // (self.tp_group.size() if self.tp_group is not None else 1)
         self.plan = message_plan(schedule, stage)
         self.tags = {msg: i for order in _message_orders(schedule).values() for i, msg in enumerate(order)}
         self.next = 0  # the first batch of the plan not yet issued
@@ -108,7 +123,12 @@ class Channel:
         self.peak_held = 0  # most tensors held in the outbox and inbox at once
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
-        self.outbox[msg] = tensor.detach().contiguous()
+        tensor = tensor.detach().contiguous()
+        if self.tp_group is not None:  # this TP rank's share (a view; Megatron's split)
+            from megatron.core.tensor_parallel.utils import split_tensor_into_1d_equal_chunks
+
+            tensor = split_tensor_into_1d_equal_chunks(tensor, tp_group=self.tp_group)
+        self.outbox[msg] = tensor
         self.peak_held = max(self.peak_held, len(self.outbox) + len(self.inbox))
 
     def recv(self, msg) -> torch.Tensor:
@@ -127,7 +147,8 @@ class Channel:
                     ops.append(dist.P2POp(dist.isend, self.outbox.pop(msg), self.ranks[peer], self.group,
                                           self.tags[msg]))
                 else:
-                    buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    buffer = torch.empty(self.message_numel if self.tp_group is not None else self.shape,
+                                         dtype=self.dtype, device=self.device)
                     ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[peer], self.group, self.tags[msg]))
                     received.append((msg, buffer))
             start = self.clock.mark() if self.clock else None
@@ -135,6 +156,11 @@ class Channel:
                 work.wait()
             if self.clock:
                 self.waits.append((start, self.clock.mark()))
+            if self.tp_group is not None:  # the whole from every TP rank's share (Megatron's gather)
+                from megatron.core.tensor_parallel.utils import gather_split_1d_tensor
+
+                received = [(msg, gather_split_1d_tensor(b, tp_group=self.tp_group).view(self.shape))
+                            for msg, b in received]
             self.inbox.update(received)
             self.peak_held = max(self.peak_held, len(self.outbox) + len(self.inbox))
             self.next += 1

@@ -48,6 +48,18 @@ class _MicroBatch:
     previous_top: torch.Tensor | None = None  # last stage: the previous pass's top state (residuals)
 
 
+def rows_as_one(batch: dict) -> dict:
+    """A micro-batch's B rows end to end as one row, each row start a document start: packed attention
+    under sequence parallelism (``FBTGPTModel._rows_as_one``, the whole model's form of the same)."""
+    from fbt_megatron.model.fbt_gpt import reset_positions
+
+    rows, seq = batch["input_ids"].shape
+    out = {k: (v.reshape(1, -1) if torch.is_tensor(v) and v.shape[:2] == (rows, seq) else v) for k, v in batch.items()}
+    starts = reset_positions(batch.get("doc_start"), rows, seq, batch["input_ids"].device).t()
+    out["doc_start"] = starts.reshape(1, -1)
+    return out
+
+
 def _default_backward(tensors, grads) -> None:
     torch.autograd.backward(tensors, grads)
 
@@ -66,13 +78,16 @@ class PipelineRunner:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.tp_group = ps.get_tensor_model_parallel_group()
         self.first = self.stage == 0
         self.last = self.stage == self.stages - 1
         gpt = model.gpt
         self.tied = gpt.share_embeddings_and_output_weights and self.stages > 1 and (self.first or self.last)
         self.embedding_group = ps.get_embedding_group() if self.tied else None
-        if model.config.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel with parallel.pipeline > 1 is not supported")
+        # Sequence parallelism: the stages exchange each TP rank's own [S/TP, B, D] chunk (no TP
+        # scatter/gather: the chunks differ); the first stage gathers the fed-back state to the whole
+        # sequence for the fusion, as the whole model does.
+        self.sequence_parallel = model.config.sequence_parallel
         # A collective on the stage group before its first batch_isend_irecv: on NCCL, a batch that is
         # the group's first collective must include every rank of the group (torch's documentation),
         # and the first round of a schedule involves only the first two stages.
@@ -93,6 +108,12 @@ class PipelineRunner:
         from fbt_megatron.parallel.runner import StepGradients, engine_backward, finish_backward, to_device
 
         micro_batches = [to_device(b, device) for b in micro_batches]  # the schedule holds them all
+        rows = None
+        if self.sequence_parallel and self.model.packed and micro_batches:  # packed under SP: rows as one row
+            rows = micro_batches[0]["input_ids"].shape[0]
+            micro_batches = [rows_as_one(b) for b in micro_batches]
+        if self.model.feedback is not None:
+            self.model.feedback.rows_as_one = rows  # the jitter drawn as for the rows (the whole model's way)
 
         through_engine = backward is None and self.engine is not None
         collected = None  # ZeRO-2: the step's gradients reach DeepSpeed in one backward (StepGradients)
@@ -112,8 +133,11 @@ class PipelineRunner:
         device = micro_batches[0]["input_ids"].device
         dtype = model.config.params_dtype
         clock = StepClock(device) if timings else None
+        tp = model.config.tensor_model_parallel_size
+        chunk = seq_len // tp if self.sequence_parallel else seq_len
         channel = Channel(schedule, self.stage, self.stage_ranks, self.pp_group,
-                           (seq_len, batch, model.config.hidden_size), dtype, device, clock=clock)
+                          (chunk, batch, model.config.hidden_size), dtype, device, clock=clock,
+                          tp_group=None if self.sequence_parallel else self.tp_group)
         self._tied_leaf = None
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
@@ -150,6 +174,8 @@ class PipelineRunner:
         dist.all_reduce(sums, group=self.pp_group)  # lives on the last stage: give it to every stage
         dist.all_reduce(self._residual_max, op=dist.ReduceOp.MAX, group=self.pp_group)
         self._mbs, self._saved = [], {}
+        if self.model.feedback is not None:
+            self.model.feedback.rows_as_one = None
         if collected is not None:
             collected.finish(self.engine)
         elif through_engine and training:
@@ -172,12 +198,14 @@ class PipelineRunner:
                 if model.feedback is None:
                     x = embedded
                 else:
+                    top = None
                     if j > 0:
                         ring_in = ctx["channel"].recv(("ring", self.stages - 1, b, j - 1))
                         if grad and j - 1 in ctx["grad_passes"]:
                             ring_in.requires_grad_()
+                        top = model._full_sequence(ring_in)  # SP: this rank's chunk -> the whole sequence
                     gate = mb.gate if owner else mb.gate_leaf
-                    x = model.feedback.pass_input(ring_in, embedded, gate, mb.reset, mb.generator)
+                    x = model.feedback.pass_input(top, embedded, gate, mb.reset, mb.generator)
             else:
                 x = ctx["channel"].recv(("act", self.stage - 1, b, j))
                 if grad:
@@ -187,14 +215,16 @@ class PipelineRunner:
             if self.last:
                 loss = self._head(mb, out, j, grad)
         if self.last:
+            with torch.no_grad():
+                full = model._full_sequence(out.detach()) if k > 1 else None  # SP: residuals of the whole
             if j > 0:
                 with torch.no_grad():
                     prev = mb.previous_top
-                    r = ((out - prev).norm() / prev.norm().clamp_min(1e-12)).double()
+                    r = ((full - prev).norm() / prev.norm().clamp_min(1e-12)).double()
                     self._residuals[j - 1] += r
                     if j == k - 1:
                         self._residual_max = torch.maximum(self._residual_max, r)
-            mb.previous_top = out.detach() if j < k - 1 else None
+            mb.previous_top = full if j < k - 1 else None
             if j < k - 1:
                 ctx["channel"].send(("ring", self.stage, b, j), 0, out)
         else:
@@ -224,7 +254,7 @@ class PipelineRunner:
         with torch.set_grad_enabled(bool(ctx["grad_passes"])):
             mb.embedded = model.embed(ids, mb.attention[2], word_weight=self._tied_leaf)
             if model.feedback is not None and model.feedback.needs_token_gate(ctx["k"]):
-                mb.gate = model.feedback.token_gate(mb.embedded)
+                mb.gate = model.feedback.token_gate(model._full_sequence(mb.embedded))
         if len(ctx["grad_passes"]) > 1:  # one graph per pass: the others read leaves
             mb.embedded_leaf = mb.embedded.detach().requires_grad_()
             if mb.gate is not None:
