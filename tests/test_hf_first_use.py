@@ -361,10 +361,12 @@ def _on_a_terminal(argv: list[str], cwd: Path, env: dict, timeout_s: float = 300
     master, slave = pty.openpty()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
+    poller = select.poll()
+    poller.register(master, select.POLLIN)
     out, deadline = b"", time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            if select.select([master], [], [], 1.0)[0]:
+            if poller.poll(1000):  # poll, not select: select() refuses descriptors >= 1024
                 try:
                     chunk = os.read(master, 65536)
                 except OSError:  # EIO: every holder of the terminal's other end has closed it
