@@ -341,6 +341,11 @@ def adopt_checkpoint_rule(recipe: Recipe, saved: dict, where) -> str | None:
         taken.append(f"feedback.{name}={trained[name]!r}")
     if not taken:
         return None
+    try:  # what the recipe's own checks refuse stays refused with the checkpoint's values in place
+        Recipe.model_validate(recipe.model_dump())
+    except ValidationError as err:
+        raise RecipeError(f"the checkpoint {where} was trained with {', '.join(taken)}, which this recipe cannot "
+                          f"run: {format_validation_error(err)}") from None
     return f"{', '.join(taken)} (what the checkpoint {where} was trained with; the recipe does not set it)"
 
 

@@ -102,3 +102,24 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]
     assert json.loads((out / "feedback_study_tiny_smoke.json").read_text())["comparisons"] == data["comparisons"]
+
+
+def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
+    """Paired differences from hand-made read-outs: k-pass - 1-pass within a run, and the mode with the
+    lowest mean over seeds (not each seed's minimum) against the standard model of the same seed."""
+    from fbt_megatron.research.study import summarise
+
+    def ro(**losses):
+        return {"seq_length": 8, "val_loss": {k.lstrip("p"): v for k, v in losses.items()}}
+
+    readouts = {"standard_seed1": ro(p1=4.0), "standard_seed2": ro(p1=4.2),
+                "fbt_seed1": ro(p1=4.5, p2=4.1, p3=4.3, p8=3.9), "fbt_seed2": ro(p1=4.4, p2=4.2, p3=4.1, p8=4.5),
+                "standard_compute_fbt_seed1": ro(p1=3.8)}
+    rows = summarise({n: {} for n in readouts}, readouts)["fbt"]
+    mean, err, n = rows["2-pass - 1-pass"]
+    assert (mean, n) == (pytest.approx(-0.3), 2) and err == pytest.approx(0.1)  # stdev(-0.4, -0.2) / sqrt(2)
+    assert rows["exact - 1-pass"][0] == pytest.approx((-0.6 + 0.1) / 2)
+    # means: 1: 4.45, 2: 4.15, 3: 4.2, 8: 4.2 -> 2 passes (each seed's minimum would be 3.9 and 4.1)
+    assert rows["best mode"] == "2"
+    assert rows["best mode - standard (equal tokens)"][0] == pytest.approx(((4.1 - 4.0) + (4.2 - 4.2)) / 2)
+    assert rows["best mode - standard (equal compute)"][:3:2] == (pytest.approx(4.1 - 3.8), 1)

@@ -340,3 +340,15 @@ def test_bad_checkpoints_fail_clearly(exported, tmp_path):
     with pytest.raises(ConversionError, match=r"linear_fc1.weight' has shape \(2, 256, 64\).*expects \(2, 128, 64\)"):
         export_checkpoint(mismatched, tmp_path / "out3", log=lambda *a: None)
     assert not (tmp_path / "out1" / "config.json").exists()
+
+
+def test_bounded_mixin_travels_through_export_and_import(exported):
+    """The learned variant trains with the bounded mixin: its export names it (W_U written as applied)
+    and the import's recipe trains with it again, so a continued run keeps the bound."""
+    from fbt_megatron.hf.mapping import recipe_sections
+
+    config = json.loads((exported["learned"][1] / "config.json").read_text())
+    assert config["feedback_mixin"] == "bounded"
+    _, feedback_section = recipe_sections(config)
+    assert feedback_section["mixin"] == "bounded"
+    assert recipe_sections(json.loads((exported["rope"][1] / "config.json").read_text()))[1]["mixin"] == "affine"

@@ -102,3 +102,30 @@ def test_one_step_map_of_a_model_is_within_the_bound(single_process, mixin):
         assert one_step <= 1.02 * bound, (one_step, bound)  # 2 %: the estimators' own error
     else:
         assert one_step > 1.5 * bound, (one_step, bound)
+
+
+def test_eval_sigma_follows_updates_that_bypass_the_weights_version(single_process):
+    """DeepSpeed's ZeRO-1/2 optimisers write updates through flat buffers (no version bump, same
+    address): the next evaluation still divides by the new weight's spectral norm."""
+    fb = fusion("bounded").feedback.eval()
+    s, e = torch.randn(4, 1, D), torch.randn(4, 1, D)
+    with torch.no_grad():
+        fb(s, e)  # caches sigma
+        fb.value.weight.data.mul_(3.0)  # as an optimiser step through a flat buffer
+    fb.train()
+    fb.eval()  # evaluate() switches modes around every validation
+    w = fb.value.weight.detach()
+    want = (s @ (w / torch.linalg.matrix_norm(w, ord=2)).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
+    with torch.no_grad():
+        torch.testing.assert_close(fb(s, e), want, rtol=1e-5, atol=1e-6)
+
+
+def test_resuming_a_bounded_checkpoint_under_zero3_is_refused():
+    """The recipe's own refusal holds for what a resumed run takes from its checkpoint."""
+    from fbt_megatron.recipe import Recipe, RecipeError, adopt_checkpoint_rule
+    from fbt_megatron.testing.training import tiny_recipe
+
+    recipe = Recipe.model_validate(tiny_recipe("run", parallel={"zero_stage": 3}))
+    saved = tiny_recipe("run", feedback={"mixin": "bounded"})
+    with pytest.raises(RecipeError, match=r"(?s)trained with .*feedback.mixin='bounded'.*zero_stage=3"):
+        adopt_checkpoint_rule(recipe, saved, "ckpt")

@@ -27,14 +27,14 @@ def cases_for(loss_on):
     return [(k, mode) for k, mode in CASES if not (loss_on == "mean" and mode == "last")]
 
 
-def run_cases(full_state, loss_on="last", arch="gpt"):
+def run_cases(full_state, loss_on="last", arch="gpt", fb=None):
     """On every rank: logits and full (unsharded) parameter gradients for each (k, grad_mode)."""
     ids, labels, doc_start = make_inputs()
     cfg = ModelConfig(**ARCHS[arch])
     results = {}
     for k, mode in cases_for(loss_on):
         torch.manual_seed(0)
-        model = build_model(cfg, feedback(grad_mode=mode, loss_on=loss_on))
+        model = build_model(cfg, feedback(grad_mode=mode, loss_on=loss_on, **(fb or {})))
         load_full_weights(model, full_state)
         model.train()  # jitter on (seeded), dropout is 0
         out = model(ids, doc_start=doc_start, labels=labels, num_passes=k, jitter_seed=JITTER_SEED)
@@ -63,15 +63,21 @@ def tp_sharding(model) -> dict:
                              if unshard(p.detach(), p, n, model).numel() > p.numel())}
 
 
-@pytest.mark.parametrize("arch,loss_on", [("gpt", "last"), ("gpt", "mean"), ("llama", "last")])
-def test_tp2_equals_tp1_logits_and_every_gradient(single_process, arch, loss_on):
+# The bounded mixin with W_U = 3 I: its spectral norm is summed over the TP ranks' rows, forward and backward.
+BOUNDED = {"mixin": "bounded", "value_init_scale": 3.0}
+
+
+@pytest.mark.parametrize("arch,loss_on,fb", [("gpt", "last", None), ("gpt", "mean", None), ("llama", "last", None),
+                                             ("gpt", "last", BOUNDED)], ids=["gpt-last", "gpt-mean", "llama-last",
+                                                                             "gpt-last-bounded"])
+def test_tp2_equals_tp1_logits_and_every_gradient(single_process, arch, loss_on, fb):
     torch.manual_seed(0)
-    reference_model = build_model(ModelConfig(**ARCHS[arch]), feedback())
+    reference_model = build_model(ModelConfig(**ARCHS[arch]), feedback(**(fb or {})))
     full_state = {n: tp_layout.to_full(n, p.detach().clone(), p, reference_model)
                   for n, p in reference_model.named_parameters()}
-    expected = run_cases(full_state, loss_on, arch)
+    expected = run_cases(full_state, loss_on, arch, fb)
 
-    per_rank = run_distributed(run_cases, 2, full_state, loss_on, arch, layout=ParallelLayout(tensor=2))
+    per_rank = run_distributed(run_cases, 2, full_state, loss_on, arch, fb, layout=ParallelLayout(tensor=2))
     # The TP=2 side is sharded: attention, MLP, the embedding and both fusion linears hold a slice each
     # (Llama's vocabulary is padded to 128 rows at TP=1 and 256 at TP=2: each rank's 128 include padding).
     assert expected["layout"] == {"tp": (0, 1), "sliced": []}

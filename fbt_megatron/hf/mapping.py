@@ -128,12 +128,15 @@ OPTIONS: list[Option] = [
     Option("feedback", "fusion", "glu", **_same("feedback_fusion", "off")),
     Option("feedback", "bias", False, **_same("feedback_bias", False)),
     Option("feedback", "prefix_mixin", 0.1, **_same("feedback_prefix_mixin", 0.0)),
+    # Exports write W_U as the bounded mixin applies it (hf/export.as_applied); the field carries the
+    # mixin back on import, so continued training keeps the bound.
+    Option("feedback", "mixin", "affine", **_same("feedback_mixin", "affine")),
     # An export written before the field existed was trained with the state rule.
     Option("feedback", "first_input", "embedding", **_same("feedback_first_input", LEGACY_FIRST_INPUT)),
 ]
 # Fields of the FBT config that a plain LlamaConfig does not have (left out of a --standard export).
 FBT_ONLY_FIELDS = ("norm_type", "mlp_gated", "qkv_bias", "position_embedding_type", "feedback_fusion", "feedback_bias",
-                   "feedback_prefix_mixin", "feedback_first_input")
+                   "feedback_prefix_mixin", "feedback_first_input", "feedback_mixin")
 
 
 def check_llama_class(model: ModelConfig, feedback: FeedbackConfig) -> None:

@@ -94,14 +94,22 @@ class LatentFeedback(MegatronModule):
             # the power iteration's vector, the same on every TP rank (a fixed generator), warm from step to step
             start = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
             self.register_buffer("_power_vector", start / start.norm(), persistent=False)
+            self._power_warm = False  # the first training forward (a new model, a resume) converges it
             self._exact_sigma: tuple | None = None  # (weight version, sigma) for eval-mode forwards
+
+    def train(self, mode: bool = True):
+        # the eval-mode sigma is recomputed after any training: DeepSpeed's ZeRO-1/2 and bf16 optimisers
+        # write updates through flat buffers, which bump neither the weight's version nor its address
+        self._exact_sigma = None
+        return super().train(mode)
 
     # ----------------------------------------------------------------- the bounded mixin
     def value_weight(self) -> torch.Tensor | None:
         """W_U as the fusion applies it: None (the parameter as it is) under ``mixin: affine``; under
         ``bounded`` W_U / max(1, sigma_max(W_U)) (this rank's rows). sigma is exact in eval mode
-        (validation, decoding, analysis; a constant there) and a warm-started power-iteration estimate,
-        differentiable, in training (one iteration a forward, as torch's spectral_norm)."""
+        (validation, decoding, analysis; a constant there), so the bound is exact there; in training it
+        is a power-iteration estimate (never above sigma), differentiable, warm from forward to forward
+        (one iteration each, as torch's spectral_norm; 30 on the first forward of a process)."""
         if self.feedback.mixin != "bounded":
             return None
         weight = self.value.weight
@@ -119,10 +127,14 @@ class LatentFeedback(MegatronModule):
     def _sigma_estimate(self, weight: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             w, v = weight.detach().float(), self._power_vector.to(weight.device)
-            v = tensor_parallel.reduce_from_tensor_model_parallel_region(w.t() @ (w @ v))
-            self._power_vector = v / v.norm().clamp_min(1e-12)
+            for _ in range(1 if self._power_warm else 30):
+                v = tensor_parallel.reduce_from_tensor_model_parallel_region(w.t() @ (w @ v))
+                v = v / v.norm().clamp_min(1e-12)
+            self._power_vector, self._power_warm = v, True
         u = weight.float() @ self._power_vector.to(weight.device)  # this rank's rows of W v
-        return tensor_parallel.reduce_from_tensor_model_parallel_region(u.square().sum()).sqrt()
+        # sum over TP ranks both ways: sigma scales every rank's rows, so its gradient is the sum of all ranks'
+        squared = tensor_parallel.reduce_from_tensor_model_parallel_region(u.square().sum())
+        return tensor_parallel.copy_to_tensor_model_parallel_region(squared).sqrt()
 
     # ----------------------------------------------------------------- the recurrence's pieces
     def fed_back(self, top_state: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -209,7 +209,8 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
         return ckpt.save(st.step, zero, training_state.state_dict(), files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
-                               recipe.eval.passes or [1, feedback_depth], at_end=recipe.eval.at_end)
+                               [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, feedback_depth],
+                               at_end=recipe.eval.at_end)
     checkpointer = cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll)
     callbacks = [validation, *_loggers(recipe, run_dir, _flops_fn(recipe, n_params), world, log),
