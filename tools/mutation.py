@@ -21,8 +21,9 @@ by its inverse, each comparison by its boundary neighbour and by its negation (a
 A line marked ``# pragma: no mutate`` is not mutated, nor an annotation that is never evaluated
 (``from __future__ import annotations``).
 
-Budget: at most ~20 minutes a file on 2 cores, from the mapped tests' own time (each mutant runs them
-once, stopping at the first failure); ``--limit`` samples N mutants evenly for a quick look.
+Budget: at most ~20 minutes a file on 2 cores (``--budget``): each mutant runs the mapped tests once,
+stopping at the first failure, so it costs at most their baseline time; where all mutants could take
+longer, an even sample that fits is run and the report says so. ``--limit N`` samples N for a quick look.
 Needs cosmic-ray (``pip install 'cosmic-ray>=8.7,<9'``; ``make mutation`` installs it).
 """
 
@@ -210,9 +211,14 @@ def run(args) -> int:
                 db.set_result(item.job_id, WorkResult(output="filtered", worker_outcome=WorkerOutcome.SKIPPED))
             else:
                 keep.append(item)
-        if args.limit and len(keep) > args.limit:
-            step = len(keep) / args.limit
-            chosen = {keep[int(i * step)].job_id for i in range(args.limit)}
+        limit = args.limit
+        if not limit and args.budget and len(keep) * baseline > 60 * args.budget:
+            limit = max(1, int(60 * args.budget / baseline))  # each mutant costs at most about the baseline
+            print(f"{len(keep)} mutants would take up to {len(keep) * baseline / 60:.0f} min: sampling {limit} of them "
+                  f"evenly to fit --budget {args.budget:g} min", flush=True)
+        if limit and len(keep) > limit:
+            step = len(keep) / limit
+            chosen = {keep[int(i * step)].job_id for i in range(limit)}
             for item in keep:
                 if item.job_id not in chosen:
                     db.set_result(item.job_id, WorkResult(output="sampled out", worker_outcome=WorkerOutcome.SKIPPED))
@@ -235,10 +241,11 @@ def report(file: str, session: Path, elapsed: float | None) -> int:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     equivalents = load_equivalents(file)
-    killed, timeouts, incompetent, survived, equivalent, errors = 0, 0, 0, [], [], []
+    killed, timeouts, incompetent, survived, equivalent, errors, sampled_out = 0, 0, 0, [], [], [], 0
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
             if result.worker_outcome == WorkerOutcome.SKIPPED:
+                sampled_out += result.output == "sampled out"
                 continue
             m = item.mutations[0]
             before, after = mutated_line(result.diff or "")
@@ -257,6 +264,8 @@ def report(file: str, session: Path, elapsed: float | None) -> int:
     total = killed + incompetent + len(survived) + len(equivalent)
     score = (killed + incompetent) / max(1, total - len(equivalent))
     took = f" in {elapsed / 60:.1f} min" if elapsed is not None else ""
+    if sampled_out:
+        took += f" (an even sample: {sampled_out} more not run)"
     print(f"\n{file}: {total} mutants{took}: killed {killed + incompetent} "
           f"(timeouts {timeouts}, not importable {incompetent}), survived {len(survived)}, "
           f"equivalent {len(equivalent)}; score {100 * score:.1f} %")
@@ -274,6 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--tests", nargs="+", help="test files to run against each mutant (default: the file's in MAP)")
     p.add_argument("-k", default=None, help="pytest -k expression (default: the file's in MAP)")
     p.add_argument("--limit", type=int, default=0, help="run N mutants sampled evenly (default: all)")
+    p.add_argument("--budget", type=float, default=20.0,
+                   help="minutes: sample the mutants evenly when all of them could take longer (default 20; 0: no limit)")
     p.add_argument("--keep", help="work in this directory and keep it (the session database, the copy)")
     p.add_argument("--report", action="store_true",
                    help="only print the report of the run kept in --keep DIR (with the current equivalents list)")
