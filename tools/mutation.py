@@ -52,7 +52,8 @@ MAP: dict[str, dict] = {
     # (the two tests that train a run, ~20 s each, cover the same lock through fbt train)
     "fbt_megatron/train/run_lock.py": {"tests": ["tests/test_run_lock.py"],
                                        "k": "not second_live_run and not reaches_every_rank"},
-    "data_pipeline/chat.py": {"tests": ["tests/test_data_chat.py"]},
+    # (the packed-attention test checks the loader and the model, ~20 s of a single-process model set-up)
+    "data_pipeline/chat.py": {"tests": ["tests/test_data_chat.py"], "k": "not packed_conversations"},
     "fbt_megatron/hf/export.py": {"tests": ["tests/test_hf_first_use.py", "tests/test_hf_convert.py"],
                                   "k": "not other_transformers"},
     "fbt_megatron/hf/importer.py": {"tests": ["tests/test_hf_first_use.py", "tests/test_hf_convert.py"],
