@@ -220,9 +220,12 @@ def run(args) -> int:
 
             again_ids = [item.job_id for item, r in db.completed_work_items
                          if r.worker_outcome == WorkerOutcome.NORMAL and r.test_outcome == TestOutcome.SURVIVED]
+            more_ids = [item.job_id for item, r in db.completed_work_items
+                        if r.worker_outcome == WorkerOutcome.SKIPPED and r.output == "sampled out"] if args.more else []
             with db._session_maker.begin() as s:  # cosmic-ray has no call to forget a result
-                s.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(again_ids)).delete()
-            print(f"running the {len(again_ids)} survivors of the kept run again", flush=True)
+                s.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(again_ids + more_ids)).delete()
+            print(f"running the {len(again_ids)} survivors of the kept run again"
+                  + (f", and a sample of the {len(more_ids)} it did not run" if more_ids else ""), flush=True)
         items = list(db.pending_work_items)
         keep = []
         for item in items:
@@ -232,18 +235,24 @@ def run(args) -> int:
                 db.set_result(item.job_id, WorkResult(output="filtered", worker_outcome=WorkerOutcome.SKIPPED))
             else:
                 keep.append(item)
-        limit = args.limit
-        if not limit and not again and args.budget and len(keep) * baseline > 60 * args.budget:
-            limit = max(1, int(60 * args.budget / baseline))  # each mutant costs at most about the baseline
-            print(f"{len(keep)} mutants would take up to {len(keep) * baseline / 60:.0f} min: sampling {limit} of them "
-                  f"evenly to fit --budget {args.budget:g} min", flush=True)
-        if limit and len(keep) > limit:
-            step = len(keep) / limit
-            chosen = {keep[int(i * step)].job_id for i in range(limit)}
-            for item in keep:
+        keep.sort(key=lambda i: tuple(i.mutations[0].start_pos))  # (cosmic-ray lists them in random order)
+        fixed = [i for i in keep if again and i.job_id in again_ids]  # survivors always run again
+        pool = [i for i in keep if not (again and i.job_id in again_ids)]
+        limit, room = args.limit, len(pool)
+        if not limit and (pool if again else True) and args.budget and len(keep) * baseline > 60 * args.budget:
+            room = max(1, int(60 * args.budget / baseline) - len(fixed))  # a mutant costs at most about the baseline
+            print(f"{len(keep)} mutants would take up to {len(keep) * baseline / 60:.0f} min: sampling {room} of "
+                  f"{len(pool)} evenly to fit --budget {args.budget:g} min", flush=True)
+        elif limit:
+            room = limit
+        if room < len(pool):
+            step = len(pool) / room
+            chosen = {pool[int(i * step)].job_id for i in range(room)}
+            for item in pool:
                 if item.job_id not in chosen:
                     db.set_result(item.job_id, WorkResult(output="sampled out", worker_outcome=WorkerOutcome.SKIPPED))
-            keep = [i for i in keep if i.job_id in chosen]
+            pool = [i for i in pool if i.job_id in chosen]
+        keep = fixed + pool
     if not again:
         print(f"{len(keep)} mutants (of {len(items)} cosmic-ray generates; the rest repeat others)", flush=True)
     t0 = time.monotonic()
@@ -311,6 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--survivors-again", action="store_true",
                    help="with --keep DIR of an earlier run of the unchanged FILE: run only its survivors again, "
                         "against the tests as they are now (after adding tests)")
+    p.add_argument("--more", action="store_true",
+                   help="with --survivors-again: also run (a sample within --budget of) the mutants the kept run left out")
     p.add_argument("--report", action="store_true",
                    help="only print the report of the run kept in --keep DIR (with the current equivalents list)")
     return run(p.parse_args(argv))
