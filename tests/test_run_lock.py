@@ -95,6 +95,10 @@ def test_stale_rules():
     live = {"host": socket.gethostname(), "pid": parent, "pid_started": _start_time(parent), "torchrun_id": "none"}
     assert stale_reason(live, here) is None
     assert "now belongs to another process" in stale_reason(dict(live, pid_started=live["pid_started"] - 100), here)
+    # a lock on this host that names no valid pid (written by hand, or not by a run): stale, not a crash
+    for bad in ({}, {"pid": -1}, {"pid": 0}, {"pid": "123"}, {"pid": None}):
+        reason = stale_reason({"host": socket.gethostname(), **bad}, dict(here, pid=os.getpid()))
+        assert reason.startswith(f"it names no process (pid {bad.get('pid')!r})"), (bad, reason)
 
 
 def test_unreadable_fresh_lock_is_waited_for_then_taken_when_old(tmp_path):
@@ -151,11 +155,15 @@ def test_two_takers_of_one_stale_lock_cannot_both_win(tmp_path, monkeypatch):
         return real(self, stale)
 
     monkeypatch.setattr(run_lock.RunLock, "_remove_if_unchanged", a_takes_it_first)
+    records = _Records()
+    logging.getLogger("fbt_megatron.train.run_lock").addHandler(records)
     try:
         with pytest.raises(RunDirLocked, match="in use by another run"):
             RunLock(tmp_path).acquire()
         assert json.loads(lock_file.read_text())["pid"] == a_holder.pid  # A's lock survived
+        assert records.messages == []  # B took nothing over
     finally:
+        logging.getLogger("fbt_megatron.train.run_lock").removeHandler(records)
         if a_holder is not None:
             a_holder.kill()
             a_holder.wait()
