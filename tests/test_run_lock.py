@@ -236,7 +236,12 @@ def test_squeue_answers_are_read_as_running_finished_or_unknown(tmp_path, monkey
         squeue.write_text(f"#!/bin/sh\nprintf '{out}'\nprintf '{err}' >&2\nexit {code}\n")
         squeue.chmod(0o755)
         assert _slurm_job_running("55") is want, (out, err, code)
-    squeue.write_text(f"#!{tmp_path}/no-such-interpreter\n")  # found on PATH, but cannot start
+    import fbt_megatron.train.run_lock as run_lock
+
+    def cannot_start(*args, **kwargs):  # found on PATH, but cannot start (e.g. a broken install)
+        raise PermissionError(13, "Permission denied", "squeue")
+
+    monkeypatch.setattr(run_lock.subprocess, "run", cannot_start)
     assert _slurm_job_running("55") is None
 
 
@@ -356,13 +361,13 @@ def test_a_stale_lock_being_replaced_by_another_taker_is_not_removed(tmp_path, m
 
 
 class _Clock:
-    """run_lock's ``time``, with sleep advancing a clock instead of waiting (the lock file's mtime is real)."""
+    """run_lock's ``time``: a clock at ``now`` that sleep advances instead of waiting."""
 
-    def __init__(self):
-        self.slept = 0.0
+    def __init__(self, now: float):
+        self.now, self.slept = now, 0.0
 
     def time(self):
-        return time.time() + self.slept
+        return self.now + self.slept
 
     def sleep(self, seconds):
         self.slept += seconds
@@ -371,16 +376,14 @@ class _Clock:
         return getattr(time, name)
 
 
-@pytest.mark.parametrize("age,waits", [(9.5, True), (10.5, False)])
+@pytest.mark.parametrize("age,waits", [(9.5, True), (10.0, False), (10.5, False)])
 def test_an_unreadable_lock_is_waited_for_until_it_is_10_s_old(tmp_path, monkeypatch, age, waits):
     import fbt_megatron.train.run_lock as run_lock
 
-    clock = _Clock()
-    monkeypatch.setattr(run_lock, "time", clock)
     lock_file = tmp_path / LOCK_NAME
     lock_file.write_text("{\"host\": ")
-    old = time.time() - age
-    os.utime(lock_file, (old, old))
+    clock = _Clock(lock_file.stat().st_mtime + age)
+    monkeypatch.setattr(run_lock, "time", clock)
     with RunLock(tmp_path) as lock:
         assert lock.held
     assert (0.4 <= clock.slept <= 1.0) if waits else clock.slept == 0, clock.slept
