@@ -199,6 +199,15 @@ def test_prompt_ids_are_the_conversation_up_to_the_assistants_answer(fx):
         assert not mask[: len(prompt)].any() and mask[len(prompt)] == 1
 
 
+def test_chat_messages_put_the_system_prompt_first_when_given():
+    """What `fbt generate --chat [--system S]` renders: the system message (if any), then the user's."""
+    from data_pipeline.chat import chat_messages
+
+    assert chat_messages("2+2?") == [{"role": "user", "content": "2+2?"}]
+    assert chat_messages("2+2?", "Be brief.") == [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "2+2?"}]
+
+
 def test_rows_without_a_list_of_messages_are_not_conversations():
     from data_pipeline.chat import bad_kind
 
