@@ -95,6 +95,9 @@ def test_stale_rules():
     live = {"host": socket.gethostname(), "pid": parent, "pid_started": _start_time(parent), "torchrun_id": "none"}
     assert stale_reason(live, here) is None
     assert "now belongs to another process" in stale_reason(dict(live, pid_started=live["pid_started"] - 100), here)
+    # pid 1 is a run too (a container's main process): alive, kept
+    assert stale_reason({"host": socket.gethostname(), "pid": 1, "pid_started": _start_time(1)},
+                        dict(here, pid=os.getpid())) is None
     # a lock on this host that names no valid pid (written by hand, or not by a run): stale, not a crash
     for bad in ({}, {"pid": -1}, {"pid": 0}, {"pid": "123"}, {"pid": None}):
         reason = stale_reason({"host": socket.gethostname(), **bad}, dict(here, pid=os.getpid()))
