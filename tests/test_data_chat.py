@@ -153,6 +153,7 @@ def test_a_conversation_of_exactly_max_tokens_is_kept(tmp_path, fx):
         index = prepare_chat([str(src)], tmp_path / f"out{max_tokens}", fx["tokenizer"], max_tokens=max_tokens,
                              progress=False)
         assert (index["num_samples"], index["meta"]["bad_rows"]["counts"]["too_long"]) == (written, too_long)
+        assert index["num_shards"] == 1  # the default shard size (16 MiB) holds a small dataset in one shard
 
 
 def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx):
@@ -181,6 +182,39 @@ def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx)
         resolve(load_recipe(data=r), "sft")
     section["sources"] = [chat, {"name": "same", "path": str(tmp_path / "same"), "weight": 1.0}]
     assert sources_chat_template(DataConfig(**section), require=True) == DEFAULT_CHAT_TEMPLATE
+
+
+def test_prompt_ids_are_the_conversation_up_to_the_assistants_answer(fx):
+    """What a chat model continues (``prompt_ids``: the messages and the assistant header) is the
+    conversation's tokens up to the first token of the assistant's answer, where the loss mask starts."""
+    from data_pipeline.chat import chat_tokenizer, encode_conversation, prompt_ids
+
+    tok = chat_tokenizer(fx["tokenizer"])
+    for conv in fx["conversations"][:5]:
+        messages = conv["messages"]
+        first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = prompt_ids(tok, messages[:first_answer])
+        ids, mask = encode_conversation(tok, messages)
+        assert prompt == ids[: len(prompt)].tolist()
+        assert not mask[: len(prompt)].any() and mask[len(prompt)] == 1
+
+
+def test_chat_messages_put_the_system_prompt_first_when_given():
+    """What `fbt generate --chat [--system S]` renders: the system message (if any), then the user's."""
+    from data_pipeline.chat import chat_messages
+
+    assert chat_messages("2+2?") == [{"role": "user", "content": "2+2?"}]
+    assert chat_messages("2+2?", "Be brief.") == [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "2+2?"}]
+
+
+def test_rows_without_a_list_of_messages_are_not_conversations():
+    from data_pipeline.chat import bad_kind
+
+    for row in [{"messages": []}, {"messages": "hi"}, {"text": "a document"}, ["a", "list"], {"messages": [1]}]:
+        assert bad_kind(row) == "not_a_conversation", row
+    assert bad_kind({"messages": [{"role": "user", "content": "hi"}]}) == "no_assistant_turn"
+    assert bad_kind({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) is None
 
 
 def test_a_chat_dataset_without_its_template_is_refused_by_name(tmp_path, fx):

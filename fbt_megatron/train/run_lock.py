@@ -70,7 +70,9 @@ def stale_reason(holder: dict, me: dict | None = None) -> str | None:
     """Why ``holder``'s lock is stale, or None while its run may still be alive."""
     me = me or _identity()
     if holder.get("host") == me["host"]:  # the process itself can be checked
-        pid = int(holder.get("pid", -1))
+        pid = holder.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:  # (psutil refuses it: ValueError)
+            return f"it names no process (pid {pid!r}): no run of this host holds it"
         if pid == me["pid"]:
             return "it was left by this process (a previous run in it did not release it)"
         started = _start_time(pid)
