@@ -296,7 +296,7 @@ def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_proce
     target = tmp_path / "hf"
     assert cli.main(["to-hf", str(run), str(target), "--tokenizer", str(tmp_path / "missing.model")]) == 2
     err = capsys.readouterr().err
-    assert "missing.model: no such file" in err and "Traceback" not in err, err
+    assert "missing.model: tokenizer model not found" in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
 
     calls = []
