@@ -80,6 +80,4 @@ class PassSchedule:
         the recipe's draws the same passes after resuming."""
         saved = state.get("seed")
         if saved is not None and saved != self.config.seed and self.config._seed_follows_recipe:
-            follows = self.config._seed_follows_recipe
-            self.config = self.config.model_copy(update={"seed": int(saved)})
-            self.config._seed_follows_recipe = follows
+            self.config = self.config.model_copy(update={"seed": int(saved)})  # keeps _seed_follows_recipe

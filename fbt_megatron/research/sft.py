@@ -70,16 +70,17 @@ def expected_passes(mix: list[float]) -> float:
 
 
 def measure(run_dir: str | Path, problems: list[tuple[str, str]], *, chat: bool, modes=None,
-            max_new_tokens: int = 96, batch: int = 25) -> dict:
+            max_new_tokens: int = 96, batch: int = 25, loaded=None) -> dict:
     """Greedy answers to ``problems`` in each decoding mode: exact match on ``#### N`` and generated
     tokens, per problem (for pairing) and summarised. ``chat``: the prompt is a user turn rendered with
     the checkpoint's chat template (an SFT run); otherwise the pretraining format ``Question: q\\nAnswer:``.
+    ``loaded``: the run's :func:`load_for_inference` result, when the caller has it already.
     Call inside a world-of-one process group."""
     from fbt_megatron.generate.api import TextGenerator
     from fbt_megatron.generate.loading import load_for_inference
     from fbt_megatron.generate.sampling import SamplingParams
 
-    loaded = load_for_inference(run_dir)
+    loaded = loaded or load_for_inference(run_dir)
     if loaded.feedback_config.fusion == "off":
         modes = [m for m in (modes or MODES) if m[0] == "standard"]
     prompts = [f"Question: {q}\nAnswer:" for q, _ in problems]

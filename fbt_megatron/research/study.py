@@ -98,7 +98,7 @@ def answer_readout(run_dir: Path, problems: int) -> dict:
     pairs = held_out_problems(problems)
     loaded = load_for_inference(run_dir)
     modes = DECODING if loaded.feedback_config.fusion != "off" else DECODING[:1]
-    exact = measure(run_dir, pairs, chat=False, modes=modes, max_new_tokens=64)
+    exact = measure(run_dir, pairs, chat=False, modes=modes, max_new_tokens=64, loaded=loaded)
     out = {}
     for name, mode, k in modes:
         gen = TextGenerator(loaded, mode=mode, prefill_passes=k)
