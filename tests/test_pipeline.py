@@ -114,9 +114,10 @@ def pipelined(full_state, cases, packed=False, sequence_parallel=False):
         if sequence_parallel:  # norms see a chunk of the sequence each: summed over TP, as the engine does
             from megatron.core import parallel_state as ps
 
-            for p in model.parameters():
-                if getattr(p, "sequence_parallel", False) and p.grad is not None:
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            from fbt_megatron.engine.sequence_parallel_grads import (reduce_sequence_parallel_grads,
+                                                                     sequence_parallel_params)
+
+            reduce_sequence_parallel_grads(sequence_parallel_params(model), ps.get_tensor_model_parallel_group())
         grads = {global_name(model, n): None if p.grad is None else unshard(p.grad, p)
                  for n, p in model.named_parameters()}
         results[(k, mode, loss_on)] = {"loss": float(out.loss_sum) / float(tokens), "grads": grads,

@@ -32,6 +32,7 @@ from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
 from fbt_megatron.engine.patches import (SkippableStep, keep_flat_grad_partition, replace_zero0_clipping,
                                         skip_one_rank_all_reduce)
+from fbt_megatron.engine.sequence_parallel_grads import reduce_sequence_parallel_grads, sequence_parallel_params
 
 
 NORM_CHUNK_ELEMENTS = 1 << 16  # 512 KiB in float64: a piece's copy stays in cache, its memory is reused
@@ -98,9 +99,7 @@ class Engine:
         self.zero_stage = recipe.parallel.zero_stage
         self.sequence_parallel = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
         self.config = deepspeed_config(recipe, self.dp_size)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.sequence_parallel:
-            self._hook_sequence_parallel_grads(params)
+        self._sequence_parallel_params = sequence_parallel_params(model) if self.sequence_parallel else []
         groups = param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.decay_embeddings,
                               fusion_decay_start(recipe), fusion_in_model=recipe.feedback.fusion != "off",
                               fusion_lr_multiplier=recipe.optimizer.fusion_lr_multiplier)
@@ -204,6 +203,10 @@ class Engine:
             # output, which the train step's loss (derived from it) does not reach. Left in place they
             # would be added again after every later micro-batch (micro-batch i counted GAS - i times).
             self.ds.optimizer.clear_lp_grads()
+        if is_boundary and self._sequence_parallel_params:
+            from megatron.core import parallel_state as ps
+
+            reduce_sequence_parallel_grads(self._sequence_parallel_params, ps.get_tensor_model_parallel_group())
 
     def step(self, skip: bool = False) -> StepOutcome:
         """Optimiser step at the accumulation boundary, skipped (on every rank alike) if ``skip``
@@ -278,24 +281,6 @@ class Engine:
                 weight = module.shared_embedding_or_output_weight()
                 if weight is not None:
                     deepspeed.zero.register_external_parameter(module.output_layer, weight)
-
-    @staticmethod
-    def _hook_sequence_parallel_grads(params) -> None:
-        """With sequence parallelism, params marked ``sequence_parallel`` (norms and biases that see
-        only this rank's sequence chunk) get partial grads: sum them over the TP group as each grad is
-        produced, before DeepSpeed accumulates or reduce-scatters it over DP (works for ZeRO 0-3)."""
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-
-        def allreduce(grad):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad
-
-        for p in params:
-            if getattr(p, "sequence_parallel", False):
-                p.register_hook(allreduce)
 
     # ------------------------------------------------------------------ helpers
     def train(self) -> None:

@@ -225,7 +225,48 @@ def _engine_info(engine):
     return EngineInfo()
 
 
-PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info}
+def _tp_all_reduces_in_backward(engine):
+    """Per step, the (dtype, elements) of every all-reduce over the TP group issued inside
+    ``Engine.backward`` (the model's backward and the gradient reductions after it), with the
+    elements of the sequence-parallel parameters: {"calls": [[...] per step], "sp_elements": n}."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from fbt_megatron.train.callbacks import Callback
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    sp_elements = sum(p.numel() for p in engine.model.parameters() if getattr(p, "sequence_parallel", False))
+    calls, inside = [[]], []
+    real_all_reduce, real_backward = dist.all_reduce, engine.backward
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        if inside and group is tp_group:
+            calls[-1].append((str(tensor.dtype), tensor.numel()))
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    def backward(*args, **kwargs):
+        inside.append(1)
+        try:
+            return real_backward(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    class TPAllReduces(Callback):
+        def on_train_start(self, trainer):
+            dist.all_reduce, engine.backward = all_reduce, backward
+
+        def on_step_end(self, trainer, result):
+            calls.append([])
+
+        def on_train_end(self, trainer):
+            dist.all_reduce, engine.backward = real_all_reduce, real_backward
+            trainer.metrics["probe"] = {"calls": calls[:-1], "sp_elements": sp_elements}
+
+    return TPAllReduces()
+
+
+PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info,
+          "tp_all_reduces_in_backward": _tp_all_reduces_in_backward}
 
 
 if __name__ == "__main__":
