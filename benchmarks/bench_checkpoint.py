@@ -75,6 +75,7 @@ def bench_rank(recipe_data: dict, out_dir: str) -> dict:
     from fbt_megatron.engine import Engine
     from fbt_megatron.recipe import load_recipe
     from fbt_megatron.data.synthetic import SyntheticLoader
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import FBTTrainStep
     from megatron.core import parallel_state as ps
 
@@ -88,7 +89,8 @@ def bench_rank(recipe_data: dict, out_dir: str) -> dict:
     cfg = recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
     loader = iter(SyntheticLoader(cfg, micro_batch_size=1, global_batch_size=2, dp_rank=ps.get_data_parallel_rank(),
                                   dp_size=2))
-    step = FBTTrainStep(engine, PassSchedule(recipe.schedule), recipe.seed, torch.device("cpu"))
+    step = FBTTrainStep(engine, get_runner(engine.model, engine), PassSchedule(recipe.schedule), recipe.seed,
+                        torch.device("cpu"))
     step(0, [next(loader)], 1e-4)
     ckpt = CheckpointManager(Path(out_dir) / f"zero{recipe.parallel.zero_stage}", keep_last=1)
     state = {"optimizer_steps": 1, "train_state": {"step": 1}}

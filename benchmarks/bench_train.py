@@ -82,11 +82,12 @@ def fbt_step_fn(recipe, passes=1):
     from fbt_megatron import runtime
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.engine import Engine
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import FBTTrainStep
 
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)
     engine = Engine(build_model(recipe.model, recipe.feedback), recipe)
-    step = FBTTrainStep(engine, FixedPasses(passes), recipe.seed, runtime.device())
+    step = FBTTrainStep(engine, get_runner(engine.model, engine), FixedPasses(passes), recipe.seed, runtime.device())
     return lambda i, micro: step(i, micro, 1e-4), sum(p.numel() for p in engine.model.parameters())
 
 

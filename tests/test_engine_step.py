@@ -48,9 +48,11 @@ def _train(recipe, engine, steps: int = 3, schedule=None) -> list:
     their results."""
     from fbt_megatron import runtime
     from fbt_megatron.data.loaders import build_train_loader
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import FBTTrainStep
 
-    step = FBTTrainStep(engine, schedule or OneThenTwoPasses(), recipe.seed, runtime.device())
+    step = FBTTrainStep(engine, get_runner(engine.model, engine), schedule or OneThenTwoPasses(), recipe.seed,
+                        runtime.device())
     it = iter(build_train_loader(recipe, 0, 1, 0))
     return [step(i + 1, [next(it) for _ in range(recipe.accumulation_steps(1))], 3e-3) for i in range(steps)]
 
@@ -335,6 +337,7 @@ def test_one_rank_train_step_sums_without_all_reduce(single_process, tmp_path, m
     """At DP=1 the step's sums over data-parallel ranks (loss tokens, data checksum, loss) are the local
     values, taken without a gloo call; the loss is the token-weighted mean written out from the model's
     own token losses. DP=2 against DP=1 is tests/test_train_pipeline.py and the torchrun tests."""
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train import train_step
 
     recipe, engine = _engine(tmp_path)
@@ -348,7 +351,8 @@ def test_one_rank_train_step_sums_without_all_reduce(single_process, tmp_path, m
                            num_passes=1)
         mask = micro[0]["loss_mask"].float()
         expected = float((out.token_loss.float() * mask).sum() / mask.sum())
-    step = train_step.FBTTrainStep(engine, OneThenTwoPasses(), recipe.seed, torch.device("cpu"))
+    step = train_step.FBTTrainStep(engine, get_runner(engine.model, engine), OneThenTwoPasses(), recipe.seed,
+                                   torch.device("cpu"))
     result = step(1, micro, 0.0)
     assert recorder.all_reduces == []
     assert result.tokens == int(mask.sum()) and abs(result.loss - expected) <= 1e-6 * expected

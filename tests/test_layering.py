@@ -152,3 +152,60 @@ def test_an_undeclared_subpackage_has_no_layer(tmp_path):
     problems = upward_imports(tmp_path)
     assert problems == [f"fbt_megatron/newthing/__init__.py: no layer declared for fbt_megatron.newthing: {DECLARE}",
                         f"fbt_megatron/newthing/x.py: no layer declared for fbt_megatron.newthing.x: {DECLARE}"]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of PACKAGES it imports (anywhere in the file), a package's own ``__init__``
+    and its parents left out (importing one's package is how a submodule is reached)."""
+    modules = {module_name(path, root): path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:  # the longest prefix that is a module (``from x import name``)
+        parts = name.split(".")
+        return next((m for n in range(len(parts), 0, -1) if (m := ".".join(parts[:n])) in modules), None)
+
+    graph = {}
+    for module, path in modules.items():
+        targets = {resolve(name) for _, name in imports(path, root)}
+        graph[module] = {t for t in targets if t and t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted(component + [v]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or round a loop, also through imports inside functions
+    (a lazy import hides a cycle from Python, not from a reader)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_import_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

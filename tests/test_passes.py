@@ -67,15 +67,15 @@ def test_schedule_seed_follows_the_recipe_seed_unless_set():
 def test_a_checkpoint_keeps_the_schedule_seed_it_was_trained_with():
     """A run saved before schedule.seed followed the recipe's seed drew with seed 0: resumed without a
     schedule.seed in its recipe, it keeps drawing with 0; a recipe that sets the seed wins."""
-    from fbt_megatron.checkpoint.training_state import TrainingState
+    from fbt_megatron.checkpoint.state import CheckpointState
     from fbt_megatron.train.trainer import TrainState
 
     def resumed(recipe, saved_seed):
-        saved = TrainingState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
+        saved = CheckpointState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
                               layout={}).state_dict()
         saved["pass_schedule"]["seed"] = saved_seed
         schedule = PassSchedule(recipe.schedule)
-        TrainingState(train_state=TrainState(), pass_schedule=schedule, recipe=recipe, layout={}).load_state_dict(saved)
+        CheckpointState(train_state=TrainState(), pass_schedule=schedule, recipe=recipe, layout={}).load_state_dict(saved)
         return schedule
 
     old = resumed(_recipe(seed=1234, schedule={"feedback_start_step": 0}), 0)

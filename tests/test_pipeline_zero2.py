@@ -22,6 +22,7 @@ def step_counts(run_dir: str, zero_stage: int):
     from fbt_megatron.data.loaders import build_train_loader
     from fbt_megatron.engine import Engine
     from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.recipe import load_recipe
     from fbt_megatron.testing.training import tiny_recipe
     from fbt_megatron.train.train_step import FBTTrainStep
@@ -45,7 +46,7 @@ def step_counts(run_dir: str, zero_stage: int):
         return real_reduce(param, i)
 
     optimizer.reduce_independent_p_g_buckets_and_remove_grads = reduce
-    step = FBTTrainStep(engine, TwoPasses(), recipe.seed, runtime.device())
+    step = FBTTrainStep(engine, get_runner(engine.model, engine), TwoPasses(), recipe.seed, runtime.device())
     it = iter(build_train_loader(recipe, 0, 1, 0))
     batches = [next(it) for _ in range(recipe.accumulation_steps(1))]
     assert len(batches) == MICRO_BATCHES

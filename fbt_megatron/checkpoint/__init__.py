@@ -4,7 +4,7 @@
   ``resolve_checkpoint``, ``read_checkpoint_state``, ``load_model_weights``.
 * :mod:`.shards` - a rank's fragment of each parameter's fp32 state (found by the engine layer's
   ``ZeroState`` under ZeRO 0-3, as views of DeepSpeed's own buffers) as Megatron ShardedTensor pieces.
-* :mod:`.training_state` - state.json assembled from, and handed back to, the state's owners.
+* :mod:`.state` - state.json assembled from, and handed back to, the state's owners.
 * :mod:`.safe_load` - no-pickle reading of checkpoint metadata.  :mod:`.rng` - RNG states as JSON.
 * :mod:`.cli` - ``fbt ckpt inspect|verify DIR``.
 """

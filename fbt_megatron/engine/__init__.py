@@ -17,7 +17,7 @@ from fbt_megatron.engine.deepspeed_config import (
     import_deepspeed,
     precision_config,
 )
-from fbt_megatron.engine.engine import Engine, StepOutcome, model_parallel_grad_norm
+from fbt_megatron.engine.engine import Engine, OptimizerOutcome, model_parallel_grad_norm
 from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import (
     fusion_decay_start,
@@ -28,6 +28,6 @@ from fbt_megatron.engine.param_groups import (
     param_groups,
 )
 
-__all__ = ["Engine", "MegatronMPU", "StepOutcome", "deepspeed_config", "ensure_ds_accelerator",
+__all__ = ["Engine", "MegatronMPU", "OptimizerOutcome", "deepspeed_config", "ensure_ds_accelerator",
            "fusion_decay_start", "fusion_weight_decay", "import_deepspeed", "is_embedding", "is_fusion",
            "model_parallel_grad_norm", "no_weight_decay", "param_groups", "precision_config"]

@@ -71,7 +71,7 @@ def model_parallel_grad_norm(params) -> float:
     return float(total.sqrt())
 
 @dataclass
-class StepOutcome:
+class OptimizerOutcome:
     applied: bool  # False: weights, moments and Adam's step count are untouched
     grad_norm: float | None  # global gradient norm before clipping (inf/nan when non-finite)
 
@@ -208,7 +208,7 @@ class Engine:
 
             reduce_sequence_parallel_grads(self._sequence_parallel_params, ps.get_tensor_model_parallel_group())
 
-    def step(self, skip: bool = False) -> StepOutcome:
+    def step(self, skip: bool = False) -> OptimizerOutcome:
         """Optimiser step at the accumulation boundary, skipped (on every rank alike) if ``skip``
         or if the global gradient norm is not finite."""
         self.ds.set_gradient_accumulation_boundary(True)
@@ -227,7 +227,7 @@ class Engine:
         if self.zero_stage == 3:
             self._clear_zero3_grad_partitions()
         applied = self.skipper.stepped and not skip  # not stepped: DeepSpeed found a non-finite norm
-        return StepOutcome(applied=applied, grad_norm=norm)
+        return OptimizerOutcome(applied=applied, grad_norm=norm)
 
     def _clear_zero3_grad_partitions(self) -> None:
         """ZeRO-3 keeps each parameter's fp32 gradient partition in one flat buffer that a step's first

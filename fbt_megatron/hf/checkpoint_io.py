@@ -147,12 +147,12 @@ def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
     from fbt_megatron.checkpoint import CheckpointManager
     from fbt_megatron.checkpoint.shards import StateFragments, param_specs
     from fbt_megatron.engine import Engine
-    from fbt_megatron.checkpoint.training_state import TrainingState
+    from fbt_megatron.checkpoint.state import CheckpointState
     from fbt_megatron.passes import PassSchedule
     from fbt_megatron.train.trainer import TrainState
 
     specs = param_specs(model)  # before DeepSpeed wraps the model (ZeRO-3 empties parameters)
     engine = Engine(model, recipe)
-    state = TrainingState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
+    state = CheckpointState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
                           layout={"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage})
     return CheckpointManager(Path(run_dir) / "checkpoints").save(0, StateFragments(engine, specs), state.state_dict())

@@ -163,7 +163,7 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     n = shape.params() / (layout.tp * layout.pp)
     weights = n * weight_bytes / (dp if layout.zero >= 3 else 1)
     # ZeRO-2 shards the gradients, except under a pipeline: there the step's gradients are summed whole
-    # and reduced once (parallel/runner.py StepGradients), held as ZeRO-1 holds them
+    # and reduced once (parallel/pipeline_runner.py StepGradients), held as ZeRO-1 holds them
     grads = n * grad_bytes / (dp if layout.zero >= 2 and layout.pp == 1 else 1)
     optimizer = n * optimizer_bytes / (dp if layout.zero >= 1 else 1)
     s, b, h, a, t = shape.seq, layout.micro_batch, shape.hidden, shape.heads, layout.tp

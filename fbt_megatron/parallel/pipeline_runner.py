@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron.parallel.messages import Channel
-from fbt_megatron.parallel.runner import StepOutput
+from fbt_megatron.parallel.micro_batches import RunnerOutput, to_device
 from fbt_megatron.parallel.schedule import FORWARD, Op, build_schedule, grad_passes_for
 from fbt_megatron.parallel.timing import StepClock
 
@@ -64,11 +64,69 @@ def _default_backward(tensors, grads) -> None:
     torch.autograd.backward(tensors, grads)
 
 
+# ---------------------------------------------------------------------- backward through the engine
+def engine_backward(engine):
+    """A ``backward(tensors, grads)`` for :meth:`PipelineRunner.run` that goes through DeepSpeed:
+    the vector-Jacobian product as the backward of the scalar sum(t * g) (exact: its gradient with
+    respect to t is g), so ZeRO's gradient hooks, loss scaling and reductions see an ordinary
+    ``engine.backward``. None of these calls is the accumulation boundary; see :func:`finish_backward`."""
+
+    def backward(tensors, grads):
+        surrogate = sum(t if g is None else (t * g).sum() for t, g in zip(tensors, grads))
+        engine.backward(surrogate, is_boundary=False)
+
+    return backward
+
+
+def finish_backward(engine, model) -> None:
+    """The accumulation boundary on this rank: one more backward, adding exactly zero to one
+    parameter's gradient (ZeRO-2 sets up its reduction buckets only when some parameter's gradient
+    arrives), so DeepSpeed runs its boundary reductions (ZeRO-0 all-reduce, ZeRO-1 reduce, ZeRO-2
+    epilogue) over what the step's backward calls accumulated."""
+    param = next(p for p in model.parameters() if p.requires_grad)
+    engine.backward((param * 0.0).sum(), is_boundary=True)
+
+
+class StepGradients:
+    """A pipeline step's parameter gradients summed outside DeepSpeed (in fp32) and handed to it in ONE
+    ``engine.backward`` at the accumulation boundary (:meth:`finish`). ZeRO-2 reduces a gradient every
+    time its hook fires, i.e. in every backward call: through the engine, each of a step's m·k stage-pass
+    backward ops would reduce every gradient of the stage again. The stage's gradients are held whole
+    for the step instead (as ZeRO-1 holds them; Megatron's distributed optimizer does the same).
+
+    :meth:`backward` is a ``backward(tensors, grads, leaves)`` for :meth:`PipelineRunner.run`: the
+    gradients of the parameters go into the sums, those of ``leaves`` (the non-parameter tensors whose
+    ``.grad`` the runner reads: received activations, the embedding leaves, the tied-weight copy) are
+    accumulated into their ``.grad`` as torch's backward would."""
+
+    def __init__(self, params):
+        self.params = [p for p in params if p.requires_grad]
+        self.sums: list = [None] * len(self.params)
+
+    def backward(self, tensors, grads, leaves=()) -> None:
+        leaves = [t for t in leaves if t is not None and t.requires_grad and t.is_leaf]
+        got = torch.autograd.grad(tensors, self.params + leaves, grads, allow_unused=True)
+        for i, g in enumerate(got[:len(self.params)]):
+            if g is not None:
+                self.sums[i] = g.float() if self.sums[i] is None else self.sums[i].add_(g)
+        for leaf, g in zip(leaves, got[len(self.params):]):
+            if g is not None:
+                leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+    def finish(self, engine) -> None:
+        """The step's one ``engine.backward``: the surrogate sum(p * g) has gradient g for each p (cast to
+        p's dtype once), so DeepSpeed's hooks see each gradient once and reduce it once."""
+        terms = [(p * g).sum() for p, g in zip(self.params, self.sums) if g is not None]
+        surrogate = sum(terms) if terms else (self.params[0] * 0.0).sum()
+        self.sums = [None] * len(self.params)
+        engine.backward(surrogate, is_boundary=True)
+
+
 class PipelineRunner:
     """Runs this rank's share of a multi-pass step on its model stage (an :class:`FBTGPTModel`
     built under Megatron's pipeline parallel state). With ``engine`` (an :class:`~fbt_megatron.engine.Engine`
-    wrapping ``model``) a training step's gradients go through DeepSpeed (:func:`.runner.engine_backward`,
-    then the accumulation boundary :func:`.runner.finish_backward`); without, through torch autograd."""
+    wrapping ``model``) a training step's gradients go through DeepSpeed (:func:`engine_backward`,
+    then the accumulation boundary :func:`finish_backward`); without, through torch autograd."""
 
     def __init__(self, model, engine=None):
         from megatron.core import parallel_state as ps
@@ -99,14 +157,12 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the step
     def run(self, micro_batches: list[dict], num_passes: int, *, training: bool, scale: float = 1.0,
-            jitter_seeds: list | None = None, backward=None, timings: bool = False, device=None) -> StepOutput:
+            jitter_seeds: list | None = None, backward=None, timings: bool = False, device=None) -> RunnerOutput:
         """Forward (and backward if ``training`` and grad is enabled) of every micro-batch with
         ``num_passes`` passes. Backward ops call ``backward(tensors, grads)``; the tied weight's
         summed gradient is delivered by a last ``backward([weight], [grad])`` on its stages (skipped
         when there is none; default: through the engine if the runner has one, else torch autograd).
         Returns the loss sum and pass residuals, identical on every stage."""
-        from fbt_megatron.parallel.runner import StepGradients, engine_backward, finish_backward, to_device
-
         micro_batches = [to_device(b, device) for b in micro_batches]  # the schedule holds them all
         rows = None
         if self.sequence_parallel and self.model.packed and micro_batches:  # packed under SP: rows as one row
@@ -180,7 +236,7 @@ class PipelineRunner:
             collected.finish(self.engine)
         elif through_engine and training:
             finish_backward(self.engine, self.model)
-        return StepOutput(sums[0], list(sums[1:]), self._residual_max if k > 1 else None, seconds)
+        return RunnerOutput(sums[0], list(sums[1:]), self._residual_max if k > 1 else None, seconds)
 
     # ------------------------------------------------------------------ ops
     def _forward(self, op: Op, jitter_seed) -> None:
@@ -276,7 +332,7 @@ class PipelineRunner:
         return tok_sum * (ctx["scale"] / heads) if grad else None
 
     def _call_backward(self, tensors, grads, leaves) -> None:
-        """The step's backward function; :class:`.runner.StepGradients` also gets the tensors whose ``.grad``
+        """The step's backward function; :class:`StepGradients` also gets the tensors whose ``.grad``
         the runner reads (torch's own backward fills them by itself)."""
         if self._ctx["collected"] is not None:
             self._ctx["collected"].backward(tensors, grads, leaves)

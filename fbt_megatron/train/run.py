@@ -9,14 +9,21 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from fbt_megatron import runtime
 from fbt_megatron.logs import printer
 from fbt_megatron.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
+
+if TYPE_CHECKING:  # (imported inside build(): DeepSpeed's accelerator is chosen first)
+    from fbt_megatron.checkpoint import CheckpointManager
+    from fbt_megatron.train.callbacks.validation import Validation
+    from fbt_megatron.train.trainer import Trainer
 
 log_info = printer(logging.getLogger(__name__))
 
@@ -60,11 +67,11 @@ class Run:
     """A run assembled by :func:`build`, ready for :func:`fit`."""
     recipe: Recipe
     run_dir: Path
-    log: object
-    trainer: object
-    checkpoints: object  # CheckpointManager
+    log: Callable[..., None]  # print-shaped; silent on ranks other than 0
+    trainer: Trainer
+    checkpoints: CheckpointManager
     latest: Path | None  # the checkpoint resumed from
-    validation: object  # the Validation callback
+    validation: Validation
     feedback_depth: int
     num_params: int
     layout: dict
@@ -127,7 +134,7 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
 
     from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
     from fbt_megatron.checkpoint.shards import StateFragments, param_specs
-    from fbt_megatron.checkpoint.training_state import TrainingState
+    from fbt_megatron.checkpoint.state import CheckpointState
     from fbt_megatron.data.loaders import (TrainBatches, build_valid_batches, check_tokenizer, data_pipeline_config,
                                            prepare_data)
     from fbt_megatron.engine import Engine
@@ -176,11 +183,11 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
     state, schedule, loader = TrainState(), PassSchedule(recipe.schedule), TrainBatches(recipe, dp_rank, dp_size)
-    training_state = TrainingState(train_state=state, pass_schedule=schedule, loader=loader, recipe=recipe,
+    checkpoint_state = CheckpointState(train_state=state, pass_schedule=schedule, loader=loader, recipe=recipe,
                                    layout=layout)
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)
-        training_state.load_state_dict(saved)
+        checkpoint_state.load_state_dict(saved)
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
             f"tp={recipe.parallel.tensor} pp={recipe.parallel.pipeline} dp={dp_size} "
             f"zero={recipe.parallel.zero_stage})")
@@ -188,7 +195,7 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     loader.start(state.consumed_sequences)
     valid = build_valid_batches(recipe, dp_rank, dp_size)
     runner = get_runner(engine.model, engine)  # whole model (PP=1) or pipeline stages
-    step_fn = FBTTrainStep(engine, schedule, recipe.seed, device, runner=runner)
+    step_fn = FBTTrainStep(engine, runner, schedule, recipe.seed, device)
     if wrap_step is not None:
         step_fn = wrap_step(step_fn)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
@@ -205,8 +212,8 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
                       if recipe.data.source == "pipeline" else None)
     tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
 
-    def save(st: TrainState):  # st is the trainer's state, which training_state holds
-        return ckpt.save(st.step, zero, training_state.state_dict(), files=tokenizer_file)
+    def save(st: TrainState):  # st is the trainer's state, which checkpoint_state holds
+        return ckpt.save(st.step, zero, checkpoint_state.state_dict(), files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
                                [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, feedback_depth],
@@ -219,7 +226,7 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
         callbacks.append(cb.Profiler(run_dir / "profile", recipe.profile.start_step, recipe.profile.num_steps))
     callbacks += [make(engine) for make in extra_callbacks]
 
-    training_state.add_callbacks(callbacks)
+    checkpoint_state.add_callbacks(callbacks)
     total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
                       lr_fn=lr_fn, total_steps=total, global_batch_size=recipe.global_batch_size, state=state,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fbt_megatron.parallel.runner import to_device
+from fbt_megatron.parallel.micro_batches import to_device
 
 
 @dataclass
@@ -49,16 +49,14 @@ def jitter_seed(seed: int, step: int, micro_batch: int) -> int:
 
 
 class FBTTrainStep:
-    """One optimiser step: the micro-batches go through ``runner`` (:func:`~fbt_megatron.parallel.runner.get_runner`:
-    the whole model per micro-batch, or the pipeline schedule), whose backward goes through the engine."""
+    """One optimiser step: the micro-batches go through ``runner`` (:func:`~fbt_megatron.parallel.runner.get_runner`
+    over ``engine``: the whole model per micro-batch, or the pipeline schedule), whose backward goes
+    through the engine."""
 
-    def __init__(self, engine, schedule, seed: int, device, runner=None):
+    def __init__(self, engine, runner, schedule, seed: int, device):
         from megatron.core import parallel_state as ps
 
-        from fbt_megatron.parallel.runner import get_runner
-
-        self.engine, self.schedule, self.seed, self.device = engine, schedule, seed, device
-        self.runner = runner if runner is not None else get_runner(engine.model, engine)
+        self.engine, self.runner, self.schedule, self.seed, self.device = engine, runner, schedule, seed, device
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()

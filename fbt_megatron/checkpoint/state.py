@@ -25,7 +25,7 @@ def callback_key(cb) -> str:
     return getattr(cb, "state_key", None) or type(cb).__name__
 
 
-class TrainingState:
+class CheckpointState:
     def __init__(self, *, train_state, pass_schedule, recipe, layout: dict, loader=None, callbacks=()):
         self.train_state, self.pass_schedule, self.loader = train_state, pass_schedule, loader
         self.recipe, self.layout = recipe, layout

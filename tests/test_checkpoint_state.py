@@ -1,10 +1,10 @@
-"""TrainingState: callbacks' states are keyed by ``state_key`` (else the class name); one key twice is refused."""
+"""CheckpointState: callbacks' states are keyed by ``state_key`` (else the class name); one key twice is refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from fbt_megatron.checkpoint.training_state import TrainingState
+from fbt_megatron.checkpoint.state import CheckpointState
 from fbt_megatron.passes import PassSchedule
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.testing.training import tiny_recipe
@@ -26,7 +26,7 @@ class Counter:
 
 def _state(callbacks):
     recipe = Recipe.model_validate(tiny_recipe("run"))
-    return TrainingState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
+    return CheckpointState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule), recipe=recipe,
                          layout={}, callbacks=callbacks)
 
 
