@@ -52,6 +52,7 @@ ABLATIONS = {
     "no_jitter": ["feedback.jitter_std=0.0"],
     "untied": ["model.tie_embeddings=false"],
     "fusion_lr_x10": ["optimizer.fusion_lr_multiplier=10.0"],
+    "fusion_lr_x30": ["optimizer.fusion_lr_multiplier=30.0"],
     "additive": ["feedback.fusion=additive"],
 }
 STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
