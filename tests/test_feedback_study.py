@@ -75,6 +75,24 @@ def test_fusion_lr_multiplier_scales_adams_step_of_the_fusion_only(single_proces
         assert moved.numel() and torch.allclose(moved, torch.full_like(moved, expected), rtol=1e-3), name
 
 
+def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
+    """sigma of d h_t / d h_{t-1}: 0 with W_U = 0 (the fed-back state reaches nothing), positive otherwise;
+    only positions inside the row are measured."""
+    from fbt_megatron.config import FeedbackConfig, ModelConfig
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.research.study import one_step_readout
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                    max_sequence_length=40), FeedbackConfig(jitter_std=0.0))
+    ids = torch.randint(0, 64, (2, 40))
+    read = one_step_readout(model, ids, 40)
+    assert read["positions"] == [8, 32] and min(read["spectral_norm"]) > 1e-3
+    with torch.no_grad():
+        model.feedback.value.weight.zero_()
+    assert one_step_readout(model, ids, 40)["spectral_norm"] == [0.0, 0.0]
+
+
 def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     """The one command of the study at a toy size: the runs train, are read out at 1, 2, 3 passes and
     the exact recurrence, and the report compares them; with the run folders gone, ``--reuse``
@@ -91,13 +109,15 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
     assert {"standard", "feedback"} <= set(fbt["answers"])
     assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
+    assert fbt["one_step"]["positions"] == [8, 32, 64, 96, 120] and min(fbt["one_step"]["spectral_norm"]) > 0
+    assert "one_step" not in data["readouts"]["standard_seed1"]
     assert len(data["readouts"]["state_fbt_heavy_seed1"]["state_accuracy"]["1"]) == 32
     history = data["val_history"]["fbt_heavy_seed1"][-1]["loss"]
     assert set(history) == {"1", "2", "3"}  # eval.passes of the research recipe
     comparisons = data["comparisons"]["fbt_heavy"]
     assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
     md = (out / "feedback_study_tiny_smoke.md").read_text()
-    assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md
+    assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md and "one-step σ" in md
     shutil.rmtree(tmp_path / "runs")
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]

@@ -2,7 +2,8 @@
 
 A run is read out once (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes and at the
 exact recurrence, held-out arithmetic under standard and feedback decoding, the fusion's state at
-each kept checkpoint; for the state-tracking task, accuracy per number of composed steps.
+each kept checkpoint, the one-step map's spectral norm at the exact recurrence (does the pass-to-pass
+map contract?); for the state-tracking task, accuracy per number of composed steps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 DECODING = [("standard", "standard", 1), ("feedback", "feedback", 1)]  # (name, TextGenerator mode, prefill passes)
 SATURATED = 0.05  # a gate entry below this or above 1 - this is saturated
+ONE_STEP_POSITIONS = (8, 32, 64, 96, 120)  # as tools/fixed_point.py
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
@@ -110,6 +112,18 @@ def answer_readout(run_dir: Path, problems: int) -> dict:
     return out
 
 
+def one_step_readout(model, input_ids, passes: int) -> dict:
+    """sigma_max of the one-step map d h_t / d h_{t-1} (tools/fixed_point.py's measure) at the top states
+    after ``passes`` passes of ``input_ids``' first row, at :data:`ONE_STEP_POSITIONS` inside the row:
+    below 1, an error in a fed-back state shrinks as it travels along the sequence."""
+    from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms
+
+    ids = input_ids[:1]
+    top = iterate_passes(model, ids, passes)["top"]
+    norms = one_step_jacobian_norms(model, ids, top, [t for t in ONE_STEP_POSITIONS if t < ids.shape[1]])
+    return {"positions": [n["position"] for n in norms], "spectral_norm": [n["spectral_norm"] for n in norms]}
+
+
 def read_out(run_dir: Path, smoke: bool = False) -> dict:
     """Every read-out of one finished run (cached in ``run_dir/readouts.json``). Call in a world-of-one
     process group."""
@@ -131,6 +145,8 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
     else:
         runner, batches = get_runner(model), build_valid_batches(recipe, 0, 1)
         out["val_loss"] = {str(k): evaluate(runner, batches, k, runtime.device()).loss for k in passes}
+        if model.feedback is not None:
+            out["one_step"] = one_step_readout(model, batches[0]["input_ids"], seq)
         out["answers"] = answer_readout(run_dir, 8 if smoke else 100)
     out["fusion_history"] = fusion_history(run_dir)
     cache.write_text(json.dumps(out, indent=1))
@@ -230,6 +246,8 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
             cells.append("%.3f / %.3f" % (statistics.fmean(a[mode]["answer_nll"] for a in ans),
                                           statistics.fmean(a[mode]["exact_match"] for a in ans))
                          if mode in ans[0] else "-")
+        sigma = [statistics.fmean(x["one_step"]["spectral_norm"]) for x in r if x.get("one_step")]
+        cells.append("%.2f" % statistics.fmean(sigma) if len(sigma) == len(r) else "-")
         fus = [x["fusion_history"][-1] for x in r if x["fusion_history"]]
         cells.append("%.2f / %.2f" % (statistics.fmean(f["gate_saturated"] for f in fus),
                                       statistics.fmean(f.get("w_u_from_init", float("nan")) for f in fus))
@@ -260,9 +278,11 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "and its overrides, `tools/feedback_study.py`; validation on held-out documents of the embedded mix. "
         "*exact*: the exact recurrence (passes = sequence length). Answers: held-out arithmetic, answer NLL per "
         "token / greedy exact match. Fusion: share of saturated gate entries / W_U's relative distance from its "
-        "initialisation, at the last checkpoint. Means ± standard deviation over seeds.", "",
+        "initialisation, at the last checkpoint. One-step σ: the spectral norm of d h_t / d h_{t-1} at the exact "
+        "recurrence, mean over positions 8-120 of one held-out row (< 1: the pass-to-pass map contracts). Means "
+        "± standard deviation over seeds.", "",
         table(["run", "seeds", "1-pass", "2-pass", "3-pass", "exact", "answers, standard", "answers, feedback",
-               "fusion"], loss_rows), "",
+               "one-step σ", "fusion"], loss_rows), "",
         "## Paired differences (mean ± standard error over seeds; negative: the second is lower)", "",
         table(["run", "difference", "value", "seeds"], comp_rows), "",
         "## State tracking (running products in S3; accuracy at a number of composed steps)", "",
