@@ -1,6 +1,7 @@
 """One feedback rule (issue 42, item 2): ``fbt_megatron/hf/feedback_rule.py``'s plain torch functions, each
-against its formula written out here, and the proof that the Megatron model runs those same function objects
-(not a copy of the rule).
+against its formula written out here, and the proof that the Megatron model and the Hugging Face remote code
+run those same function objects (not copies of the rule), and that an export ships the file as it is in the
+package.
 
     mix:     s = (1 - a) h + a h_init
     gate:    token_gate = sigmoid(W_G e) (glu), W_G e (additive)
@@ -13,12 +14,14 @@ against its formula written out here, and the proof that the Megatron model runs
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
 
 from fbt_megatron.hf import feedback_rule
 
+ROOT = Path(__file__).resolve().parents[1]
 RULE = {name: f for name, f in vars(feedback_rule).items()
         if inspect.isfunction(f) and f.__module__ == feedback_rule.__name__}
 D = 8
@@ -106,6 +109,20 @@ def test_stack_input_reads_the_stateless_input_where_reset(first_input):
 
 
 # ---------------------------------------------------------------------- one rule, three models
+def test_the_hf_model_and_the_exporter_hold_the_rules_own_functions():
+    """The modelling file imports the rule's functions as a sibling (the objects themselves, not copies) and
+    defines none of its own under their names; the exporter writes W_U with the rule's bounded scaling."""
+    from fbt_megatron.hf import export, modeling_fbt
+
+    imported = {n for n in RULE if n in vars(modeling_fbt)}
+    assert imported >= {"token_gate", "mix", "shifted_states", "fuse", "stack_input", "stateless_input",
+                        "reset_positions", "attended_starts"}, imported
+    for name in imported:
+        assert getattr(modeling_fbt, name) is RULE[name], name
+    assert export.feedback_rule is feedback_rule
+    assert feedback_rule.__file__ in {str(p) for p in export.REMOTE_CODE}
+
+
 def test_the_megatron_model_holds_the_rule_module():
     from fbt_megatron.model import fbt_gpt, feedback
 
@@ -143,3 +160,32 @@ def test_the_megatron_model_runs_the_rule(single_process, monkeypatch, first_inp
     assert set(calls) >= CALLED, set(calls)
 
 
+@pytest.mark.parametrize("first_input", ["embedding", "state"])
+def test_the_hf_model_runs_the_rule(monkeypatch, first_input):
+    from fbt_megatron.hf import modeling_fbt
+
+    config = modeling_fbt.FBTConfig(vocab_size=64, hidden_size=D * 4, intermediate_size=48, num_hidden_layers=1,
+                                    num_attention_heads=2, max_position_embeddings=32, feedback_prefix_mixin=0.2,
+                                    feedback_first_input=first_input)
+    torch.manual_seed(0)
+    model = modeling_fbt.FBTForCausalLM(config).eval()
+    calls = _spy(monkeypatch, [feedback_rule, modeling_fbt])
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids, num_passes=2, use_cache=False)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0  # a left-padded row
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert set(calls) >= CALLED | {"attended_starts"}, set(calls)
+
+
+def test_save_pretrained_writes_the_rule_beside_the_modelling_file(tmp_path):
+    """The package's own FBT classes save with their remote code: the modelling file and the rule it
+    imports, both as the package holds them (transformers copies a remote-code file's relative imports)."""
+    from fbt_megatron.hf import modeling_fbt
+
+    config = modeling_fbt.FBTConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, max_position_embeddings=32)
+    modeling_fbt.FBTForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("modeling_fbt.py", "feedback_rule.py"):
+        assert (tmp_path / name).read_bytes() == (ROOT / "fbt_megatron" / "hf" / name).read_bytes(), name
