@@ -1,7 +1,7 @@
 """One feedback rule (issue 42, item 2): ``fbt_megatron/hf/feedback_rule.py``'s plain torch functions, each
-against its formula written out here, and the proof that the Megatron model and the Hugging Face remote code
-run those same function objects (not copies of the rule), and that an export ships the file as it is in the
-package.
+against its formula written out here, and the proof that the Megatron model, the Hugging Face remote code and
+the vLLM plugin run those same function objects (not copies of the rule), and that an export ships the file
+as it is in the package.
 
     mix:     s = (1 - a) h + a h_init
     gate:    token_gate = sigmoid(W_G e) (glu), W_G e (additive)
@@ -13,6 +13,7 @@ package.
 
 from __future__ import annotations
 
+import ast
 import inspect
 from pathlib import Path
 
@@ -127,6 +128,25 @@ def test_the_megatron_model_holds_the_rule_module():
     from fbt_megatron.model import fbt_gpt, feedback
 
     assert feedback.rule is feedback_rule and fbt_gpt.rule is feedback_rule
+
+
+def _class_methods(path: Path, cls: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_vllm_model_inherits_the_hf_rule_methods():
+    """Read from the source (vLLM is not installed here; tests/vllm_gate_side.py checks the objects in
+    vLLM's venv): the plugin's module overrides none of the fusion's methods but ``token_gate`` (the same
+    quantity, read from a table of it), and builds the table with the rule's ``token_gate``."""
+    source = ROOT / "fbt_megatron" / "serving" / "vllm_model.py"
+    own = _class_methods(source, "LatentFeedback")
+    rule_methods = _class_methods(ROOT / "fbt_megatron" / "hf" / "modeling_fbt.py", "LatentFeedback") - {"__init__"}
+    assert own & rule_methods == {"token_gate"}, own & rule_methods
+    tree = ast.parse(source.read_text())
+    imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("fbt_megatron.hf.feedback_rule", "token_gate") in imports
 
 
 def _spy(monkeypatch, modules) -> list[str]:

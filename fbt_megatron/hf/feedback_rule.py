@@ -31,7 +31,6 @@ from collections.abc import Callable
 
 import torch
 
-FUSIONS = ("glu", "additive")
 FIRST_INPUTS = ("embedding", "state")
 
 Fuse = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (state, token_gate) -> stack input
