@@ -8,11 +8,12 @@ asked its remote-code question (``input()`` answered "n", as a user pressing Ent
 with trust_remote_code; AutoModelForCausalLM
 (trust_remote_code); the forward's logits and loss with and without use_cache; greedy generate in each
 decoding mode with and without the KV cache; a batched text-generation pipeline against each prompt
-alone; and whether num_beams > 1 is refused.
+alone; whether num_beams > 1 is refused; and where the remote code's feedback functions come from.
 """
 
 import builtins
 import sys
+from pathlib import Path
 
 import torch
 import transformers
@@ -41,6 +42,14 @@ res["tokenizer"] = {"class": type(tok).__name__, "pad_token": tok.pad_token, "pa
                     "trusted": {"class": type(trusted).__name__, "encodings": [trusted.encode(t) for t in req["texts"]],
                                 "pad_token": trusted.pad_token, "padding_side": trusted.padding_side}}
 model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True).eval()
+# The remote code's feedback functions: the module the modelling file took them from, and which of its names
+# are that module's own objects.
+modeling = sys.modules[type(model).__module__]
+rule = sys.modules[modeling.fuse.__module__]
+res["remote_rule"] = {"beside": Path(rule.__file__).parent == Path(modeling.__file__).parent,
+                      "name": Path(rule.__file__).name, "bytes": Path(rule.__file__).read_bytes(),
+                      "shared": sorted(n for n, f in vars(modeling).items()
+                                       if getattr(f, "__module__", None) == rule.__name__ and getattr(rule, n) is f)}
 ids = req["ids"]
 with torch.no_grad():
     res["forward"] = {uc: model(ids, labels=ids, use_cache=uc) for uc in (True, False)}

@@ -111,6 +111,12 @@ def test_export_matches_framework(exported, variant, tmp_path, single_process):
     assert (saved["tensor"], saved["pipeline"]) == ((1, 2) if variant.endswith("pp2") else (2, 1)), saved
     files = sorted(p.name for p in export.iterdir())
     assert "model.safetensors.index.json" in files and "modeling_fbt.py" in files and "README.md" in files
+    # the remote code as the package holds it: the modelling file and the feedback rule it imports
+    import fbt_megatron.hf
+
+    package = Path(fbt_megatron.hf.__file__).parent
+    for name in ("modeling_fbt.py", "feedback_rule.py"):
+        assert (export / name).read_bytes() == (package / name).read_bytes(), name
     g = torch.Generator().manual_seed(1)
     vocab = VARIANTS[variant]["model"]["vocab_size"]
     ids = torch.randint(0, vocab, (2, 11), generator=g)

@@ -86,6 +86,12 @@ def check_side(res: dict, run: Path, sp: Path, version: str) -> None:
     from data_pipeline.tokenizer import load_tokenizer
 
     assert res["version"] == version and res["fbt_megatron_imported"] == []
+    # The modelling file runs the export's feedback_rule.py (loaded beside it: a relative import of remote code),
+    # which is the package's file byte for byte.
+    rule = res["remote_rule"]
+    assert rule["beside"] and rule["name"] == "feedback_rule.py", rule
+    assert rule["bytes"] == (Path(__file__).resolve().parents[1] / "fbt_megatron/hf/feedback_rule.py").read_bytes()
+    assert {"fuse", "mix", "shifted_states", "stack_input", "stateless_input", "token_gate"} <= set(rule["shared"]), rule
     t = res["tokenizer"]
     assert t["class"] in ("PreTrainedTokenizerFast", "TokenizersBackend"), t  # stock, no remote code
     assert t["pad_token"] == "</s>" and t["pad_token_id"] == 2 and t["padding_side"] == "left", t

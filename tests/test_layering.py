@@ -30,6 +30,8 @@ LAYERS = {
     "fbt_megatron.data": 2,
     "fbt_megatron.model": 2,
     "fbt_megatron.passes": 2,
+    # the feedback rule's torch-only functions: the model's, shipped beside modeling_fbt.py in every HF export
+    "fbt_megatron.hf.feedback_rule": 2,
     # 3: the DeepSpeed / Megatron engine glue
     "fbt_megatron.engine": 3,
     # 4: checkpoints and pipeline parallelism

@@ -188,14 +188,18 @@ def test_plugin_one_token_prompt_among_decoding_requests(vllm_python, model, tmp
 def test_plugin_gate_table_formula(vllm_python, tmp_path):
     """The plugin's fusion against its formula (float64), glu and additive, with biases: the token's gate computed
     per token and read from the vocabulary's gate table, which is built from the raw W_G after vLLM's CPU GEMM
-    has prepacked and dropped its own copy (tests/vllm_gate_side.py, no engine)."""
+    has prepacked and dropped its own copy, and the stack input of flattened tokens under the ``state`` rule
+    (tests/vllm_gate_side.py, no engine). The plugin's fusion is the export modelling file's (inherited, not
+    overridden: the shared rule's functions, tests/test_feedback_rule.py) and its gate table is built with the
+    rule's own token_gate."""
     proc = subprocess.run([str(vllm_python), str(GATE_SIDE), str(tmp_path / "errors.json")], cwd=tmp_path,
                           env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     errors = json.loads((tmp_path / "errors.json").read_text())
-    assert set(errors) == {"glu", "additive"}
+    assert set(errors) == {"glu", "additive", "rule"}
+    assert all(errors.pop("rule").values())
     for mode, e in errors.items():
-        assert e["per_token"] < 1e-5 and e["table"] < 1e-5 and e["reads_table"], (mode, e)
+        assert e["per_token"] < 1e-5 and e["table"] < 1e-5 and e["stack_input"] < 1e-5 and e["reads_table"], (mode, e)
 
 
 def test_plugin_preemption(vllm_python, model, tmp_path):

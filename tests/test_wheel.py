@@ -52,7 +52,8 @@ def test_wheel_ships_the_package_data(installed):
     wheel, *_ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("fbt_megatron/launch/train.sbatch", "fbt_megatron/eval/tasks/fbt_humaneval.yaml",
-                 "fbt_megatron/eval/tasks/fbt_tasks.py", "fbt_megatron/hf/modeling_fbt.py", "data_pipeline/cli.py"):
+                 "fbt_megatron/eval/tasks/fbt_tasks.py", "fbt_megatron/hf/modeling_fbt.py",
+                 "fbt_megatron/hf/feedback_rule.py", "data_pipeline/cli.py"):
         assert path in names, path
 
 

@@ -28,11 +28,13 @@ from pathlib import Path
 import torch
 
 from data_pipeline.tokenizer import HF_TOKENIZER_FILES  # noqa: F401 (the importer's list too)
-from fbt_megatron.hf import families, mapping
+from fbt_megatron.hf import families, feedback_rule, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
 from fbt_megatron.hf.mapping import ConversionError
 
 MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
+# The remote code every FBT export ships: the modelling file and the feedback rule it imports as a sibling.
+REMOTE_CODE = (MODELING_FILE, Path(__file__).with_name("feedback_rule.py"))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -294,8 +296,7 @@ def as_applied(key: str, tensor: torch.Tensor, feedback) -> torch.Tensor:
     """A stored weight as the model applies it: under ``feedback.mixin: bounded`` W_U divided by
     max(1, its spectral norm) (model/feedback.py), so the exported model computes the trained one."""
     if key == "feedback.value.weight" and feedback.mixin == "bounded":
-        sigma = torch.linalg.matrix_norm(tensor.float(), ord=2)
-        return tensor / sigma.clamp_min(1.0).to(tensor.dtype)
+        return feedback_rule.bounded(tensor, feedback_rule.spectral_norm(tensor))
     return tensor
 
 
@@ -355,7 +356,8 @@ def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTenso
                   "pad_token_id": tokens.get("pad_token_id"), "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     if not standard:
-        shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+        for file in REMOTE_CODE:
+            shutil.copyfile(file, out / file.name)
     from fbt_megatron.hf.model_card import model_card
 
     (out / "README.md").write_text(model_card(config, has_tokenizer=tok_source is not None))

@@ -70,7 +70,8 @@ state is fused with the token embedding, `x_t = (W_U h_(t-1)) * sigmoid(W_G e_t)
 
 ## Generate
 
-The modelling code (`modeling_fbt.py`, transformers' Llama layers + the fusion) ships in this folder:
+The modelling code (`modeling_fbt.py`, transformers' Llama layers + the fusion, and the feedback rule it
+imports, `feedback_rule.py`) ships in this folder:
 
 ```python
 import torch

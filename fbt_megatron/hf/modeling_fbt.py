@@ -1,9 +1,11 @@
 """Full-bandwidth transformer (latent feedback) for Hugging Face transformers.
 
 This file is shipped inside every `fbt convert to-hf` export and loaded with
-``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It depends only on torch and
-transformers: the stack is transformers' own Llama (``LlamaModel``: attention, rotary embedding, KV
-cache, masks; ``GenerationMixin``: ``generate``), with three additions:
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It depends only on torch, transformers
+and its sibling ``feedback_rule.py`` (shipped with it: the feedback rule the Megatron model and the vLLM plugin
+call too; transformers copies a remote-code file's relative imports with it). The stack is transformers' own
+Llama (``LlamaModel``: attention, rotary embedding, KV cache, masks; ``GenerationMixin``: ``generate``), with
+three additions:
 
 - architecture variants of the Megatron GPT the checkpoint was trained as, chosen by config fields:
   ``norm_type`` (RMSNorm or LayerNorm), ``mlp_gated`` (SwiGLU or a plain ``act(up)`` -> ``down`` MLP),
@@ -56,12 +58,23 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
 )
 
+from .feedback_rule import (
+    FIRST_INPUTS,
+    attended_starts,
+    fuse,
+    mix,
+    reset_positions,
+    shifted_states,
+    stack_input,
+    stateless_input,
+    token_gate,
+)
+
 # The KV cache's name in this transformers (``cache`` from 5.24, ``past_key_values`` before).
 CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 STACK_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 FUSIONS = ("glu", "additive", "off")
-FIRST_INPUTS = ("embedding", "state")
 DECODINGS = ("feedback", "standard")
 
 
@@ -172,36 +185,43 @@ class FBTModel(LlamaModel):
 
 
 class LatentFeedback(nn.Module):
-    """W_U (value_proj, on the fed-back state), W_G (gate_proj, on the token embedding), h_init."""
+    """W_U (value_proj, on the fed-back state), W_G (gate_proj, on the token embedding), h_init; the rule's
+    functions (``feedback_rule.py``) applied with them, in any layout whose last axis is D."""
 
     def __init__(self, config: FBTConfig):
         super().__init__()
         d = config.hidden_size
         self.mode = config.feedback_fusion
         self.prefix_mixin = config.feedback_prefix_mixin
+        self.first_input = config.feedback_first_input
         self.value_proj = nn.Linear(d, d, bias=config.feedback_bias)
         self.gate_proj = nn.Linear(d, d, bias=config.feedback_bias)
         self.initial_state = nn.Parameter(torch.zeros(d))
-        self.plain_first_pass = config.feedback_first_input == "embedding"
+        self.plain_first_pass = self.first_input == "embedding"
+
+    def token_gate(self, emb):
+        """sigmoid(W_G e) (glu) or W_G e (additive): the same in every pass and step, computed once."""
+        return token_gate(self.gate_proj(emb), self.mode)
 
     def fed_back(self, top):
-        a = self.prefix_mixin
-        return (1.0 - a) * top + a * self.initial_state if a else top
+        """(1 - a) h + a h_init: what of a top state reaches the next position."""
+        return mix(top, self.initial_state, self.prefix_mixin)
 
-    def stateless(self, emb, gate):
+    def shift_states(self, top, reset):
+        """[B, S, D] top states of a pass -> the fed-back state each position receives (h_init where ``reset``)."""
+        return shifted_states(self.fed_back(top), reset, self.initial_state, dim=1)
+
+    def stateless_input(self, emb, token_gate):
         """The input where no previous state exists: e_t, or fuse(h_init, e_t) under the state rule."""
-        return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, 1, -1), gate)
+        return stateless_input(emb, token_gate, self.initial_state, self.first_input, self.fuse)
 
-    def with_state(self, state, emb, gate, no_state):
-        """fuse(state, e) where a state exists, the stateless input where ``no_state`` [B, S]."""
-        return torch.where(no_state.unsqueeze(-1), self.stateless(emb, gate), self.fuse(state, gate))
+    def stack_input(self, state, emb, token_gate, reset):
+        """fuse(state, e) where a state exists, the stateless input where ``reset``."""
+        return stack_input(state, emb, token_gate, reset, self.initial_state, self.first_input, self.fuse)
 
-    def fuse(self, state, gate):
-        """state [B, S, D] or [1, 1, D]; gate = W_G e (precomputed once per sequence: it does not
-        change between passes)."""
-        value = self.value_proj(state)
-        out = value * torch.sigmoid(gate) if self.mode == "glu" else value + gate
-        return out.expand(gate.shape)
+    def fuse(self, state, token_gate):
+        """(W_U state) * token_gate (glu) or + token_gate (additive); ``state`` [..., D] or broadcastable."""
+        return fuse(self.value_proj(state), token_gate, self.mode)
 
 
 # ---------------------------------------------------------------------- the causal LM
@@ -242,14 +262,10 @@ class FBTForCausalLM(LlamaForCausalLM):
         """[B, S] bool: positions whose state is h_init: position 0, or the first attended token of a
         left-padded row."""
         if attention_mask is None:
-            reset = torch.zeros(batch, seq, dtype=torch.bool, device=device)
-            if past == 0:
-                reset[:, 0] = True
-            return reset
-        mask = attention_mask.bool()
-        now = mask[:, past:past + seq]
-        before = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)[:, past:past + seq]
-        return now & ~before
+            if past:  # a continued sequence: every position has a previous one
+                return torch.zeros(batch, seq, dtype=torch.bool, device=device)
+            return reset_positions(None, (batch, seq), 1, device)
+        return attended_starts(attention_mask.bool(), 1)[:, past:past + seq]
 
     def _positions(self, attention_mask, past: int, batch: int, seq: int, device):
         if attention_mask is not None:  # left padding: count only attended tokens
@@ -264,17 +280,15 @@ class FBTForCausalLM(LlamaForCausalLM):
         return out.last_hidden_state
 
     def _jacobi(self, emb, gate, reset, attention_mask, position_ids, cache, passes: int, **kwargs):
-        """``passes`` passes over the whole sequence; the last one fills ``cache`` if given."""
+        """``passes`` passes over the whole sequence; the last one fills ``cache`` if given. ``gate``: the
+        token_gate of ``emb``."""
         fb = self.feedback
-        h0 = fb.initial_state.view(1, 1, -1)
         top, residuals = None, []
         for k in range(passes):
             if k == 0:
-                x = fb.stateless(emb, gate)
+                x = fb.stateless_input(emb, gate)
             else:
-                fed = fb.fed_back(top)
-                shifted = torch.cat([h0.expand_as(fed[:, :1]), fed[:, :-1]], dim=1)
-                x = fb.with_state(shifted, emb, gate, reset)
+                x = fb.stack_input(fb.shift_states(top, reset), emb, gate, reset)
             last = k == passes - 1
             new_top = self._stack(x, attention_mask, position_ids, cache if last else None, **kwargs)
             if top is not None:
@@ -289,9 +303,9 @@ class FBTForCausalLM(LlamaForCausalLM):
         for t in range(emb.shape[1]):
             e_t, g_t = emb[:, t:t + 1], gate[:, t:t + 1]
             if prev_state is None:
-                x = fb.stateless(e_t, g_t)
+                x = fb.stateless_input(e_t, g_t)
             else:
-                x = fb.with_state(fb.fed_back(prev_state)[:, None], e_t, g_t, reset[:, t:t + 1])
+                x = fb.stack_input(fb.fed_back(prev_state)[:, None], e_t, g_t, reset[:, t:t + 1])
             mask = attention_mask[:, : past + t + 1] if attention_mask is not None else None
             top = self._stack(x, mask, position_ids[:, t:t + 1], cache, **kwargs)
             prev_state = top[:, 0]
@@ -340,10 +354,10 @@ class FBTForCausalLM(LlamaForCausalLM):
         if self.feedback is None or (decoding == "standard" and self.feedback.plain_first_pass):
             top = self._stack(emb, attention_mask, position_ids, cache, **kwargs)  # the plain Llama / GPT
         else:
-            gate = self.feedback.gate_proj(emb)  # W_G e: the same in every pass and step
+            gate = self.feedback.token_gate(emb)  # sigmoid(W_G e): the same in every pass and step
             reset = self._reset(attention_mask, past, batch, seq, input_ids.device)
             if decoding == "standard":  # the state rule's 1-pass behaviour: every state is h_init
-                top = self._stack(self.feedback.stateless(emb, gate), attention_mask, position_ids, cache,
+                top = self._stack(self.feedback.stateless_input(emb, gate), attention_mask, position_ids, cache,
                                   **kwargs)
             elif fbt_generating and cache is None:
                 # generate(use_cache=False): the whole sequence again, computed as the cached path does

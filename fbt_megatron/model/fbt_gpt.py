@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
+from fbt_megatron.hf import feedback_rule as rule
 from fbt_megatron.model import cross_entropy, one_rank_linear, rope, swiglu, vocab
 from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
                                           document_positions, from_packed, packed_rotary_length, packed_seq_params,
@@ -50,12 +51,7 @@ class FBTOutput:
 def reset_positions(doc_start, batch: int, seq_len: int, device) -> torch.Tensor:
     """[S, B] bool: positions with no previous state in their document — position 0 and every
     document start (they read their embedding; under the state rule, fuse(h_init, e))."""
-    if doc_start is None:
-        reset = torch.zeros(seq_len, batch, dtype=torch.bool, device=device)
-    else:
-        reset = doc_start.t().to(device=device, dtype=torch.bool).clone()
-    reset[0] = True
-    return reset
+    return rule.reset_positions(None if doc_start is None else doc_start.t(), (seq_len, batch), 0, device)
 
 
 RECOMPUTE = {  # ModelConfig.recompute -> Megatron's TransformerConfig switches

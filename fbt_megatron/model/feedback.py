@@ -11,8 +11,10 @@ The state rides the value path and the token is only a multiplicative gate: with
 fusion (``additive``: x_t = W_U h_{t-1} + W_G e_t, kept for ablation) the model can learn to ignore
 the state. ``off`` gives a standard GPT (x_t = e_t, no extra weights).
 
-The pass input (:meth:`LatentFeedback.pass_input`, the one definition every forward uses: the whole
-model, the pipeline's first stage, the KV-cache decoder):
+The rule itself (shift, reset, mix, fuse, the stack input) is plain torch functions in
+``hf/feedback_rule.py``, shared with the Hugging Face export and the vLLM plugin; this layer adds Megatron's
+tensor and sequence parallelism around them. The pass input (:meth:`LatentFeedback.pass_input`, what every
+forward here uses: the whole model, the pipeline's first stage, the KV-cache decoder):
 - pass 1: x_t = e_t at every position — exactly a standard GPT on the same weights;
 - pass j >= 2: x_t = fuse(h^(j-1)_{t-1}, e_t) where t has a previous position in its document, and
   x_t = e_t at position 0 and at every document start (there is no state there).
@@ -52,6 +54,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
 from fbt_megatron.config import FeedbackConfig
+from fbt_megatron.hf import feedback_rule as rule
 
 
 class LatentFeedback(MegatronModule):
@@ -114,7 +117,7 @@ class LatentFeedback(MegatronModule):
             return None
         weight = self.value.weight
         sigma = self._sigma_exact(weight) if not self.training else self._sigma_estimate(weight)
-        return weight / sigma.clamp_min(1.0).to(weight.dtype)
+        return rule.bounded(weight, sigma)
 
     def _sigma_exact(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version)
@@ -138,9 +141,8 @@ class LatentFeedback(MegatronModule):
 
     # ----------------------------------------------------------------- the recurrence's pieces
     def fed_back(self, top_state: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """What of h_{t-1} reaches position t: prefix mixin, then jitter (training only)."""
-        a = self.feedback.prefix_mixin
-        state = (1.0 - a) * top_state + a * self.initial_state if a else top_state
+        """What of h_{t-1} reaches position t: prefix mixin (:func:`rule.mix`), then jitter (training only)."""
+        state = rule.mix(top_state, self.initial_state, self.feedback.prefix_mixin)
         if self.training and self.feedback.jitter_std > 0:
             shape = state.shape
             if self.rows_as_one and shape[1] == 1:  # drawn in the rows' [S, B, D] order, laid end to end
@@ -164,9 +166,7 @@ class LatentFeedback(MegatronModule):
         and every document start) have no previous state: they get h_init here as a placeholder that
         :meth:`stack_input` replaces with the rule's stateless input.
         """
-        fed = self.fed_back(top_state, generator)
-        shifted = torch.cat([self.initial_state.expand_as(fed[:1]), fed[:-1]], dim=0)
-        return torch.where(reset.unsqueeze(-1), self.initial_state.to(shifted.dtype), shifted)
+        return rule.shifted_states(self.fed_back(top_state, generator), reset, self.initial_state, dim=0)
 
     # ----------------------------------------------------------------- the pass input (the rule)
     @property
@@ -194,20 +194,18 @@ class LatentFeedback(MegatronModule):
         return self.stack_input(state, embedded, token_gate, reset)
 
     def stack_input(self, state: torch.Tensor, embedded: torch.Tensor, token_gate: torch.Tensor,
-                    no_state: torch.Tensor) -> torch.Tensor:
-        """fuse(state, e) where a previous state exists; where ``no_state`` [S, B] is True, the
-        rule's stateless input. ``state`` is already the fed-back state of each position (the KV-cache
-        decoder passes h_{t-1} of each sequence's one new position)."""
-        fused = self.fuse(state, token_gate)
-        return torch.where(self._stack_layout(no_state).unsqueeze(-1), self.stateless_input(embedded, token_gate),
-                           fused)
+                    reset: torch.Tensor) -> torch.Tensor:
+        """fuse(state, e) where a previous state exists; where ``reset`` [S, B] is True, the
+        rule's stateless input (:func:`rule.stack_input`, in this rank's layout). ``state`` is already the
+        fed-back state of each position (the KV-cache decoder passes h_{t-1} of each sequence's one new
+        position)."""
+        return rule.stack_input(state, embedded, token_gate, self._stack_layout(reset), self.initial_state,
+                                self.feedback.first_input, self.fuse)
 
     def stateless_input(self, embedded: torch.Tensor, token_gate: torch.Tensor | None) -> torch.Tensor:
         """The input where no position has a state (pass 1, standard decoding): e_t, or under the
         ``state`` rule fuse(h_init, e_t)."""
-        if self.plain_first_pass:
-            return embedded
-        return self.fuse(self.initial_states(), token_gate)
+        return rule.stateless_input(embedded, token_gate, self.initial_state, self.feedback.first_input, self.fuse)
 
     def _stack_layout(self, per_position: torch.Tensor) -> torch.Tensor:
         """[S, B] -> this rank's [S/TP, B] slice under sequence parallelism (as the stack input)."""
@@ -225,16 +223,15 @@ class LatentFeedback(MegatronModule):
         return self.fuse(state, self.token_gate(embedded))
 
     def token_gate(self, embedded: torch.Tensor) -> torch.Tensor:
-        """The token path [S, B, D/TP]: sigmoid(W_G e) for glu, W_G e for additive. It does not
-        depend on the fed-back state, so a k-pass forward computes it once and reuses it."""
+        """The token path [S, B, D/TP] (:func:`rule.token_gate`): sigmoid(W_G e) for glu, W_G e for
+        additive. It does not depend on the fed-back state, so a k-pass forward computes it once."""
         gate, _ = self.gate(embedded)
-        return torch.sigmoid(gate) if self.mode == "glu" else gate
+        return rule.token_gate(gate, self.mode)
 
     def fuse(self, state: torch.Tensor, token_gate: torch.Tensor) -> torch.Tensor:
         """Fuse states with a precomputed :meth:`token_gate`; same output as :meth:`forward`."""
         value, _ = self.value(state, weight=self.value_weight())
-        local = value * token_gate if self.mode == "glu" else value + token_gate
-        local = local.expand(token_gate.shape)  # [1, 1, D/TP] value from a constant state
+        local = rule.fuse(value, token_gate, self.mode)  # this rank's D/TP columns
         if self.sequence_parallel:  # [S*B, D/TP] -> [S*B/TP, D]: tokens are sequence-major
             seq, batch, _ = local.shape
             tokens = tensor_parallel.all_to_all_hp2sp(local.reshape(seq * batch, -1))

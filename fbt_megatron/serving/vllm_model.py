@@ -56,6 +56,7 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
+from fbt_megatron.hf.feedback_rule import token_gate
 from fbt_megatron.hf.modeling_fbt import LatentFeedback as HFLatentFeedback
 
 LLAMA_CLASS = {"norm_type": "RMSNorm", "mlp_gated": True, "position_embedding_type": "rope"}
@@ -102,18 +103,19 @@ def refuse_lora(vllm_config) -> None:
 
 class LatentFeedback(HFLatentFeedback):
     """W_U (value_proj), W_G (gate_proj), h_init: the export modelling file's module (the same parameter
-    names, so the export's ``feedback.*`` weights load as they are), on vLLM's flattened ``[N, D]`` tokens.
+    names, so the export's ``feedback.*`` weights load as they are, and the same rule functions,
+    ``hf/feedback_rule.py``), on vLLM's flattened ``[N, D]`` tokens.
     The two projections are vLLM's ``ReplicatedLinear``, so they run on the GEMM vLLM picks for the platform,
     as the stack's layers do (on CPU its oneDNN kernel with prepacked weights: on 8 decode rows x a 1024 x 1024
     weight, one thread, 192-213 us against torch's ``nn.Linear``'s 415-538 us).
 
-    The token's side of the fusion, ``sigmoid(W_G e_t)`` (``W_G e_t`` for the additive fusion), is a function
-    of the token id alone: with ``feedback_gate_table`` (config field, default true) it is computed once for
-    the whole vocabulary when the weights load (:meth:`build_gate_table`) and a step reads its tokens' rows,
-    so a token costs one D x D matmul (W_U's) instead of two. The table is a second ``[vocab, D]`` embedding
-    table (16 MB for 4096 x 1024 in float32); ``--hf-overrides '{"feedback_gate_table": false}'`` computes the
-    gate per token instead, as it does for inputs given as embeddings and under tensor parallelism (where
-    each rank holds a slice of the vocabulary)."""
+    The token's side of the fusion, ``token_gate`` = ``sigmoid(W_G e_t)`` (``W_G e_t`` for the additive
+    fusion), is a function of the token id alone: with ``feedback_gate_table`` (config field, default true) it
+    is computed once for the whole vocabulary when the weights load (:meth:`build_gate_table`) and a step reads
+    its tokens' rows, so a token costs one D x D matmul (W_U's) instead of two. The table is a second
+    ``[vocab, D]`` embedding table (16 MB for 4096 x 1024 in float32); ``--hf-overrides
+    '{"feedback_gate_table": false}'`` computes the gate per token instead, as it does for inputs given as
+    embeddings and under tensor parallelism (where each rank holds a slice of the vocabulary)."""
 
     def __init__(self, config, prefix: str = "feedback"):
         from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -123,40 +125,26 @@ class LatentFeedback(HFLatentFeedback):
         d, bias = config.hidden_size, bool(getattr(config, "feedback_bias", False))
         self.value_proj = ReplicatedLinear(d, d, bias=bias, return_bias=False, prefix=f"{prefix}.value_proj")
         self.gate_proj = ReplicatedLinear(d, d, bias=bias, return_bias=False, prefix=f"{prefix}.gate_proj")
-        # [vocab, D] token factors (build_gate_table), or None; a buffer, so it moves with the module
+        # [vocab, D] token gates (build_gate_table), or None; a buffer, so it moves with the module
         self.register_buffer("gate_table", None, persistent=False)
 
     def build_gate_table(self, embeddings: torch.Tensor, gate_weight: torch.Tensor, gate_bias=None) -> None:
-        """Every token's factor from the embedding table and W_G as loaded (the raw tensors: vLLM's CPU GEMM
-        keeps only its prepacked copy of W_G)."""
+        """Every token's token_gate from the embedding table and W_G as loaded (the raw tensors: vLLM's CPU
+        GEMM keeps only its prepacked copy of W_G)."""
         with torch.no_grad():
             gate = torch.nn.functional.linear(embeddings, gate_weight.to(embeddings),
                                               None if gate_bias is None else gate_bias.to(embeddings))
-            self.gate_table = torch.sigmoid_(gate) if self.mode == "glu" else gate
+            self.gate_table = token_gate(gate, self.mode)
 
     def reads_table(self, input_ids) -> bool:
         return self.gate_table is not None and input_ids is not None
 
-    def token_factor(self, input_ids, emb):
-        """What the fusion multiplies W_U h_{t-1} by (``glu``: sigmoid(W_G e_t)) or adds to it (``additive``:
-        W_G e_t): the table's rows for ``input_ids`` where there is a table and the step has token ids
-        (:meth:`reads_table`), else computed from the embeddings ``emb``."""
+    def token_gate(self, emb, input_ids=None):
+        """The parent's token_gate of ``emb``, read from the table's rows for ``input_ids`` where there is a
+        table and the step has token ids (:meth:`reads_table`)."""
         if self.reads_table(input_ids):
             return self.gate_table[input_ids]
-        gate = self.gate_proj(emb)
-        return torch.sigmoid(gate) if self.mode == "glu" else gate
-
-    def fuse(self, state, factor):
-        """fuse(h, e) from the fed-back state and the token's factor (:meth:`token_factor`)."""
-        value = self.value_proj(state)
-        return (value * factor if self.mode == "glu" else value + factor).expand(factor.shape)
-
-    def stateless(self, emb, factor):
-        return emb if self.plain_first_pass else self.fuse(self.initial_state.view(1, -1), factor)
-
-    def with_state(self, *args):
-        raise NotImplementedError("the vLLM plugin's fuse takes the token factor (token_factor), not W_G e_t: "
-                                  "the export modelling file's with_state does not apply")
+        return super().token_gate(emb)
 
 
 class FeedbackStates:
@@ -303,9 +291,9 @@ class FBTForCausalLM(LlamaForCausalLM):
             raise NotImplementedError(f"the FBT plugin's forward takes no {sorted(kwargs)}")
         emb = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
         ids = input_ids if inputs_embeds is None else None
-        factor = fb.token_factor(ids, emb)  # sigmoid(W_G e_t) (glu), the same in every pass
+        gate = fb.token_gate(emb, ids)  # sigmoid(W_G e_t) (glu), the same in every pass
         self.step_kinds["gate table" if fb.reads_table(ids) else "gate matmul"] += 1
-        base = fb.stateless(emb, factor)
+        base = fb.stateless_input(emb, gate)
         meta = self._metadata()
         if self.decoding == "standard" or meta is None:  # the state rule's pass 1; vLLM's warm-up runs
             self.step_kinds["stateless"] += 1
@@ -324,7 +312,7 @@ class FBTForCausalLM(LlamaForCausalLM):
         states = self.states.ensure(int(torch.maximum(slots.max(), prev_slot.max())) + 1, emb)
         if decode is not None:  # one new token per request (most steps): h_{t-1} from the cache, one pass
             carried = decode[1]
-            fed = torch.where(carried.unsqueeze(-1), fb.fuse(fb.fed_back(states[prev_slot]), factor[:n]), base[:n])
+            fed = fb.stack_input(fb.fed_back(states[prev_slot]), emb[:n], gate[:n], ~carried)
             x = fed if base.shape[0] == n else torch.cat([fed, base[n:]])
             top = self._stack(x, positions, intermediate_tensors)
             states[slots] = top[:n].to(states.dtype)
@@ -336,7 +324,7 @@ class FBTForCausalLM(LlamaForCausalLM):
         x = base.clone()
         if bool(carried.any()):
             idx = carried.nonzero().squeeze(-1)
-            x[idx] = fb.fuse(fb.fed_back(states[prev_slot[idx]]), factor[idx])
+            x[idx] = fb.fuse(fb.fed_back(states[prev_slot[idx]]), gate[idx])
         inside = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         inside[:n] = ~starts  # h_{t-1} from this step's previous token
         # K passes run over prompt positions only: a request recomputed after a preemption also brings its
@@ -360,7 +348,7 @@ class FBTForCausalLM(LlamaForCausalLM):
         frozen = (inside & ~generated)[idx]  # prompt positions: their K-th pass input stays after pass K
         x_k = x
         while done < passes:
-            fed = fb.fuse(fb.fed_back(top[idx - 1]), factor[idx])
+            fed = fb.fuse(fb.fed_back(top[idx - 1]), gate[idx])
             if done >= int(self.prefill_passes if self.prefill_passes != "exact" else passes):
                 fed = torch.where(frozen.unsqueeze(-1), x_k[idx], fed)
             x_k = x_k.clone()
