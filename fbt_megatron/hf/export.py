@@ -292,11 +292,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     return out
 
 
+BOUND_MARGIN = 2.0 ** -20  # ~8 float32 ulps of 1: beyond the rounding of any sigma estimate of the exported W_U
+
+
 def as_applied(key: str, tensor: torch.Tensor, feedback) -> torch.Tensor:
     """A stored weight as the model applies it: under ``feedback.mixin: bounded`` W_U divided by
     max(1, its spectral norm) (model/feedback.py), so the exported model computes the trained one."""
     if key == "feedback.value.weight" and feedback.mixin == "bounded":
-        return feedback_rule.bounded(tensor, feedback_rule.spectral_norm(tensor))
+        sigma = feedback_rule.spectral_norm(tensor)
+        if sigma <= 1:
+            return tensor
+        # a hair inside the unit ball: a re-import applies the bound again, which must leave it bit for bit
+        # (divided by sigma exactly, rounding leaves sigma a few ulps either side of 1)
+        return feedback_rule.bounded(tensor, sigma / (1.0 - BOUND_MARGIN))
     return tensor
 
 
