@@ -134,7 +134,8 @@ def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
 
     readouts = {"standard_seed1": ro(p1=4.0), "standard_seed2": ro(p1=4.2),
                 "fbt_seed1": ro(p1=4.5, p2=4.1, p3=4.3, p8=3.9), "fbt_seed2": ro(p1=4.4, p2=4.2, p3=4.1, p8=4.5),
-                "standard_compute_fbt_seed1": ro(p1=3.8)}
+                "standard_compute_fbt_seed1": ro(p1=3.8),
+                "fbt_untied_seed1": ro(p1=4.3, p2=4.0), "standard_untied_seed1": ro(p1=3.9)}
     rows = summarise({n: {} for n in readouts}, readouts)["fbt"]
     mean, err, n = rows["2-pass - 1-pass"]
     assert (mean, n) == (pytest.approx(-0.3), 2) and err == pytest.approx(0.1)  # stdev(-0.4, -0.2) / sqrt(2)
@@ -143,3 +144,8 @@ def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
     assert rows["best mode"] == "2"
     assert rows["best mode - standard (equal tokens)"][0] == pytest.approx(((4.1 - 4.0) + (4.2 - 4.2)) / 2)
     assert rows["best mode - standard (equal compute)"][:3:2] == (pytest.approx(4.1 - 3.8), 1)
+    assert not any("same change" in name for name in rows)
+    # a change to the model itself (untied embeddings) is also compared with the standard model so changed
+    untied = summarise({n: {} for n in readouts}, readouts)["fbt_untied"]
+    assert untied["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(4.0 - 3.9), 1)
+    assert untied["best mode - standard (equal tokens)"][:3:2] == (pytest.approx(4.0 - 4.0), 1)

@@ -9,7 +9,8 @@ plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), 
 - ``main``: a standard model (``feedback.fusion=off``), FBT with the paper's 75/22/3 mix and FBT with the
   feedback-heavy 50/40/10 mix, on the same data in the same order (equal tokens);
 - ``compute``: the standard model given each FBT run's FLOPs (more steps, same WSD shape);
-- ``stabilisers``: the 50/40/10 run with one stabiliser changed each (see ``ABLATIONS``);
+- ``stabilisers``: the 50/40/10 run with one stabiliser changed each (see ``ABLATIONS``), and the standard
+  model with the same change where the change is to the model itself (``MODEL_ABLATIONS``: untied embeddings);
 - ``state``: a state-tracking task (running products in the symmetric group S3, one element per token,
   sequences of 32 steps, far past the 4 layers) for a standard model and FBT.
 
@@ -55,6 +56,7 @@ ABLATIONS = {
     "fusion_lr_x30": ["optimizer.fusion_lr_multiplier=30.0"],
     "additive": ["feedback.fusion=additive"],
 }
+MODEL_ABLATIONS = {"untied"}  # ablations that change the model itself, not only its fusion
 STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
               "data.synthetic.group_size=3", "data.synthetic.vocab_size=6", "data.seq_length=32",
               "model.vocab_size=6", "model.max_sequence_length=32", "batch.global_batch_size=32",
@@ -108,6 +110,8 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None) -
     if "stabilisers" in groups:
         for name, extra in ABLATIONS.items():
             runs[f"fbt_heavy_{name}"] = base + [mix_arg(MIX_HEAVY)] + extra
+            if name in MODEL_ABLATIONS:  # the standard model with the same change: the fair baseline
+                runs[f"standard_{name}"] = base + ["feedback.fusion=off"] + extra
     if "state" in groups:
         state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
         runs["state_standard"] = state + ["feedback.fusion=off"]

@@ -198,6 +198,12 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         common = [s for s in seeds if s in std]
         row["best mode - standard (equal tokens)"] = paired([val[std[s]]["1"] for s in common],
                                                             [b for s, b in zip(seeds, best) if s in std])
+        for base in ("fbt", "fbt_heavy"):  # an ablation that changes the model itself, e.g. untied
+            if kind.startswith(f"{base}_") and f"standard_{kind[len(base) + 1:]}" in kinds:
+                same = dict(kinds[f"standard_{kind[len(base) + 1:]}"])
+                common = [s for s in seeds if s in same]
+                row[f"best mode - standard_{kind[len(base) + 1:]} (same change, equal tokens)"] = paired(
+                    [val[same[s]]["1"] for s in common], [b for s, b in zip(seeds, best) if s in same])
         compute = dict(kinds.get(f"standard_compute_{kind}", []))
         common = [s for s in seeds if s in compute]
         row["best mode - standard (equal compute)"] = paired([val[compute[s]]["1"] for s in common],
