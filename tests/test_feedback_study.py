@@ -91,6 +91,8 @@ def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
     with torch.no_grad():
         model.feedback.value.weight.zero_()
     assert one_step_readout(model, ids, 40)["spectral_norm"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="hold none of the positions"):
+        one_step_readout(model, ids[:, :8], 8)
 
 
 def test_study_smoke_trains_reads_out_and_reports(tmp_path):
@@ -118,6 +120,14 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
     md = (out / "feedback_study_tiny_smoke.md").read_text()
     assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md and "one-step σ" in md
+    # a run read out before the one-step measure existed gets it added to its cache, the rest kept
+    cache = tmp_path / "runs" / "fbt_heavy_seed1" / "readouts.json"
+    cached = json.loads(cache.read_text())
+    del cached["one_step"]
+    cache.write_text(json.dumps(cached))
+    refresh = subprocess.run(cmd + ["--summarise-only"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert refresh.returncode == 0, refresh.stdout[-2000:] + refresh.stderr[-2000:]
+    assert json.loads(cache.read_text())["one_step"] == fbt["one_step"]
     shutil.rmtree(tmp_path / "runs")
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]

@@ -59,9 +59,10 @@ def test_bf16_warns_at_stages_that_accumulate_in_bf16():
 
 # Each place a ZeRO stage keeps the gradient the optimiser steps (engine/sequence_parallel_grads.py): the
 # parameter's own (ZeRO-0 fp32), the fragment of ZeRO-1/2's partition (over 2 DP ranks: the fragments
-# differ per rank), ZeRO-3's fp32 partition, bf16 ZeRO-1's fp32 accumulator (BF16_Optimizer), and ZeRO-2
+# differ per rank), ZeRO-3's fp32 partition, bf16 ZeRO-1's fp32 accumulators (BF16_Optimizer: over 2 DP ranks,
+# where each rank's gradient norm reads every parameter's accumulator, its own partition or not), and ZeRO-2
 # under a 2-stage pipeline (the step's one backward at the end of the pipeline schedule).
-SP_LAYOUTS = [(0, "fp32", 1, 1), (1, "fp32", 1, 1), (2, "fp32", 2, 1), (3, "fp32", 1, 1), (1, "bf16", 1, 1),
+SP_LAYOUTS = [(0, "fp32", 1, 1), (1, "fp32", 1, 1), (2, "fp32", 2, 1), (3, "fp32", 1, 1), (1, "bf16", 2, 1),
               (2, "fp32", 1, 2)]
 
 

@@ -206,7 +206,8 @@ class Engine:
         if is_boundary and self._sequence_parallel_params:
             from megatron.core import parallel_state as ps
 
-            reduce_sequence_parallel_grads(self._sequence_parallel_params, ps.get_tensor_model_parallel_group())
+            reduce_sequence_parallel_grads(self._sequence_parallel_params, ps.get_tensor_model_parallel_group(),
+                                           self.ds.optimizer)
 
     def step(self, skip: bool = False) -> OptimizerOutcome:
         """Optimiser step at the accumulation boundary, skipped (on every rank alike) if ``skip``

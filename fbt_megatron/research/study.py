@@ -115,12 +115,16 @@ def answer_readout(run_dir: Path, problems: int) -> dict:
 def one_step_readout(model, input_ids, passes: int) -> dict:
     """sigma_max of the one-step map d h_t / d h_{t-1} (tools/fixed_point.py's measure) at the top states
     after ``passes`` passes of ``input_ids``' first row, at :data:`ONE_STEP_POSITIONS` inside the row:
-    below 1, an error in a fed-back state shrinks as it travels along the sequence."""
+    below 1, an error in a fed-back state shrinks as it travels along the sequence. The row is read as one
+    sequence (no document resets), as tools/fixed_point.py reads it."""
     from fbt_megatron.research.fixed_point import iterate_passes, one_step_jacobian_norms
 
     ids = input_ids[:1]
+    positions = [t for t in ONE_STEP_POSITIONS if t < ids.shape[1]]
+    if not positions:
+        raise ValueError(f"one-step read-out: rows of {ids.shape[1]} tokens hold none of the positions {ONE_STEP_POSITIONS}")
     top = iterate_passes(model, ids, passes)["top"]
-    norms = one_step_jacobian_norms(model, ids, top, [t for t in ONE_STEP_POSITIONS if t < ids.shape[1]])
+    norms = one_step_jacobian_norms(model, ids, top, positions)
     return {"positions": [n["position"] for n in norms], "spectral_norm": [n["spectral_norm"] for n in norms]}
 
 
@@ -129,7 +133,18 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
     process group."""
     cache = run_dir / "readouts.json"
     if cache.is_file():
-        return json.loads(cache.read_text())
+        out = json.loads(cache.read_text())
+        if "val_loss" not in out or out.get("fusion") == "off" or "one_step" in out:
+            return out
+        # read out before the one-step measure existed: add it to the cache
+        from fbt_megatron.checkpoint.model import load_checkpoint_model
+        from fbt_megatron.data.loaders import build_valid_batches
+
+        model, recipe, _ = load_checkpoint_model(run_dir)
+        out["one_step"] = one_step_readout(model, build_valid_batches(recipe, 0, 1)[0]["input_ids"],
+                                           recipe.data.seq_length)
+        cache.write_text(json.dumps(out, indent=1))
+        return out
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.model import load_checkpoint_model
     from fbt_megatron.data.loaders import build_valid_batches
@@ -253,7 +268,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
                                           statistics.fmean(a[mode]["exact_match"] for a in ans))
                          if mode in ans[0] else "-")
         sigma = [statistics.fmean(x["one_step"]["spectral_norm"]) for x in r if x.get("one_step")]
-        cells.append("%.2f" % statistics.fmean(sigma) if len(sigma) == len(r) else "-")
+        cells.append("%.2f ± %.2f" % mean_std(sigma) if len(sigma) == len(r) else "-")
         fus = [x["fusion_history"][-1] for x in r if x["fusion_history"]]
         cells.append("%.2f / %.2f" % (statistics.fmean(f["gate_saturated"] for f in fus),
                                       statistics.fmean(f.get("w_u_from_init", float("nan")) for f in fus))
