@@ -80,6 +80,34 @@ def _prepare_chat(a) -> int:
     return 0
 
 
+def _cmd_prepare_task(a) -> int:
+    import os
+
+    from . import array
+
+    task = a.task
+    if task is None and a.stage != "merge":
+        raw = os.environ.get("SLURM_ARRAY_TASK_ID")
+        if raw is None:
+            raise DataError(f"prepare-task {a.stage}: give --task I (or run as a SLURM array task: SLURM_ARRAY_TASK_ID)")
+        task = int(raw)
+    if a.stage == "count":
+        rec = array.count_slice(a.plan, task)
+        print(json.dumps({"stage": "count", "task": task, "shards": len(rec["shard_docs"]),
+                          "num_samples": rec["num_samples"]}))
+    elif a.stage == "tokenize":
+        rec = array.tokenize_slice(a.plan, task, num_workers=a.workers)
+        print(json.dumps({"stage": "tokenize", "task": task, "shards": len(rec["infos"]), "tokens": rec["tokens"],
+                          "kept_shards": rec["kept_shards"], "seconds": rec["seconds"],
+                          "tokens_per_s": rec["tokens_per_s"], "workers": rec["workers"]}))
+    else:
+        idx = array.merge(a.plan)
+        print(json.dumps({"stage": "merge", "out": array.load_plan(a.plan)["out"], "num_samples": idx["num_samples"],
+                          "num_tokens": idx["num_tokens"], "shards": idx["num_shards"],
+                          "skipped_bad_rows": idx["skipped_bad_rows"], "prepare": idx["prepare"]}))
+    return 0
+
+
 def _cmd_embedded(a) -> int:
     from .embedded import build_embedded
 
@@ -167,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: longer conversations are bad rows (default 2048; use the recipe's seq_length)")
     q.add_argument("--strict", action="store_true", help="chat: a bad conversation is an error, not a counted skip")
     q.set_defaults(fn=_cmd_prepare)
+
+    r = sub.add_parser("prepare-task", help="one stage of a job-array prepare (`fbt slurm submit-prepare` runs "
+                                            "them; data_pipeline/array.py)")
+    r.add_argument("stage", choices=("count", "tokenize", "merge"))
+    r.add_argument("--plan", required=True, help="the array directory <out>.array holding plan.json")
+    r.add_argument("--task", type=int, default=None, help="the slice (default: $SLURM_ARRAY_TASK_ID)")
+    r.add_argument("--workers", type=int, default=1, help="tokenize: tokenizer/shard-writer processes")
+    r.set_defaults(fn=_cmd_prepare_task)
 
     e = sub.add_parser("embedded", help="build the embedded default mix offline (stdlib code, docs, math)")
     e.add_argument("--out", default="data/embedded")

@@ -221,6 +221,48 @@ def _lock(path: Path):
     return fh
 
 
+def run_shard_tasks(tasks, init: tuple, num_workers: int, finished=None):
+    """Yield ``(info, fresh)`` for each shard task ``(shard, first_sample, docs)`` in order: written by
+    ``num_workers`` processes (in this process for 1), or ``finished(shard, n_docs, first)``'s info of a
+    shard an earlier run wrote (``fresh`` False). At most ``2 * workers`` tasks are in flight; stopping
+    early (an error, a closed generator) leaves the finished shards in place for a resume."""
+    pool = None
+    try:
+        if num_workers > 1:
+            # forked workers would otherwise copy the parent's heap page by page as their garbage
+            # collector walks the inherited objects (torch is imported by webdataset): freeze them first
+            gc.freeze()
+            pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
+                                       initargs=init)
+            submit = pool.submit
+        else:
+            _init_worker(*init)
+
+            class _Now:  # the in-process path with the pool's interface
+                def __init__(self, fn, task):
+                    self.value = fn(task)
+
+                def result(self):
+                    return self.value
+
+            submit = _Now
+        pending: deque = deque()
+        for shard, first, docs in tasks:
+            prev = finished(shard, len(docs), first) if finished is not None else None
+            if prev is not None:
+                yield prev, False
+                continue
+            pending.append(submit(_write_shard, (shard, first, docs)))
+            while len(pending) >= 2 * max(1, num_workers):  # bounded memory: a few shards in flight
+                yield pending.popleft().result(), True
+        while pending:
+            yield pending.popleft().result(), True
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # finished shards stay for a resume
+            gc.unfreeze()
+
+
 def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, vocab, eos, dtype, counts, settings,
              shard_bytes, num_workers, progress, paths, extra_meta) -> dict:
     resumed = False
@@ -259,42 +301,12 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
 
     init = (str(tokenizer), str(tmp), name, dtype.str)
     tasks = _shard_tasks(documents, shard_bytes, counts)
-    pool = None
     try:
-        if num_workers > 1:
-            # forked workers would otherwise copy the parent's heap page by page as their garbage
-            # collector walks the inherited objects (torch is imported by webdataset): freeze them first
-            gc.freeze()
-            pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
-                                       initargs=init)
-            submit = pool.submit
-        else:
-            _init_worker(*init)
-
-            class _Now:  # the in-process path with the pool's interface
-                def __init__(self, fn, task):
-                    self.value = fn(task)
-
-                def result(self):
-                    return self.value
-
-            submit = _Now
-        pending: deque = deque()
-        for shard, first, docs in tasks:
-            prev = _finished(tmp, shard, len(docs), first) if resumed else None
-            if prev is not None:
-                kept += 1
-                finish(prev, fresh=False)
-                continue
-            pending.append(submit(_write_shard, (shard, first, docs)))
-            while len(pending) >= 2 * max(1, num_workers):  # bounded memory: a few shards in flight
-                finish(pending.popleft().result(), fresh=True)
-        while pending:
-            finish(pending.popleft().result(), fresh=True)
+        for info, fresh in run_shard_tasks(tasks, init, num_workers,
+                                           (lambda s, n, f: _finished(tmp, s, n, f)) if resumed else None):
+            kept += not fresh
+            finish(info, fresh)
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # finished shards stay for a resume
-            gc.unfreeze()
         if pbar is not None:
             pbar.close()
     if not infos:
@@ -326,9 +338,16 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
     return index
 
 
+def drop_shard_meta(tmp: Path, infos: list[dict]) -> None:
+    for info in infos:
+        _meta_path(tmp, info["shard"]).unlink(missing_ok=True)
+
+
 def _write_index(tmp: Path, infos: list[dict], *, name, thash, tokenizer, vocab, eos, dtype, counts, paths,
-                 extra_meta) -> dict:
-    """Concatenate the shards' arrays into the memory-mapped ``.npy`` files (streamed: bounded memory)."""
+                 extra_meta, drop_meta: bool = True) -> dict:
+    """Concatenate the shards' arrays into the memory-mapped ``.npy`` files (streamed: bounded memory);
+    ``drop_meta``: delete the per-shard ``.meta.npz`` files then (else the caller does, see
+    :func:`drop_shard_meta`)."""
     n = sum(i["num_samples"] for i in infos)
     outs = {k: np.lib.format.open_memmap(tmp / f, mode="w+", dtype=dt, shape=(n,))
             for (k, f), dt in zip(ARRAY_FILES.items(), (np.int32, np.int64, np.uint32))}
@@ -343,8 +362,8 @@ def _write_index(tmp: Path, infos: list[dict], *, name, thash, tokenizer, vocab,
         arr.flush()
     del outs
     np.save(tmp / SHARDS_FILE, table)
-    for info in infos:
-        _meta_path(tmp, info["shard"]).unlink()
+    if drop_meta:
+        drop_shard_meta(tmp, infos)
     index = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
