@@ -4,43 +4,14 @@ stream of a one-process prepare of the same inputs, for any N; a task stopped pa
 finished shards; bad rows, changed inputs and a merge before the tasks are errors naming the problem.
 (tests/test_slurm_prepare.py runs the same stages as SLURM job arrays.)"""
 
-import json
-
-import numpy as np
 import pytest
 
 from data_pipeline import array
 from data_pipeline.errors import SourceError
 from data_pipeline.prepare import prepare_dataset
-from data_pipeline.shards import Dataset, DatasetReader
-from data_pipeline.testing import WORDS, train_hf_bpe
+from data_pipeline.testing import train_hf_bpe
 
-TEXTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(5 + i % 23)) + f". {i * 37} + {i} = {i * 38}\n"
-         for i in range(150)]
-SHARD = 400  # bytes: several shards per slice
-
-
-def write_corpus(root, texts=TEXTS, bad_line: int | None = None):
-    """A Parquet file (row groups of 9), a .jsonl.zst, a plain JSONL (with an empty record), a text file
-    and a datasets save of 3 Arrow files: 11 + 1 + 1 + 1 + 3 units."""
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import zstandard
-
-    root.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"text": texts[:100]}), root / "a.parquet",  # no id column: ids name the row
-                   row_group_size=9)
-    lines = [json.dumps({"text": t}) for t in texts[100:120]]
-    if bad_line is not None:
-        lines[bad_line] = "{not json"
-    (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
-    (root / "c.jsonl").write_text("".join(json.dumps({"text": t, "id": f"c{i}"}) + "\n" for i, t in enumerate(
-        texts[120:130] + [""])))
-    (root / "d.txt").write_text(texts[130])
-    datasets.Dataset.from_dict({"text": texts[131:]}).save_to_disk(str(root / "e"), num_shards=3)
-    return [str(root / n) for n in ("a.parquet", "b.jsonl.zst", "c.jsonl", "d.txt", "e")]
-
+from array_helpers import SHARD, TEXTS, assert_same_stream, write_corpus
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -58,36 +29,6 @@ def run_array(inputs, out, tok, n, *, workers=1, **kw):
     for i in range(n):
         array.tokenize_slice(adir, i, num_workers=workers)
     return adir, array.merge(adir)
-
-
-def samples(path):
-    """Every document's tokens and metadata, in sample-id order, read through the shards."""
-    import tarfile
-
-    ds = Dataset.load(path)
-    reader = DatasetReader(ds)
-    toks = [reader.get(i).tolist() for i in range(ds.num_samples)]
-    metas = []
-    for shard in sorted(path.glob("shard-*.tar")):
-        with tarfile.open(shard) as tf:
-            metas += [json.load(tf.extractfile(m)) for m in tf.getmembers() if m.name.endswith(".json")]
-    return toks, metas
-
-
-def assert_same_stream(out, ref, tok):
-    a, b = json.loads((out / "index.json").read_text()), json.loads((ref / "index.json").read_text())
-    differ = {"num_shards", "seconds", "prepare"}  # shards restart at each slice; timings
-    assert {k: v for k, v in a.items() if k not in differ} == {k: v for k, v in b.items() if k not in differ}
-    for f in ("lengths.npy", "crc32.npy"):
-        assert np.array_equal(np.load(out / f), np.load(ref / f)), f
-    assert samples(out) == samples(ref)
-    from data_pipeline.config import DataConfig, SourceConfig
-    from data_pipeline.testing import assert_same_batches, global_stream
-
-    def cfg(p):
-        return DataConfig(sources=[SourceConfig(name="c", path=str(p), weight=1.0)], tokenizer=str(tok), seq_length=24)
-
-    assert_same_batches(global_stream(cfg(out), 6)[0], global_stream(cfg(ref), 6)[0])
 
 
 def test_units_read_in_order_are_the_documents(corpus):
@@ -205,3 +146,21 @@ def test_changed_input_and_early_merge_are_refused(corpus, tmp_path):
     # a new plan (the inputs changed): the old work is dropped
     assert array.write_plan(inputs, tmp_path / "out", corpus["tok"], 2, shard_bytes=SHARD)[2] == "new"
     assert not (adir / "counts").exists()
+
+
+def test_submit_prepare_dry_run_renders_the_arrays(corpus, tmp_path):
+    from fbt_megatron.launch.prepare_array import PrepareSpec, SubmitError, submit_prepare
+
+    spec = PrepareSpec(inputs=corpus["inputs"], out=str(tmp_path / "out"), tokenizer=str(corpus["tok"]), tasks=3,
+                       workers=2, shard_mb=SHARD / (1 << 20), partition="cpu")
+    printed = []
+    recs = submit_prepare(spec, dry_run=True, print_fn=printed.append)
+    assert [r["stage"] for r in recs] == ["count", "tokenize", "merge"]
+    count, tokenize, merge = printed[1:]
+    assert "#SBATCH --array=0-2" in count and "#SBATCH --array=0-2" in tokenize and "--array" not in merge
+    assert "#SBATCH --dependency=afterok:<count>" in tokenize and "#SBATCH --dependency=afterok:<tokenize>" in merge
+    assert "#SBATCH --cpus-per-task=2" in tokenize and "#SBATCH --cpus-per-task=1" in count
+    assert f"data prepare-task tokenize --plan {tmp_path / 'out.array'} --workers 2" in tokenize
+    assert "%A_%a.out" in tokenize and "#SBATCH --partition=cpu" in merge
+    with pytest.raises(SubmitError, match="--array 0"):
+        submit_prepare(PrepareSpec(**{**spec.__dict__, "tasks": 0}), dry_run=True)
