@@ -111,3 +111,30 @@ def test_data_tokenizer_load_copies_a_model_directory(tok_dir, tmp_path, capsys)
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["hash"] == tokenizer_hash(tok_dir) == tokenizer_hash(tmp_path / "copy")
     assert printed["eos_id"] == _reference(tok_dir).convert_tokens_to_ids("<|end_of_text|>")
+
+
+def test_batches_encode_without_offsets_to_the_same_ids(tok_dir):
+    """A batch goes through the library's encode_batch_fast (no character offsets: nothing reads them) and
+    gives encode_batch's ids."""
+    from tokenizers import Tokenizer
+
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tk = load_tokenizer(tok_dir)
+    calls = []
+
+    class Spy:  # the Rust class cannot be patched: a proxy that records the batch calls
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            if name.startswith("encode_batch"):
+                calls.append(name)
+            return getattr(self.inner, name)
+
+    tk.tk = Spy(tk.tk)
+    batch = CORPUS + ["", "a <|end_of_text|> inside a text"]
+    ids = tk.encode(batch)
+    assert calls == ["encode_batch_fast"]
+    ref = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    assert ids == [e.ids for e in ref.encode_batch(batch, add_special_tokens=False)]
