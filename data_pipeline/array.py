@@ -48,7 +48,7 @@ from .errors import SourceError
 from .prepare import _finished, _shard_tasks, _write_index, drop_shard_meta, run_shard_tasks
 from .shards import FORMAT_VERSION, INDEX_FILE, Dataset, DatasetReader, shard_name
 from .sources import Unit, expand_paths, fingerprint_files, iter_units, list_units
-from .tokenizer import load_tokenizer, tokenizer_hash
+from .tokenizer import load_tokenizer, resolve_bos, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _fingerprint(sources: list[Path]) -> list:
 
 def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os.PathLike, num_tasks: int, *,
                name: str | None = None, shard_bytes: int = 16 << 20, text_field: str = "text",
-               id_field: str | None = "id", skip_bad_rows: bool = False) -> tuple[Path, dict, str]:
+               id_field: str | None = "id", skip_bad_rows: bool = False, bos: str = "no") -> tuple[Path, dict, str]:
     """Write (or keep) ``<out>.array/plan.json``; returns ``(array dir, plan, state)`` with state "new"
     (a fresh plan; work left by other settings removed), "resume" (the same plan: finished work is kept)
     or "merged" (the same plan, already merged into ``out_dir``)."""
@@ -112,10 +112,10 @@ def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os
     sources = expand_paths([str(Path(p).resolve()) for p in paths])
     units = list_units([str(s) for s in sources])
     tokenizer = str(Path(tokenizer).resolve())
-    load_tokenizer(tokenizer)  # refuses a bad tokenizer before anything is submitted
+    bos_id = resolve_bos(load_tokenizer(tokenizer), bos, tokenizer)  # a bad tokenizer: refused before submitting
     settings = {"format_version": FORMAT_VERSION, "name": name or out_dir.name, "out": str(out_dir),
                 "tokenizer": tokenizer, "tokenizer_hash": tokenizer_hash(tokenizer), "shard_bytes": shard_bytes,
-                "text_field": text_field, "id_field": id_field, "skip_bad_rows": skip_bad_rows,
+                "text_field": text_field, "id_field": id_field, "skip_bad_rows": skip_bad_rows, "bos_added_id": bos_id,
                 "paths": [str(Path(p).resolve()) for p in paths], "num_files": len(sources),
                 "inputs": _fingerprint(sources), "num_tasks": num_tasks}
     plan = {**settings, "units": [u.as_dict() for u in units], "slices": split_units(units, num_tasks)}
@@ -248,7 +248,7 @@ def tokenize_slice(adir: str | os.PathLike, task: int, num_workers: int = 1) -> 
                 yield first_shard + s, first_sample + f, docs
 
         t0, infos, fresh_tokens, kept = time.time(), [], 0, 0
-        init = (plan["tokenizer"], str(out), plan["name"], dtype.str)
+        init = (plan["tokenizer"], str(out), plan["name"], dtype.str, plan["bos_added_id"])
         for info, fresh in run_shard_tasks(tasks(), init, num_workers,
                                            lambda s, n, f: _finished(out, s, n, f)):
             infos.append(info)
@@ -300,7 +300,8 @@ def merge(adir: str | os.PathLike) -> dict:
     sp = load_tokenizer(plan["tokenizer"])
     dtype = np.dtype(np.uint16 if sp.vocab_size() <= 65535 else np.int32)
     index = _write_index(shards, infos, name=plan["name"], thash=plan["tokenizer_hash"], tokenizer=plan["tokenizer"],
-                         vocab=sp.vocab_size(), eos=sp.eos_id(), dtype=dtype, counts=counts, paths=plan["paths"],
+                         vocab=sp.vocab_size(), eos=sp.eos_id(), bos=plan["bos_added_id"], dtype=dtype, counts=counts,
+                         paths=plan["paths"],
                          extra_meta=None, drop_meta=False)  # kept until verified: a failed merge can run again
     index["seconds"] = round(max(d["seconds"] for d in done), 3)  # the slowest task
     index["prepare"] = {"array_tasks": plan["num_tasks"], "workers": max(d["workers"] for d in done),

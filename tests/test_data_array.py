@@ -164,3 +164,11 @@ def test_submit_prepare_dry_run_renders_the_arrays(corpus, tmp_path):
     assert "%A_%a.out" in tokenize and "#SBATCH --partition=cpu" in merge
     with pytest.raises(SubmitError, match="--array 0"):
         submit_prepare(PrepareSpec(**{**spec.__dict__, "tasks": 0}), dry_run=True)
+
+
+def test_array_with_bos_equals_one_process(corpus, tmp_path):
+    ref = prepare_dataset(corpus["inputs"], tmp_path / "ref", corpus["tok"], name="corpus", shard_bytes=SHARD,
+                          progress=False, bos="yes")
+    _, index = run_array(corpus["inputs"], tmp_path / "out", corpus["tok"], 2, bos="yes")
+    assert index["bos_added_id"] == ref["bos_added_id"] is not None
+    assert_same_stream(tmp_path / "out", tmp_path / "ref", corpus["tok"])

@@ -7,7 +7,8 @@ data across nodes.
                      [dotted.key=value ...]
     fbt slurm status RUN_DIR
     fbt slurm submit-prepare --array N --input PATH... --tokenizer TOK --out DIR [--workers W]
-                     [--shard-mb MB] [--text-field F] [--id-field F] [--skip-bad-rows] [--name NAME]
+                     [--shard-mb MB] [--text-field F] [--id-field F] [--skip-bad-rows] [--bos no|yes|auto]
+                     [--name NAME]
                      [--time HH:MM:SS] [--partition P] [--account A] [--sbatch-arg=...] [--dry-run]
 
 ``submit`` validates the recipe for N x G processes, renders the batch-script template
@@ -67,6 +68,7 @@ def _prepare_parser() -> argparse.ArgumentParser:
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--id-field", default="id")
     ap.add_argument("--skip-bad-rows", action="store_true")
+    ap.add_argument("--bos", choices=("no", "yes", "auto"), default="no", help="as `fbt data prepare --bos`")
     ap.add_argument("--workers", type=int, default=1, help="tokenizer processes per tokenize task")
     ap.add_argument("--cpus-per-task", type=int, default=None, help="default: --workers (tokenize), 1 (count, merge)")
     ap.add_argument("--time", default="24:00:00", help="time limit of each task")
@@ -85,7 +87,8 @@ def _submit_prepare(argv: list[str]) -> int:
     a = _prepare_parser().parse_args(argv)
     spec = PrepareSpec(inputs=a.input, out=a.out, tokenizer=a.tokenizer, tasks=a.array, name=a.name,
                        shard_mb=a.shard_mb, text_field=a.text_field, id_field=a.id_field or None,
-                       skip_bad_rows=a.skip_bad_rows, workers=a.workers, cpus_per_task=a.cpus_per_task, time=a.time,
+                       skip_bad_rows=a.skip_bad_rows, bos=a.bos, workers=a.workers, cpus_per_task=a.cpus_per_task,
+                       time=a.time,
                        partition=a.partition, account=a.account, sbatch_args=a.sbatch_arg, python=a.python,
                        module=a.module)
     try:

@@ -37,6 +37,7 @@ class PrepareSpec:
     text_field: str = "text"
     id_field: str | None = "id"
     skip_bad_rows: bool = False
+    bos: str = "no"  # fbt data prepare --bos
     workers: int = 1  # tokenizer processes per tokenize task
     cpus_per_task: int | None = None  # default: workers
     time: str = "24:00:00"
@@ -106,7 +107,7 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
     try:
         adir, plan, state = array.write_plan(spec.inputs, spec.out, spec.tokenizer, spec.tasks, name=spec.name,
                                              shard_bytes=int(spec.shard_mb * (1 << 20)), text_field=spec.text_field,
-                                             id_field=spec.id_field, skip_bad_rows=spec.skip_bad_rows)
+                                             id_field=spec.id_field, skip_bad_rows=spec.skip_bad_rows, bos=spec.bos)
     except DataError as e:
         raise SubmitError(str(e)) from None
     if state == "merged":
