@@ -135,7 +135,7 @@ def bench_vs_datatrove(a) -> dict:
     workers = len(cores)
     res = {"cores": cores, "workers": workers, "corpus_mb": a.corpus_mb, "doc_chars": a.doc_chars,
            "vocab_size": a.vocab_size,
-           "datatrove": datatrove.__version__ if hasattr(datatrove, "__version__") else _version("datatrove"),
+           "datatrove_version": getattr(datatrove, "__version__", None) or _version("datatrove"),
            "tokenizers": tokenizers.__version__, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
