@@ -92,16 +92,6 @@ def test_to_hf_writes_the_tokenizer_back_unchanged(tok_dir, tmp_path):
             assert back.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
 
 
-def test_chat_data_with_hf_tokenizer_is_refused_by_name(tok_dir, tmp_path):
-    from data_pipeline.chat import ChatError, prepare_chat
-
-    src = tmp_path / "chat.jsonl"
-    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
-    with pytest.raises(ChatError, match="is a Hugging Face tokenizer"):
-        prepare_chat([str(src)], tmp_path / "out", tok_dir, progress=False)
-    assert not (tmp_path / "out").exists()
-
-
 def test_data_tokenizer_load_copies_a_model_directory(tok_dir, tmp_path, capsys):
     """`fbt data tokenizer --load DIR --out OUT`: OUT gets the tokenizer's files and the same identity."""
     from data_pipeline.tokenizer import tokenizer_hash
