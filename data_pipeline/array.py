@@ -100,10 +100,12 @@ def _fingerprint(sources: list[Path]) -> list:
 
 def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os.PathLike, num_tasks: int, *,
                name: str | None = None, shard_bytes: int = 16 << 20, text_field: str = "text",
-               id_field: str | None = "id", skip_bad_rows: bool = False, bos: str = "no") -> tuple[Path, dict, str]:
+               id_field: str | None = "id", skip_bad_rows: bool = False, bos: str = "no",
+               write: bool = True) -> tuple[Path, dict, str]:
     """Write (or keep) ``<out>.array/plan.json``; returns ``(array dir, plan, state)`` with state "new"
     (a fresh plan; work left by other settings removed), "resume" (the same plan: finished work is kept)
-    or "merged" (the same plan, already merged into ``out_dir``)."""
+    or "merged" (the same plan, already merged into ``out_dir``). ``write=False``: the plan and its
+    state only, nothing written or removed (a dry run)."""
     if num_tasks < 1:
         raise SourceError(f"a job array needs at least one task (got {num_tasks})")
     if not paths:
@@ -126,6 +128,8 @@ def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os
         merged = _read_json(adir / MERGED_FILE)
         done = merged is not None and merged.get("id") == plan["id"] and (out_dir / INDEX_FILE).is_file()
         return adir, old, "merged" if done else "resume"
+    if not write:
+        return adir, plan, "new"
     for sub in ("shards", "counts", "done"):  # another plan's work
         shutil.rmtree(adir / sub, ignore_errors=True)
     (adir / MERGED_FILE).unlink(missing_ok=True)
@@ -208,6 +212,8 @@ def _lock(path: Path):
     except BlockingIOError:
         fh.close()
         raise SourceError(f"another process is tokenizing this slice (lock {path})") from None
+    except OSError as exn:  # a shared file system without locks: the submission's own check stands alone
+        log.warning("%s: no lock on this file system (%s)", path, exn)
     return fh
 
 

@@ -162,6 +162,7 @@ def test_submit_prepare_dry_run_renders_the_arrays(corpus, tmp_path):
     assert "#SBATCH --cpus-per-task=2" in tokenize and "#SBATCH --cpus-per-task=1" in count
     assert f"data prepare-task tokenize --plan {tmp_path / 'out.array'} --workers 2" in tokenize
     assert "%A_%a.out" in tokenize and "#SBATCH --partition=cpu" in merge
+    assert not (tmp_path / "out.array").exists()  # a dry run writes nothing
     with pytest.raises(SubmitError, match="--array 0"):
         submit_prepare(PrepareSpec(**{**spec.__dict__, "tasks": 0}), dry_run=True)
 

@@ -93,6 +93,13 @@ def test_killed_task_resumes(slurm_cluster, corpus, tmp_path):
     jobs = _submit(corpus, out, "--module", "fbt_megatron.testing.hold_prepare", env=env)
     logs = adir / "logs"
     _wait(lambda: (adir / "held_1").exists(), 600, "task 1 to hold after 2 shards", logs)
+    # another submission (other settings) while the array runs: refused before the plan or its work is touched
+    plan = (adir / "plan.json").read_text()
+    r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "slurm", "submit-prepare", "--array", "2",
+                        "--input", *corpus["inputs"], "--tokenizer", str(corpus["tok"]), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "still queued or running" in r.stderr and jobs["tokenize"] in r.stderr, r.stderr
+    assert (adir / "plan.json").read_text() == plan and len(list((adir / "shards").glob("shard-*.tar"))) >= 2
     subprocess.run(["scancel", f"{jobs['tokenize']}_1"], check=True)  # kill that array task
     _wait(lambda: _done(jobs["tokenize"]) and _done(jobs["merge"]), 300, "the array to end", logs)
     assert _states(jobs["tokenize"]).count("CANCELLED") == 1 and _states(jobs["tokenize"]).count("COMPLETED") == 2

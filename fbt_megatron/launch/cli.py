@@ -77,7 +77,7 @@ def _prepare_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sbatch-arg", action="append", default=[], help="extra #SBATCH line, e.g. --sbatch-arg=--qos=high")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--module", default="fbt_megatron.cli", help="module each stage runs as `-m MODULE data prepare-task`")
-    ap.add_argument("--dry-run", action="store_true", help="plan and print the batch scripts, submit nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan's summary and the batch scripts; write and submit nothing")
     return ap
 
 

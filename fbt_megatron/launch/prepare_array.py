@@ -104,22 +104,24 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
 
     if spec.tasks < 1 or spec.workers < 1:
         raise SubmitError(f"--array {spec.tasks} and --workers {spec.workers} must be at least 1")
+    # before the plan is touched: a new plan removes the work of the old one, which its jobs may be writing
+    jobs_file = array.array_dir(Path(spec.out).resolve()) / "jobs.jsonl"
+    earlier = [json.loads(x)["job_id"] for x in jobs_file.read_text().splitlines()] if jobs_file.is_file() else []
+    busy = _active(earlier) if not dry_run else []
+    if busy:
+        raise SubmitError(f"jobs of an earlier submission are still queued or running ({', '.join(busy)}): wait for "
+                          f"them or scancel them, then submit again")
     try:
         adir, plan, state = array.write_plan(spec.inputs, spec.out, spec.tokenizer, spec.tasks, name=spec.name,
                                              shard_bytes=int(spec.shard_mb * (1 << 20)), text_field=spec.text_field,
-                                             id_field=spec.id_field, skip_bad_rows=spec.skip_bad_rows, bos=spec.bos)
+                                             id_field=spec.id_field, skip_bad_rows=spec.skip_bad_rows, bos=spec.bos,
+                                             write=not dry_run)
     except DataError as e:
         raise SubmitError(str(e)) from None
     if state == "merged":
         print_fn(f"{plan['out']} is prepared already from the same inputs and settings ({adir / array.MERGED_FILE}); "
                  "nothing submitted")
         return []
-    jobs_file = adir / "jobs.jsonl"
-    earlier = [json.loads(x)["job_id"] for x in jobs_file.read_text().splitlines()] if jobs_file.is_file() else []
-    busy = _active(earlier) if not dry_run else []
-    if busy:
-        raise SubmitError(f"jobs of an earlier submission are still queued or running ({', '.join(busy)}): wait for "
-                          f"them or scancel them, then submit again")
     empty = sum(1 for s in plan["slices"] if not s)
     print_fn(f"plan {adir / array.PLAN_FILE} ({state}): {len(plan['units'])} units in {spec.tasks} slices"
              + (f" ({empty} empty: more tasks than the input's units can use)" if empty else ""))
