@@ -49,11 +49,12 @@ def test_units_read_in_order_are_the_documents(corpus):
         assert [d for s in slices for d in iter_units([units[k] for k in s])] == want
 
 
-@pytest.mark.parametrize("n", [1, 3, 5])
+@pytest.mark.parametrize("n", [1, 3, 5, 24])
 def test_array_equals_one_process(corpus, tmp_path, n):
     adir, index = run_array(corpus["inputs"], tmp_path / "out", corpus["tok"], n, workers=2 if n == 3 else 1)
     plan = array.load_plan(adir)
-    assert sum(1 for s in plan["slices"] if s) == n  # every task had work
+    # every task had work, except where there are more tasks than units (18): empty slices write nothing
+    assert sum(1 for s in plan["slices"] if s) == min(n, len(plan["units"]))
     assert index["num_shards"] >= n and index["prepare"]["array_tasks"] == n
     assert not (adir / "shards").exists() and not list((tmp_path / "out").glob("*.meta*"))
     assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
@@ -173,3 +174,23 @@ def test_array_with_bos_equals_one_process(corpus, tmp_path):
     _, index = run_array(corpus["inputs"], tmp_path / "out", corpus["tok"], 2, bos="yes")
     assert index["bos_added_id"] == ref["bos_added_id"] is not None
     assert_same_stream(tmp_path / "out", tmp_path / "ref", corpus["tok"])
+
+
+def test_merge_refuses_a_missing_or_rewritten_shard(corpus, tmp_path):
+    adir, _, _ = array.write_plan(corpus["inputs"], tmp_path / "out", corpus["tok"], 2, name="corpus",
+                                  shard_bytes=SHARD)
+    for stage in (array.count_slice, array.tokenize_slice):
+        for i in range(2):
+            stage(adir, i)
+    shard = adir / "shards" / "shard-000003.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-512])
+    with pytest.raises(SourceError, match="shard-000003.tar is missing or its size differs"):
+        array.merge(adir)
+    shard.unlink()
+    with pytest.raises(SourceError, match="shard-000003.tar is missing or its size differs"):
+        array.merge(adir)
+    assert not (tmp_path / "out").exists()
+    shard.write_bytes(data)  # put back: the merge goes through
+    array.merge(adir)
+    assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
