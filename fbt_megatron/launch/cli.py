@@ -8,8 +8,8 @@ data across nodes.
     fbt slurm status RUN_DIR
     fbt slurm submit-prepare --array N --input PATH... --tokenizer TOK --out DIR [--workers W]
                      [--shard-mb MB] [--text-field F] [--id-field F] [--skip-bad-rows] [--bos no|yes|auto]
-                     [--name NAME]
-                     [--time HH:MM:SS] [--partition P] [--account A] [--sbatch-arg=...] [--dry-run]
+                     [--name NAME] [--time HH:MM:SS] [--partition P] [--account A] [--sbatch-arg=...]
+                     [--dry-run]
 
 ``submit`` validates the recipe for N x G processes, renders the batch-script template
 (``fbt_megatron/launch/train.sbatch``, shipped with the package; one task per node -> srun ->
