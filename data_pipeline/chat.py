@@ -3,8 +3,9 @@
 
 A conversation is a JSONL row ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``.
 It is rendered by a Jinja chat template — rendered and tokenized by transformers'
-``apply_chat_template`` on the fast tokenizer converted from the run's sentencepiece model, the same
-code path an HF export's ``tokenizer.apply_chat_template`` runs, so training data, ``fbt generate
+``apply_chat_template`` on the fast tokenizer converted from the run's sentencepiece model, or on the
+run's Hugging Face ``tokenizer.json`` itself, the same code path an HF export's
+``tokenizer.apply_chat_template`` runs, so training data, ``fbt generate
 --chat`` and the export agree token for token. The template marks each assistant turn (its content
 and its end-of-turn token, EOS) with ``{% generation %}``; transformers returns those tokens as the
 ``assistant_masks``, which become the document's per-token loss mask: only they are trained.
@@ -93,11 +94,40 @@ def _fast_tokenizer(model_bytes: bytes, template: str):
     return tok
 
 
-def chat_tokenizer(model: str | os.PathLike | bytes, template: str | None = None):
-    """The fast tokenizer of sentencepiece ``model`` (a path or its bytes) with ``template`` set
-    (default :data:`DEFAULT_CHAT_TEMPLATE`). Cached per (model, template): do not modify it."""
-    raw = model if isinstance(model, bytes) else Path(model).read_bytes()
-    return _fast_tokenizer(raw, template or DEFAULT_CHAT_TEMPLATE)
+@functools.lru_cache(maxsize=4)
+def _hf_fast_tokenizer(tokenizer_json: str, digest: str, eos: str, bos: str | None, template: str):
+    """transformers' fast tokenizer over a Hugging Face ``tokenizer.json`` (its own file, the same ids),
+    EOS/BOS named as the data pipeline resolved them, the chat template set (cached; ``digest``: the
+    file's identity, so a rewritten file is not served from the cache)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, eos_token=eos, bos_token=bos)
+    tok.chat_template = template
+    return tok
+
+
+def chat_tokenizer(model, template: str | None = None):
+    """The fast tokenizer that renders chats, with ``template`` set (default :data:`DEFAULT_CHAT_TEMPLATE`).
+    ``model``: a sentencepiece model's bytes, a tokenizer path (a ``.model``, a Hugging Face
+    ``tokenizer.json`` or a model directory of either) or a tokenizer ``load_tokenizer`` returned. A
+    sentencepiece model is converted (:func:`sentencepiece_fast_tokenizer`); a Hugging Face tokenizer is
+    its own ``tokenizer.json``, its EOS the one the data pipeline ends documents with. Cached per
+    (tokenizer, template): do not modify it."""
+    from .tokenizer import HFTokenizer, load_tokenizer, tokenizer_files, tokenizer_hash
+
+    template = template or DEFAULT_CHAT_TEMPLATE
+    if isinstance(model, bytes):
+        return _fast_tokenizer(model, template)
+    if hasattr(model, "serialized_model_proto"):  # a loaded sentencepiece processor
+        return _fast_tokenizer(model.serialized_model_proto(), template)
+    if not isinstance(model, HFTokenizer):
+        files = tokenizer_files(model)
+        if "tokenizer.json" not in files:
+            return _fast_tokenizer(files["tokenizer.model"].read_bytes(), template)
+        model = load_tokenizer(model)
+    bos = model.bos_id()
+    return _hf_fast_tokenizer(str(model.path), tokenizer_hash(model.path), model.id_to_piece(model.eos_id()),
+                              model.id_to_piece(bos) if bos >= 0 else None, template)
 
 
 def check_template(template: str, where: str = "chat template") -> None:
@@ -199,10 +229,7 @@ def prepare_chat(paths, out_dir, tokenizer, *, chat_template: str | None = None,
 
     template = chat_template or DEFAULT_CHAT_TEMPLATE
     check_template(template)
-    if not hasattr(load_tokenizer(tokenizer), "serialized_model_proto"):  # validates (EOS present)
-        raise ChatError(f"--format chat renders with a sentencepiece tokenizer; {tokenizer} is a Hugging Face "
-                        "tokenizer (not supported for chat data yet)")
-    tok = chat_tokenizer(tokenizer, template)
+    tok = chat_tokenizer(load_tokenizer(tokenizer), template)  # load_tokenizer validates (EOS present)
     # ``bad`` is filled while the documents are read; prepare_dataset records ``meta`` in index.json
     # after the last one (its resume settings were written before the first, with the same keys)
     bad: dict = {"counts": {k: 0 for k in BAD_KINDS}, "first": {}}

@@ -39,7 +39,8 @@ def _cmd_tokenizer(a) -> int:
         h = train_tokenizer(texts, out, vocab_size=a.vocab_size, model_type=a.model_type,
                             max_sentences=a.max_sentences)
     sp = load_tokenizer(out)
-    print(json.dumps({"tokenizer": str(out), "hash": h, "vocab_size": sp.vocab_size(), "eos_id": sp.eos_id()}))
+    print(json.dumps({"tokenizer": str(out), "hash": h, "vocab_size": sp.vocab_size(), "eos_id": sp.eos_id(),
+                      "bos_id": sp.bos_id(), "bos_added_by_tokenizer": getattr(sp, "added_bos", lambda: None)()}))
     return 0
 
 
@@ -52,14 +53,16 @@ def _cmd_prepare(a) -> int:
         raise DataError("--chat-template, --strict and --max-tokens apply to --format chat")
     idx = prepare_dataset(a.input, a.out, a.tokenizer, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
                           num_workers=a.workers, text_field=a.text_field, id_field=a.id_field or None,
-                          progress=not a.quiet, skip_bad_rows=a.skip_bad_rows)
+                          progress=not a.quiet, skip_bad_rows=a.skip_bad_rows, bos=a.bos)
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "skipped_empty_documents",
-                                           "skipped_bad_rows",
+                                           "skipped_bad_rows", "bos_added_id",
                                            "tokenizer_hash", "seconds", "prepare")} | {"shards": idx["num_shards"]}))
     return 0
 
 
 def _prepare_chat(a) -> int:
+    if a.bos != "no":
+        raise DataError("--bos applies to text data (chat: the chat template writes any BOS)")
     if a.skip_bad_rows:
         raise DataError("--skip-bad-rows applies to text data (chat: bad conversations are counted skips unless --strict)")
     from .chat import prepare_chat
@@ -77,6 +80,34 @@ def _prepare_chat(a) -> int:
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "tokenizer_hash", "seconds")}
                      | {"format": "chat", "shards": idx["num_shards"], "bad_rows": bad["counts"],
                         "first_bad_row": bad["first"], "chat_template_sha": idx["meta"]["chat_template_sha"]}))
+    return 0
+
+
+def _cmd_prepare_task(a) -> int:
+    import os
+
+    from . import array
+
+    task = a.task
+    if task is None and a.stage != "merge":
+        raw = os.environ.get("SLURM_ARRAY_TASK_ID")
+        if raw is None:
+            raise DataError(f"prepare-task {a.stage}: give --task I (or run as a SLURM array task: SLURM_ARRAY_TASK_ID)")
+        task = int(raw)
+    if a.stage == "count":
+        rec = array.count_slice(a.plan, task)
+        print(json.dumps({"stage": "count", "task": task, "shards": len(rec["shard_docs"]),
+                          "num_samples": rec["num_samples"]}))
+    elif a.stage == "tokenize":
+        rec = array.tokenize_slice(a.plan, task, num_workers=a.workers)
+        print(json.dumps({"stage": "tokenize", "task": task, "shards": len(rec["infos"]), "tokens": rec["tokens"],
+                          "kept_shards": rec["kept_shards"], "seconds": rec["seconds"],
+                          "tokens_per_s": rec["tokens_per_s"], "workers": rec["workers"]}))
+    else:
+        idx = array.merge(a.plan)
+        print(json.dumps({"stage": "merge", "out": array.load_plan(a.plan)["out"], "num_samples": idx["num_samples"],
+                          "num_tokens": idx["num_tokens"], "shards": idx["num_shards"],
+                          "skipped_bad_rows": idx["skipped_bad_rows"], "prepare": idx["prepare"]}))
     return 0
 
 
@@ -157,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--skip-bad-rows", action="store_true",
                    help="skip and count rows that are not valid JSON/UTF-8 or lack a string text (default: an error "
                         "naming file and row); a corrupt file or a missing column is always an error")
+    q.add_argument("--bos", choices=("no", "yes", "auto"), default="no",
+                   help="a BOS token before each document: no (default), yes (the tokenizer's BOS), auto (what the "
+                        "tokenizer's own post-processor adds: Llama 3, Llama 2 and Mistral tokenizer.json a BOS, "
+                        "Qwen2 none; a sentencepiece model none); recorded as bos_added_id in index.json")
     q.add_argument("--quiet", action="store_true")
     q.add_argument("--format", choices=("text", "chat"), default="text",
                    help="text: documents (--text-field); chat: JSONL {\"messages\": [{\"role\", \"content\"}, ...]} "
@@ -167,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: longer conversations are bad rows (default 2048; use the recipe's seq_length)")
     q.add_argument("--strict", action="store_true", help="chat: a bad conversation is an error, not a counted skip")
     q.set_defaults(fn=_cmd_prepare)
+
+    r = sub.add_parser("prepare-task", help="one stage of a job-array prepare (`fbt slurm submit-prepare` runs "
+                                            "them; data_pipeline/array.py)")
+    r.add_argument("stage", choices=("count", "tokenize", "merge"))
+    r.add_argument("--plan", required=True, help="the array directory <out>.array holding plan.json")
+    r.add_argument("--task", type=int, default=None, help="the slice (default: $SLURM_ARRAY_TASK_ID)")
+    r.add_argument("--workers", type=int, default=1, help="tokenize: tokenizer/shard-writer processes")
+    r.set_defaults(fn=_cmd_prepare_task)
 
     e = sub.add_parser("embedded", help="build the embedded default mix offline (stdlib code, docs, math)")
     e.add_argument("--out", default="data/embedded")

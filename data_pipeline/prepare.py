@@ -40,7 +40,7 @@ import webdataset as wds
 from .errors import SourceError
 from .shards import ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDS_FILE, sample_key, shard_name
 from .sources import expand_paths, fingerprint_files, iter_documents
-from .tokenizer import load_tokenizer, tokenizer_hash
+from .tokenizer import load_tokenizer, resolve_bos, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
 _W: dict = {}
 
 
-def _init_worker(model_path: str, out: str, name: str, dtype: str) -> None:
-    _W.update(sp=load_tokenizer(model_path), out=Path(out), name=name, dtype=np.dtype(dtype))
+def _init_worker(model_path: str, out: str, name: str, dtype: str, bos: int | None = None) -> None:
+    _W.update(sp=load_tokenizer(model_path), out=Path(out), name=name, dtype=np.dtype(dtype), bos=bos)
 
 
 def _write_shard(task: tuple[int, int, list[tuple[str, str]]]) -> dict:
@@ -71,6 +71,8 @@ def _write_shard(task: tuple[int, int, list[tuple[str, str]]]) -> dict:
     masks = [d[2] for d in docs] if len(docs[0]) == 3 else None  # chat: (doc_id, ids, loss mask), see chat.py
     ids = [d[1] for d in docs] if masks is not None else \
         sp.encode([t for _, t in docs], num_threads=1)  # one thread: the processes are the parallelism
+    if _W.get("bos") is not None and masks is None:  # --bos: each document starts with the BOS
+        ids = [[_W["bos"], *x] for x in ids]
     n = len(docs)
     lengths, offsets, crcs = np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.uint32)
     tar, part = out / shard_name(shard), out / (shard_name(shard) + ".part")
@@ -164,6 +166,7 @@ def prepare_dataset(
     documents=None,
     extra_meta: dict | None = None,
     skip_bad_rows: bool = False,
+    bos: str = "no",
 ) -> dict:
     """Tokenize the documents behind ``paths`` (or the iterable ``documents`` of ``(doc_id, text)``) in
     ``num_workers`` processes into shards of about ``shard_bytes`` bytes in ``out_dir``; returns the index.
@@ -171,7 +174,9 @@ def prepare_dataset(
 
     Resumable: after a crash, the same call keeps the shards the crashed run finished (see the module
     docstring). Raises :class:`SourceError` for a missing path, a source with no documents, or a bad
-    row (``sources.py``; ``skip_bad_rows``: skipped and counted in the index instead).
+    row (``sources.py``; ``skip_bad_rows``: skipped and counted in the index instead). ``bos``: a BOS
+    before each text document, ``no``/``yes``/``auto`` (``tokenizer.resolve_bos``; recorded in the index as
+    ``bos_added_id``, null for none).
     """
     out_dir = Path(out_dir)
     name = name or out_dir.name
@@ -179,6 +184,7 @@ def prepare_dataset(
     thash = tokenizer_hash(tokenizer)
     vocab = sp.vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 65535 else np.int32)
+    bos_id = resolve_bos(sp, bos, tokenizer)
     counts: dict = {}
     if documents is None:
         if not paths:
@@ -190,11 +196,11 @@ def prepare_dataset(
         inputs = None
     settings = {"format_version": FORMAT_VERSION, "name": name, "tokenizer_hash": thash, "shard_bytes": shard_bytes,
                 "text_field": text_field, "id_field": id_field, "inputs": inputs, "meta": extra_meta,
-                "skip_bad_rows": skip_bad_rows}
+                "skip_bad_rows": skip_bad_rows, "bos_added_id": bos_id}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     lock = _lock(out_dir.with_name(out_dir.name + ".lock"))
     try:
-        return _prepare(documents, out_dir, tmp, tokenizer, name=name, thash=thash, vocab=vocab, eos=sp.eos_id(),
+        return _prepare(documents, out_dir, tmp, tokenizer, name=name, thash=thash, vocab=vocab, eos=sp.eos_id(), bos=bos_id,
                         dtype=dtype, counts=counts, settings=settings, shard_bytes=shard_bytes,
                         num_workers=num_workers, progress=progress, paths=paths, extra_meta=extra_meta)
     finally:
@@ -221,7 +227,49 @@ def _lock(path: Path):
     return fh
 
 
-def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, vocab, eos, dtype, counts, settings,
+def run_shard_tasks(tasks, init: tuple, num_workers: int, finished=None):
+    """Yield ``(info, fresh)`` for each shard task ``(shard, first_sample, docs)`` in order: written by
+    ``num_workers`` processes (in this process for 1), or ``finished(shard, n_docs, first)``'s info of a
+    shard an earlier run wrote (``fresh`` False). At most ``2 * workers`` tasks are in flight; stopping
+    early (an error, a closed generator) leaves the finished shards in place for a resume."""
+    pool = None
+    try:
+        if num_workers > 1:
+            # forked workers would otherwise copy the parent's heap page by page as their garbage
+            # collector walks the inherited objects (torch is imported by webdataset): freeze them first
+            gc.freeze()
+            pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
+                                       initargs=init)
+            submit = pool.submit
+        else:
+            _init_worker(*init)
+
+            class _Now:  # the in-process path with the pool's interface
+                def __init__(self, fn, task):
+                    self.value = fn(task)
+
+                def result(self):
+                    return self.value
+
+            submit = _Now
+        pending: deque = deque()
+        for shard, first, docs in tasks:
+            prev = finished(shard, len(docs), first) if finished is not None else None
+            if prev is not None:
+                yield prev, False
+                continue
+            pending.append(submit(_write_shard, (shard, first, docs)))
+            while len(pending) >= 2 * max(1, num_workers):  # bounded memory: a few shards in flight
+                yield pending.popleft().result(), True
+        while pending:
+            yield pending.popleft().result(), True
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # finished shards stay for a resume
+            gc.unfreeze()
+
+
+def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, vocab, eos, bos, dtype, counts, settings,
              shard_bytes, num_workers, progress, paths, extra_meta) -> dict:
     resumed = False
     if tmp.is_dir():
@@ -257,44 +305,14 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
             pbar.update(info["num_samples"])
             pbar.set_postfix(tokens=f"{done_tokens / 1e6:.1f}M", shards=len(infos), refresh=False)
 
-    init = (str(tokenizer), str(tmp), name, dtype.str)
+    init = (str(tokenizer), str(tmp), name, dtype.str, bos)
     tasks = _shard_tasks(documents, shard_bytes, counts)
-    pool = None
     try:
-        if num_workers > 1:
-            # forked workers would otherwise copy the parent's heap page by page as their garbage
-            # collector walks the inherited objects (torch is imported by webdataset): freeze them first
-            gc.freeze()
-            pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
-                                       initargs=init)
-            submit = pool.submit
-        else:
-            _init_worker(*init)
-
-            class _Now:  # the in-process path with the pool's interface
-                def __init__(self, fn, task):
-                    self.value = fn(task)
-
-                def result(self):
-                    return self.value
-
-            submit = _Now
-        pending: deque = deque()
-        for shard, first, docs in tasks:
-            prev = _finished(tmp, shard, len(docs), first) if resumed else None
-            if prev is not None:
-                kept += 1
-                finish(prev, fresh=False)
-                continue
-            pending.append(submit(_write_shard, (shard, first, docs)))
-            while len(pending) >= 2 * max(1, num_workers):  # bounded memory: a few shards in flight
-                finish(pending.popleft().result(), fresh=True)
-        while pending:
-            finish(pending.popleft().result(), fresh=True)
+        for info, fresh in run_shard_tasks(tasks, init, num_workers,
+                                           (lambda s, n, f: _finished(tmp, s, n, f)) if resumed else None):
+            kept += not fresh
+            finish(info, fresh)
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # finished shards stay for a resume
-            gc.unfreeze()
         if pbar is not None:
             pbar.close()
     if not infos:
@@ -303,7 +321,7 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
         raise SourceError(f"source {name!r} is empty: no non-empty documents in {where} "
                           f"({counts.get('empty', 0)} empty skipped)")
     infos.sort(key=lambda i: i["shard"])
-    index = _write_index(tmp, infos, name=name, thash=thash, tokenizer=tokenizer, vocab=vocab, eos=eos,
+    index = _write_index(tmp, infos, name=name, thash=thash, tokenizer=tokenizer, vocab=vocab, eos=eos, bos=bos,
                          dtype=dtype, counts=counts, paths=paths, extra_meta=extra_meta)
     seconds = time.time() - t0
     index["seconds"] = round(seconds, 3)
@@ -326,9 +344,16 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
     return index
 
 
+def drop_shard_meta(tmp: Path, infos: list[dict]) -> None:
+    for info in infos:
+        _meta_path(tmp, info["shard"]).unlink(missing_ok=True)
+
+
 def _write_index(tmp: Path, infos: list[dict], *, name, thash, tokenizer, vocab, eos, dtype, counts, paths,
-                 extra_meta) -> dict:
-    """Concatenate the shards' arrays into the memory-mapped ``.npy`` files (streamed: bounded memory)."""
+                 extra_meta, bos: int | None = None, drop_meta: bool = True) -> dict:
+    """Concatenate the shards' arrays into the memory-mapped ``.npy`` files (streamed: bounded memory);
+    ``drop_meta``: delete the per-shard ``.meta.npz`` files then (else the caller does, see
+    :func:`drop_shard_meta`)."""
     n = sum(i["num_samples"] for i in infos)
     outs = {k: np.lib.format.open_memmap(tmp / f, mode="w+", dtype=dt, shape=(n,))
             for (k, f), dt in zip(ARRAY_FILES.items(), (np.int32, np.int64, np.uint32))}
@@ -343,8 +368,8 @@ def _write_index(tmp: Path, infos: list[dict], *, name, thash, tokenizer, vocab,
         arr.flush()
     del outs
     np.save(tmp / SHARDS_FILE, table)
-    for info in infos:
-        _meta_path(tmp, info["shard"]).unlink()
+    if drop_meta:
+        drop_shard_meta(tmp, infos)
     index = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -353,6 +378,7 @@ def _write_index(tmp: Path, infos: list[dict], *, name, thash, tokenizer, vocab,
         "tokenizer_file": os.path.basename(str(tokenizer)),
         "vocab_size": vocab,
         "eos_id": eos,
+        "bos_added_id": bos,  # the id each document starts with (--bos), None: no BOS added
         "token_dtype": dtype.name,
         "num_samples": n,
         "num_tokens": int(table[:, 2].sum()),

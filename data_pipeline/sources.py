@@ -12,6 +12,11 @@ raises. Empty documents are not yielded but counted (``counts['empty']``) so not
 
 A ``datasets`` save (``Dataset.save_to_disk``) is read with pyarrow alone: its ``state.json`` lists the
 Arrow stream files in order.
+
+:func:`list_units` cuts the same stream into **units** (a JSONL or text file, a Parquet row group, one
+Arrow file of a ``datasets`` save) that :func:`iter_units` reads one by one: the units of a list, read
+in order, yield exactly what :func:`iter_documents` yields for the paths (ids and row numbers in error
+messages included), so a job array can give each task a contiguous run of units (``array.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import gzip
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import SourceError
@@ -192,17 +198,25 @@ def _table_rows(f: Path, batches, rows: _Rows, text_field: str, id_field: str | 
         row += len(texts)
 
 
-def _parquet(f: Path, rows: _Rows, text_field: str, id_field: str | None):
+def _open_parquet(f: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(f)
+        return pq.ParquetFile(f)
     except (OSError, pa.ArrowException) as exn:
         raise SourceError(f"cannot read Parquet file {f}: {exn}") from exn
+
+
+def _parquet(f: Path, rows: _Rows, text_field: str, id_field: str | None, groups: list[int] | None = None,
+             first_row: int = 0):
+    """Row groups ``groups`` (default: all) of ``f``, the first one's first row numbered ``first_row``."""
+    import pyarrow as pa
+
+    pf = _open_parquet(f)
     cols = _columns(f, pf.schema_arrow.names, text_field, id_field)
-    row = 0
-    for g in range(pf.num_row_groups):
+    row = first_row
+    for g in (range(pf.num_row_groups) if groups is None else groups):
         try:
             table = pf.read_row_group(g, columns=cols)
         except (OSError, pa.ArrowException) as exn:
@@ -211,11 +225,15 @@ def _parquet(f: Path, rows: _Rows, text_field: str, id_field: str | None):
         row += table.num_rows
 
 
-def _datasets_save(d: Path, rows: _Rows, text_field: str, id_field: str | None):
+def _datasets_save(d: Path, rows: _Rows, text_field: str, id_field: str | None, files: list[int] | None = None,
+                   first_row: int = 0):
+    """Arrow files ``files`` (indexes into ``state.json``'s list; default: all) of the save ``d``, the first
+    one's first row numbered ``first_row`` (rows are numbered across the save's files)."""
     import pyarrow as pa
 
-    row = 0
-    for f in datasets_arrow_files(d):
+    row = first_row
+    arrow = datasets_arrow_files(d)
+    for f in (arrow if files is None else [arrow[k] for k in files]):
         try:
             with pa.memory_map(str(f)) as source:
                 reader = pa.ipc.open_stream(source)
@@ -248,14 +266,95 @@ def iter_documents(
             yield from _datasets_save(f, rows, text_field, id_field)
         elif _is_parquet(f):
             yield from _parquet(f, rows, text_field, id_field)
-        elif _is_jsonl(f):
-            yield from _jsonl(f, rows, text_field, id_field)
         else:
-            try:
-                text = f.read_text(encoding="utf-8", errors="replace")
-            except OSError as exn:
-                raise SourceError(f"cannot read source file {f}: {exn}") from exn
-            if not text.strip():
-                counts["empty"] += 1
-                continue
-            yield str(f), text
+            yield from _file(f, rows, text_field, id_field)
+
+
+def _file(f: Path, rows: _Rows, text_field: str, id_field: str | None):
+    """A JSONL file's documents, or a text file as one document."""
+    if _is_jsonl(f):
+        yield from _jsonl(f, rows, text_field, id_field)
+        return
+    try:
+        text = f.read_text(encoding="utf-8", errors="replace")
+    except OSError as exn:
+        raise SourceError(f"cannot read source file {f}: {exn}") from exn
+    if not text.strip():
+        rows.counts["empty"] += 1
+        return
+    yield str(f), text
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the input read whole, in stream order: a JSONL or text file (``kind`` "file", ``part``
+    -1), a Parquet row group (``part``: its number) or one Arrow file of a ``datasets`` save (``part``:
+    its place in ``state.json``). ``first_row``: the number its first row has in its file or save (error
+    messages and default ids); ``nbytes``: its size on disk (what slices are balanced by)."""
+
+    source: str
+    kind: str
+    part: int
+    first_row: int
+    nbytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _arrow_rows(f: Path) -> int:
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(f)) as source:  # batch headers only: the memory map reads no text
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+    except (OSError, pa.ArrowException) as exn:
+        raise SourceError(f"cannot read Arrow file {f}: {exn}") from exn
+
+
+def list_units(paths: list[str], text_suffixes: tuple[str, ...] = DEFAULT_TEXT_SUFFIXES) -> list[Unit]:
+    """The units of ``paths`` in stream order (module docstring). Reads Parquet footers and Arrow batch
+    headers, no text; a corrupt footer or stream raises naming the file."""
+    units: list[Unit] = []
+    for src in expand_paths(paths, text_suffixes):
+        if _is_datasets_save(src):
+            row = 0
+            for k, f in enumerate(datasets_arrow_files(src)):
+                units.append(Unit(str(src), "arrow", k, row, f.stat().st_size))
+                row += _arrow_rows(f)
+        elif _is_parquet(src):
+            meta, row = _open_parquet(src).metadata, 0
+            for g in range(meta.num_row_groups):
+                rg = meta.row_group(g)
+                nbytes = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+                units.append(Unit(str(src), "parquet", g, row, nbytes))
+                row += rg.num_rows
+        else:
+            units.append(Unit(str(src), "file", -1, 0, src.stat().st_size))
+    return units
+
+
+def iter_units(
+    units: list[Unit],
+    *,
+    text_field: str = "text",
+    id_field: str | None = "id",
+    counts: dict | None = None,
+    skip_bad_rows: bool = False,
+) -> Iterator[tuple[str, str]]:
+    """Yield ``(doc_id, text)`` of the units in order, as :func:`iter_documents` does for their paths
+    (the same errors, skips and ``counts``, except ``files``)."""
+    counts = counts if counts is not None else {}
+    for key in ("empty", "bad_rows"):
+        counts.setdefault(key, 0)
+    rows = _Rows(counts, skip_bad_rows, text_field)
+    for u in units:
+        path = Path(u.source)
+        if u.kind == "arrow":
+            yield from _datasets_save(path, rows, text_field, id_field, files=[u.part], first_row=u.first_row)
+        elif u.kind == "parquet":
+            yield from _parquet(path, rows, text_field, id_field, groups=[u.part], first_row=u.first_row)
+        elif u.kind == "file":
+            yield from _file(path, rows, text_field, id_field)
+        else:
+            raise ValueError(f"unknown unit kind {u.kind!r}")

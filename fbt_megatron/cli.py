@@ -16,7 +16,7 @@ COMMANDS = {
     "train": ("fbt_megatron.train.cli", "Train from a recipe: fbt train RECIPE.yaml [key=value ...]"),
     "sft": ("fbt_megatron.train.sft_cli", "Instruction tuning on chat data: fbt sft RECIPE.yaml (init_from, loss on assistant turns)"),
     "data": ("data_pipeline.cli", "Tokenizer, shards, embedded data: fbt data {tokenizer,prepare,embedded,...}"),
-    "slurm": ("fbt_megatron.launch.cli", "SLURM jobs: fbt slurm submit RECIPE --nodes N --gpus-per-node G | status RUN_DIR"),
+    "slurm": ("fbt_megatron.launch.cli", "SLURM jobs: fbt slurm submit RECIPE --nodes N --gpus-per-node G | status RUN_DIR | submit-prepare --array N ..."),
     "plan": ("fbt_megatron.launch.plan", "Size a run: fbt plan RECIPE --gpus N --gpu h100 (FLOPs, memory, time)"),
     "convert": ("fbt_megatron.hf.cli", "Hugging Face conversion: fbt convert {to-hf CHECKPOINT OUT,from-hf HF_DIR CKPT_DIR}"),
     "demo": ("fbt_megatron.demo", "Forward/backward of a tiny FBT model on CPU with 1..3 passes"),

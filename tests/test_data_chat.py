@@ -261,3 +261,40 @@ def test_packed_conversations_never_attend_to_each_other(fx, single_process):
             alone_starts[0, 0] = True
             alone = model(input_ids=ids[:, a:z], doc_start=alone_starts, num_passes=2).logits
             torch.testing.assert_close(packed[:, a:z], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_chat_data_with_a_hugging_face_tokenizer(tmp_path):
+    """--format chat with a tokenizer.json: rendered by transformers on that tokenizer.json itself (the ids a
+    stock PreTrainedTokenizerFast gives), EOS as one token ending each turn, the loss mask on the assistant
+    turns; the index names that tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, prepare_chat
+    from data_pipeline.shards import Dataset, DatasetReader
+    from data_pipeline.testing import train_hf_bpe
+    from data_pipeline.tokenizer import tokenizer_hash
+
+    convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+4?"},
+              {"role": "assistant", "content": "7"}, {"role": "user", "content": "and x2?"},
+              {"role": "assistant", "content": "14"}],
+             [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Rhine."}]]
+    tok_dir = train_hf_bpe([m["content"] for c in convs for m in c] * 20 + ["<|user|> <|assistant|> <|system|>"],
+                           tmp_path / "tok", vocab_size=300)
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs) + '{"messages": []}\n')
+    idx = prepare_chat([str(src)], tmp_path / "out", tok_dir, shard_bytes=1 << 20, progress=False)
+    assert idx["num_samples"] == 2 and idx["meta"]["bad_rows"]["counts"]["not_a_conversation"] == 1
+    assert idx["tokenizer_hash"] == tokenizer_hash(tok_dir)
+
+    stock = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"), eos_token="<|end_of_text|>")
+    stock.chat_template = DEFAULT_CHAT_TEMPLATE
+    eos = stock.convert_tokens_to_ids("<|end_of_text|>")
+    reader = DatasetReader(Dataset.load(tmp_path / "out"))
+    for sid, conv in enumerate(convs):
+        ids = reader.get(sid)
+        mask = reader.last_mask
+        want = stock.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids.tolist() == list(want["input_ids"]) and mask.tolist() == list(want["assistant_masks"])
+        assert ids.tolist().count(eos) == len(conv)  # one EOS token per turn
+        answers = "".join(m["content"] + "<|end_of_text|>" for m in conv if m["role"] == "assistant")
+        assert stock.decode(ids[mask == 1]) == answers

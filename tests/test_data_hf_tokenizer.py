@@ -92,16 +92,6 @@ def test_to_hf_writes_the_tokenizer_back_unchanged(tok_dir, tmp_path):
             assert back.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
 
 
-def test_chat_data_with_hf_tokenizer_is_refused_by_name(tok_dir, tmp_path):
-    from data_pipeline.chat import ChatError, prepare_chat
-
-    src = tmp_path / "chat.jsonl"
-    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
-    with pytest.raises(ChatError, match="is a Hugging Face tokenizer"):
-        prepare_chat([str(src)], tmp_path / "out", tok_dir, progress=False)
-    assert not (tmp_path / "out").exists()
-
-
 def test_data_tokenizer_load_copies_a_model_directory(tok_dir, tmp_path, capsys):
     """`fbt data tokenizer --load DIR --out OUT`: OUT gets the tokenizer's files and the same identity."""
     from data_pipeline.tokenizer import tokenizer_hash
@@ -111,3 +101,74 @@ def test_data_tokenizer_load_copies_a_model_directory(tok_dir, tmp_path, capsys)
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["hash"] == tokenizer_hash(tok_dir) == tokenizer_hash(tmp_path / "copy")
     assert printed["eos_id"] == _reference(tok_dir).convert_tokens_to_ids("<|end_of_text|>")
+
+
+def test_batches_encode_without_offsets_to_the_same_ids(tok_dir):
+    """A batch goes through the library's encode_batch_fast (no character offsets: nothing reads them) and
+    gives encode_batch's ids."""
+    from tokenizers import Tokenizer
+
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tk = load_tokenizer(tok_dir)
+    calls = []
+
+    class Spy:  # the Rust class cannot be patched: a proxy that records the batch calls
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            if name.startswith("encode_batch"):
+                calls.append(name)
+            return getattr(self.inner, name)
+
+    tk.tk = Spy(tk.tk)
+    batch = CORPUS + ["", "a <|end_of_text|> inside a text"]
+    ids = tk.encode(batch)
+    assert calls == ["encode_batch_fast"]
+    ref = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    assert ids == [e.ids for e in ref.encode_batch(batch, add_special_tokens=False)]
+
+
+def _with_bos_post_processor(tok_dir, out):
+    """The tokenizer with Llama 3's post-processor: <|begin_of_text|> before every text; no config file."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tk = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    bos = tk.token_to_id("<|begin_of_text|>")
+    tk.post_processor = TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                           special_tokens=[("<|begin_of_text|>", bos)])
+    out.mkdir()
+    tk.save(str(out / "tokenizer.json"))
+    return out, bos
+
+
+@pytest.mark.parametrize("mode", ["no", "yes", "auto"])
+def test_bos_option(tok_dir, tmp_path, mode):
+    """--bos: no BOS (default), the tokenizer's BOS, or what its post-processor adds (auto), for every
+    document, recorded in the index; `yes` without a BOS is refused naming the tokenizer."""
+    from data_pipeline.prepare import prepare_dataset
+    from data_pipeline.shards import Dataset, DatasetReader
+    from data_pipeline.tokenizer import load_tokenizer
+
+    docs = [(f"d{i}", t) for i, t in enumerate(CORPUS)]
+    ref = load_tokenizer(tok_dir)
+    bos = ref.bos_id()
+    assert bos == ref.tk.token_to_id("<|begin_of_text|>") and ref.added_bos() is None  # no post-processor
+    with_pp, pp_bos = _with_bos_post_processor(tok_dir, tmp_path / "pp")
+    assert load_tokenizer(with_pp).added_bos() == pp_bos == bos
+    want_first = {"no": None, "yes": bos, "auto": None}[mode]
+    for tok, first in ((tok_dir, want_first), (with_pp, None if mode == "no" else bos)):
+        out = tmp_path / f"{mode}-{tok.name}"
+        idx = prepare_dataset([], out, tok, documents=iter(docs), shard_bytes=500, progress=False, bos=mode)
+        assert idx["bos_added_id"] == first
+        reader = DatasetReader(Dataset.load(out))
+        for sid, (_, text) in enumerate(docs):
+            body = ref.encode(text)
+            assert reader.get(sid).tolist() == ([] if first is None else [first]) + body
+    bare = train_hf_bpe(CORPUS, tmp_path / "bare", config=False)  # no tokenizer_config.json, no post-processor
+    if mode == "yes":
+        with pytest.raises(TokenizerMismatchError, match=f"--bos yes: tokenizer {bare} has no BOS token"):
+            prepare_dataset([], tmp_path / "bare-out", bare, documents=iter(docs), progress=False, bos=mode)
+        assert not (tmp_path / "bare-out").exists()

@@ -56,7 +56,7 @@ class FBTLM(TemplateLM):
             from data_pipeline.chat import chat_tokenizer
             from fbt_megatron.generate.chat import find_chat_template
 
-            self.chat_tokenizer = chat_tokenizer(self.sp.serialized_model_proto(), find_chat_template(loaded.checkpoint))
+            self.chat_tokenizer = chat_tokenizer(self.sp, find_chat_template(loaded.checkpoint))
 
     # ------------------------------------------------------------------ tokenizer
     @property

@@ -28,10 +28,10 @@ def find_chat_template(checkpoint: str | Path) -> str:
 
 def chat_prompt_ids(sp, template: str, prompts: list[str], system: str | None = None) -> list[list[int]]:
     """Token ids of each user prompt as a chat turn awaiting the assistant's answer. ``sp``: the run's
-    sentencepiece processor."""
+    tokenizer (``load_tokenizer``'s: sentencepiece or Hugging Face)."""
     from data_pipeline.chat import chat_messages, chat_tokenizer, prompt_ids
 
-    tok = chat_tokenizer(sp.serialized_model_proto(), template)
+    tok = chat_tokenizer(sp, template)
     return [prompt_ids(tok, chat_messages(p, system)) for p in prompts]
 
 
@@ -39,7 +39,7 @@ def chat_prompt_texts(sp, template: str, prompts: list[str], system: str | None 
     """The text of each rendered chat prompt (what :func:`chat_prompt_ids` encodes): what the model sees."""
     from data_pipeline.chat import chat_messages, chat_tokenizer
 
-    tok = chat_tokenizer(sp.serialized_model_proto(), template)
+    tok = chat_tokenizer(sp, template)
     return [tok.apply_chat_template(chat_messages(p, system), tokenize=False, add_generation_prompt=True)
             for p in prompts]
 

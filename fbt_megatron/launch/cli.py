@@ -1,10 +1,15 @@
-"""``fbt slurm submit|status``: launch recipes on a SLURM cluster and follow them.
+"""``fbt slurm submit|status|submit-prepare``: launch recipes on a SLURM cluster and follow them; prepare
+data across nodes.
 
     fbt slurm submit RECIPE.yaml --nodes N --gpus-per-node G [--time HH:MM:SS] [--phases]
                      [--min-nodes M] [--max-restarts R] [--signal-seconds S] [--partition P]
                      [--account A] [--dependency D] [--sbatch-arg=--qos=high] [--cpu] [--dry-run]
                      [dotted.key=value ...]
     fbt slurm status RUN_DIR
+    fbt slurm submit-prepare --array N --input PATH... --tokenizer TOK --out DIR [--workers W]
+                     [--shard-mb MB] [--text-field F] [--id-field F] [--skip-bad-rows] [--bos no|yes|auto]
+                     [--name NAME] [--time HH:MM:SS] [--partition P] [--account A] [--sbatch-arg=...]
+                     [--dry-run]
 
 ``submit`` validates the recipe for N x G processes, renders the batch-script template
 (``fbt_megatron/launch/train.sbatch``, shipped with the package; one task per node -> srun ->
@@ -12,6 +17,8 @@ torchrun with c10d rendezvous on the first node), keeps the rendered script and 
 job ids in RUN_DIR/slurm/ and submits it (``--dry-run`` prints the script instead). ``--phases``
 submits single-pass pre-training and the feedback phase as two jobs chained with afterok.
 ``status`` shows the jobs' states, the step, tokens and restarts, and the latest checkpoint.
+``submit-prepare`` runs ``fbt data prepare`` as SLURM job arrays: N tasks tokenize a slice each, a last
+job merges; the same command again resumes (``launch/prepare_array.py``, docs/data.md).
 """
 
 from __future__ import annotations
@@ -49,15 +56,60 @@ def _submit_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _prepare_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fbt slurm submit-prepare",
+                                 description="`fbt data prepare` as SLURM job arrays: count, tokenize (N tasks), merge.")
+    ap.add_argument("--array", type=int, required=True, metavar="N", help="array tasks: slices of the input")
+    ap.add_argument("--input", nargs="+", required=True, help="as `fbt data prepare --input`")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--out", required=True, help="the dataset directory (work and logs in OUT.array/)")
+    ap.add_argument("--name")
+    ap.add_argument("--shard-mb", type=float, default=16.0)
+    ap.add_argument("--text-field", default="text")
+    ap.add_argument("--id-field", default="id")
+    ap.add_argument("--skip-bad-rows", action="store_true")
+    ap.add_argument("--bos", choices=("no", "yes", "auto"), default="no", help="as `fbt data prepare --bos`")
+    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes per tokenize task")
+    ap.add_argument("--cpus-per-task", type=int, default=None, help="default: --workers (tokenize), 1 (count, merge)")
+    ap.add_argument("--time", default="24:00:00", help="time limit of each task")
+    ap.add_argument("--partition")
+    ap.add_argument("--account")
+    ap.add_argument("--sbatch-arg", action="append", default=[], help="extra #SBATCH line, e.g. --sbatch-arg=--qos=high")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--module", default="fbt_megatron.cli", help="module each stage runs as `-m MODULE data prepare-task`")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan's summary and the batch scripts; write and submit nothing")
+    return ap
+
+
+def _submit_prepare(argv: list[str]) -> int:
+    from fbt_megatron.launch.prepare_array import PrepareSpec, submit_prepare
+
+    a = _prepare_parser().parse_args(argv)
+    spec = PrepareSpec(inputs=a.input, out=a.out, tokenizer=a.tokenizer, tasks=a.array, name=a.name,
+                       shard_mb=a.shard_mb, text_field=a.text_field, id_field=a.id_field or None,
+                       skip_bad_rows=a.skip_bad_rows, bos=a.bos, workers=a.workers, cpus_per_task=a.cpus_per_task,
+                       time=a.time,
+                       partition=a.partition, account=a.account, sbatch_args=a.sbatch_arg, python=a.python,
+                       module=a.module)
+    try:
+        submit_prepare(spec, dry_run=a.dry_run)
+    except SubmitError as e:
+        print(f"fbt slurm submit-prepare: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    if argv[0] not in ("submit", "status"):
-        print(f"fbt slurm: error: unknown command {argv[0]!r} (choose from submit, status; fbt slurm --help)",
-              file=sys.stderr)
+    if argv[0] not in ("submit", "status", "submit-prepare"):
+        print(f"fbt slurm: error: unknown command {argv[0]!r} (choose from submit, status, submit-prepare; "
+              "fbt slurm --help)", file=sys.stderr)
         return 2
+    if argv[0] == "submit-prepare":
+        return _submit_prepare(argv[1:])
     if argv[0] == "status":
         from fbt_megatron.launch.status import format_status, status
 

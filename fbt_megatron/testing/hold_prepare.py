@@ -1,0 +1,46 @@
+"""Test entry point: ``fbt`` whose job-array prepare holds one tokenize task part-way.
+
+    python -m fbt_megatron.testing.hold_prepare data prepare-task tokenize ...   (submit-prepare --module)
+
+``FBT_TEST_HOLD_PREPARE_TASK=I`` and ``FBT_TEST_HOLD_PREPARE_SHARDS=K``: array task I, before writing its
+(K+1)-th shard, writes ``<out>.array/held_I`` (the PID) and sleeps for ten minutes: a test kills the task
+in that window, knowing that exactly K of its shards are finished, then submits again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _install() -> None:
+    task = os.environ.get("FBT_TEST_HOLD_PREPARE_TASK")
+    if task is None or os.environ.get("SLURM_ARRAY_TASK_ID") != task or "tokenize" not in sys.argv:
+        return
+    shards = int(os.environ.get("FBT_TEST_HOLD_PREPARE_SHARDS", "1"))
+    plan = Path(sys.argv[sys.argv.index("--plan") + 1])
+    from data_pipeline import prepare
+
+    write, calls = prepare._write_shard, []
+
+    def held(task_args):
+        calls.append(task_args[0])
+        if len(calls) == shards + 1:
+            (plan / f"held_{task}").write_text(str(os.getpid()))
+            time.sleep(600)
+        return write(task_args)
+
+    prepare._write_shard = held
+
+
+def main() -> int:
+    _install()
+    from fbt_megatron.cli import main as fbt_main
+
+    return fbt_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""`fbt data prepare` as a job array (data_pipeline/array.py), its stages run in-process: N slices of the
+input's units (files, Parquet row groups, Arrow files), counted, tokenized and merged, give the token
+stream of a one-process prepare of the same inputs, for any N; a task stopped part-way keeps its
+finished shards; bad rows, changed inputs and a merge before the tasks are errors naming the problem.
+(tests/test_slurm_prepare.py runs the same stages as SLURM job arrays.)"""
+
+import pytest
+
+from data_pipeline import array
+from data_pipeline.errors import SourceError
+from data_pipeline.prepare import prepare_dataset
+from data_pipeline.testing import train_hf_bpe
+
+from array_helpers import SHARD, TEXTS, assert_same_stream, write_corpus
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("array")
+    inputs = write_corpus(root / "in")
+    tok = train_hf_bpe(TEXTS, root / "tok", vocab_size=200)
+    ref = prepare_dataset(inputs, root / "ref", tok, name="corpus", shard_bytes=SHARD, progress=False)
+    return {"root": root, "inputs": inputs, "tok": tok, "ref": root / "ref", "ref_index": ref}
+
+
+def run_array(inputs, out, tok, n, *, workers=1, **kw):
+    adir, plan, state = array.write_plan(inputs, out, tok, n, name="corpus", shard_bytes=SHARD, **kw)
+    for i in range(n):
+        array.count_slice(adir, i)
+    for i in range(n):
+        array.tokenize_slice(adir, i, num_workers=workers)
+    return adir, array.merge(adir)
+
+
+def test_units_read_in_order_are_the_documents(corpus):
+    from data_pipeline.sources import iter_documents, iter_units, list_units
+
+    units = list_units(corpus["inputs"])
+    assert [u.kind for u in units] == ["parquet"] * 12 + ["file"] * 3 + ["arrow"] * 3
+    assert [u.first_row for u in units[:3]] == [0, 9, 18] and units[-1].first_row > 0
+    want_counts, got_counts = {}, {}
+    want = list(iter_documents(corpus["inputs"], counts=want_counts))
+    assert list(iter_units(units, counts=got_counts)) == want
+    assert {k: v for k, v in want_counts.items() if k != "files"} == got_counts
+    # any cut into contiguous slices reads the same stream
+    for n in (2, 3, 7):
+        slices = array.split_units(units, n)
+        assert sorted(k for s in slices for k in s) == list(range(len(units)))
+        assert all(s == list(range(s[0], s[-1] + 1)) for s in slices if s)
+        assert [d for s in slices for d in iter_units([units[k] for k in s])] == want
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 24])
+def test_array_equals_one_process(corpus, tmp_path, n):
+    adir, index = run_array(corpus["inputs"], tmp_path / "out", corpus["tok"], n, workers=2 if n == 3 else 1)
+    plan = array.load_plan(adir)
+    # every task had work, except where there are more tasks than units (18): empty slices write nothing
+    assert sum(1 for s in plan["slices"] if s) == min(n, len(plan["units"]))
+    assert index["num_shards"] >= n and index["prepare"]["array_tasks"] == n
+    assert not (adir / "shards").exists() and not list((tmp_path / "out").glob("*.meta*"))
+    assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
+    # again: merged already, nothing to do
+    assert array.write_plan(corpus["inputs"], tmp_path / "out", corpus["tok"], n, name="corpus",
+                            shard_bytes=SHARD)[2] == "merged"
+
+
+def test_stopped_task_resumes_keeping_finished_shards(corpus, tmp_path, monkeypatch):
+    from data_pipeline import prepare
+
+    adir, _, state = array.write_plan(corpus["inputs"], tmp_path / "out", corpus["tok"], 3, name="corpus",
+                                      shard_bytes=SHARD)
+    assert state == "new"
+    for i in range(3):
+        array.count_slice(adir, i)
+    array.tokenize_slice(adir, 0)
+    write, calls = prepare._write_shard, []
+
+    def dies_on_third(task):
+        calls.append(task[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the task is killed while writing its third shard
+        return write(task)
+
+    monkeypatch.setattr(prepare, "_write_shard", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        array.tokenize_slice(adir, 1)
+    monkeypatch.setattr(prepare, "_write_shard", write)
+    shards = adir / "shards"
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards.glob("shard-*.tar")}
+    assert len(before) == len((array._read_json(adir / "done" / "slice-00000.json"))["infos"]) + 2
+    with pytest.raises(SourceError, match=r"slices \[1, 2\] are not tokenized"):
+        array.merge(adir)
+    # the same submission again: same plan, the finished work is kept
+    assert array.write_plan(corpus["inputs"], tmp_path / "out", corpus["tok"], 3, name="corpus",
+                            shard_bytes=SHARD)[2] == "resume"
+    seen = []
+    monkeypatch.setattr(prepare, "_write_shard", lambda task: seen.append(task[0]) or write(task))
+    for i in range(3):
+        array.count_slice(adir, i)
+        array.tokenize_slice(adir, i)
+    assert seen and seen[0] == calls[2] and not set(seen) & {int(n[6:12]) for n in before}  # nothing redone
+    rec = array._read_json(adir / "done" / "slice-00001.json")
+    assert rec["kept_shards"] == 2
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards.glob("shard-*.tar")}
+    assert all(after[k] == v for k, v in before.items())
+    array.merge(adir)
+    assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
+
+
+def test_bad_row_named_as_one_process_does(corpus, tmp_path):
+    inputs = write_corpus(tmp_path / "in", bad_line=4)
+    with pytest.raises(SourceError) as one:
+        prepare_dataset(inputs, tmp_path / "one", corpus["tok"], shard_bytes=SHARD, progress=False)
+    adir, _, _ = array.write_plan(inputs, tmp_path / "out", corpus["tok"], 3, shard_bytes=SHARD)
+    with pytest.raises(SourceError) as arr:
+        for i in range(3):
+            array.count_slice(adir, i)
+    assert str(arr.value) == str(one.value) and "b.jsonl.zst:5: invalid JSON" in str(arr.value)
+    # skipped and counted: the same counts as one process
+    ref = prepare_dataset(inputs, tmp_path / "one", corpus["tok"], shard_bytes=SHARD, progress=False,
+                          skip_bad_rows=True)
+    _, index = run_array(inputs, tmp_path / "out", corpus["tok"], 3, skip_bad_rows=True)
+    assert index["skipped_bad_rows"] == ref["skipped_bad_rows"] == 1
+    assert index["first_bad_row"] == ref["first_bad_row"]
+    assert index["skipped_empty_documents"] == ref["skipped_empty_documents"] == 1
+
+
+def test_changed_input_and_early_merge_are_refused(corpus, tmp_path):
+    inputs = write_corpus(tmp_path / "in")
+    adir, _, _ = array.write_plan(inputs, tmp_path / "out", corpus["tok"], 2, shard_bytes=SHARD)
+    with pytest.raises(SourceError, match="slice 0 has not been counted"):
+        array.tokenize_slice(adir, 1)
+    array.count_slice(adir, 0)
+    array.count_slice(adir, 1)
+    with pytest.raises(SourceError, match=r"slices \[0, 1\] are not tokenized"):
+        array.merge(adir)
+    with pytest.raises(SourceError, match="task 2 is outside the plan's 2 tasks"):
+        array.count_slice(adir, 2)
+    last = tmp_path / "in" / "e"  # slice 1's input changes under the array
+    arrow = sorted(last.glob("*.arrow"))[-1]
+    arrow.write_bytes(arrow.read_bytes())
+    import os
+
+    os.utime(arrow, ns=(1, 1))
+    with pytest.raises(SourceError, match=f"input {arrow} changed"):
+        array.tokenize_slice(adir, 1)
+    assert not (tmp_path / "out").exists()
+    # a new plan (the inputs changed): the old work is dropped
+    assert array.write_plan(inputs, tmp_path / "out", corpus["tok"], 2, shard_bytes=SHARD)[2] == "new"
+    assert not (adir / "counts").exists()
+
+
+def test_submit_prepare_dry_run_renders_the_arrays(corpus, tmp_path):
+    from fbt_megatron.launch.prepare_array import PrepareSpec, SubmitError, submit_prepare
+
+    spec = PrepareSpec(inputs=corpus["inputs"], out=str(tmp_path / "out"), tokenizer=str(corpus["tok"]), tasks=3,
+                       workers=2, shard_mb=SHARD / (1 << 20), partition="cpu")
+    printed = []
+    recs = submit_prepare(spec, dry_run=True, print_fn=printed.append)
+    assert [r["stage"] for r in recs] == ["count", "tokenize", "merge"]
+    count, tokenize, merge = printed[1:]
+    assert "#SBATCH --array=0-2" in count and "#SBATCH --array=0-2" in tokenize and "--array" not in merge
+    assert "#SBATCH --dependency=afterok:<count>" in tokenize and "#SBATCH --dependency=afterok:<tokenize>" in merge
+    assert "#SBATCH --cpus-per-task=2" in tokenize and "#SBATCH --cpus-per-task=1" in count
+    assert f"data prepare-task tokenize --plan {tmp_path / 'out.array'} --workers 2" in tokenize
+    assert "%A_%a.out" in tokenize and "#SBATCH --partition=cpu" in merge
+    assert not (tmp_path / "out.array").exists()  # a dry run writes nothing
+    with pytest.raises(SubmitError, match="--array 0"):
+        submit_prepare(PrepareSpec(**{**spec.__dict__, "tasks": 0}), dry_run=True)
+
+
+def test_array_with_bos_equals_one_process(corpus, tmp_path):
+    ref = prepare_dataset(corpus["inputs"], tmp_path / "ref", corpus["tok"], name="corpus", shard_bytes=SHARD,
+                          progress=False, bos="yes")
+    _, index = run_array(corpus["inputs"], tmp_path / "out", corpus["tok"], 2, bos="yes")
+    assert index["bos_added_id"] == ref["bos_added_id"] is not None
+    assert_same_stream(tmp_path / "out", tmp_path / "ref", corpus["tok"])
+
+
+def test_merge_refuses_a_missing_or_rewritten_shard(corpus, tmp_path):
+    adir, _, _ = array.write_plan(corpus["inputs"], tmp_path / "out", corpus["tok"], 2, name="corpus",
+                                  shard_bytes=SHARD)
+    for stage in (array.count_slice, array.tokenize_slice):
+        for i in range(2):
+            stage(adir, i)
+    shard = adir / "shards" / "shard-000003.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-512])
+    with pytest.raises(SourceError, match="shard-000003.tar is missing or its size differs"):
+        array.merge(adir)
+    shard.unlink()
+    with pytest.raises(SourceError, match="shard-000003.tar is missing or its size differs"):
+        array.merge(adir)
+    assert not (tmp_path / "out").exists()
+    shard.write_bytes(data)  # put back: the merge goes through
+    array.merge(adir)
+    assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
