@@ -75,6 +75,19 @@ def test_fusion_lr_multiplier_scales_adams_step_of_the_fusion_only(single_proces
         assert moved.numel() and torch.allclose(moved, torch.full_like(moved, expected), rtol=1e-3), name
 
 
+def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
+    """--reuse takes a run folder's summary only if the run reached its last step: a run stopped by SIGTERM
+    (its summary written at the stop) is trained again, which resumes it from its checkpoint."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import finished_summary
+
+    assert finished_summary(tmp_path) is None
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 173, "total_steps": 1200, "preempted": "SIGTERM"}))
+    assert finished_summary(tmp_path) is None
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 1200, "total_steps": 1200}))
+    assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
+
+
 def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
     """sigma of d h_t / d h_{t-1}: 0 with W_U = 0 (the fed-back state reaches nothing), positive otherwise;
     only positions inside the row are measured."""

@@ -129,6 +129,16 @@ def recorded_runs(report: Path) -> dict:
             for name in data.get("readouts", {}) if name in data.get("val_history", {})}
 
 
+def finished_summary(run_dir: Path) -> dict | None:
+    """The run's summary if it reached its last step; None if it has none or stopped early (preempted,
+    stopped at a step: training it again resumes from its checkpoint)."""
+    done = run_dir / "summary.json"
+    if not done.is_file():
+        return None
+    summary = json.loads(done.read_text())
+    return summary if summary.get("step", -1) >= summary.get("total_steps", 0) > 0 else None
+
+
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
           recorded: dict | None = None, train_missing: bool = True) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
@@ -143,9 +153,9 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
 
     def one(name, seed):
         run_dir = root / f"{name}_seed{seed}"
-        done = run_dir / "summary.json"
-        if reuse and done.is_file():
-            return json.loads(done.read_text())
+        done = finished_summary(run_dir)
+        if reuse and done is not None:
+            return done
         if reuse and f"{name}_seed{seed}" in recorded:
             return recorded[f"{name}_seed{seed}"]
         if not train_missing:
