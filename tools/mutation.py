@@ -67,8 +67,12 @@ MAP: dict[str, dict] = {
                                                 "tests/test_model_bad_input.py", "tests/test_model_packed_attention.py"]},
     "fbt_megatron/checkpoint/manager.py": {"tests": ["tests/test_checkpoint_bad_input.py",
                                                      "tests/test_train_checkpoint.py", "tests/test_checkpoint_rng.py"]},
+    # (the split's held-out documents and its state checks: test_data_split; a chat dataset's loss mask
+    # through the packer: test_data_chat's loader test)
     "data_pipeline/loader.py": {"tests": ["tests/test_data_stream.py", "tests/test_data_shuffle_mix.py",
-                                          "tests/test_data_bad_input.py"]},
+                                          "tests/test_data_bad_input.py", "tests/test_data_split.py",
+                                          "tests/test_data_chat.py"],
+                                "k": "not test_data_chat or loader_puts_the_mask"},
     "fbt_megatron/serving/vllm_model.py": {"tests": ["tests/test_serving_vllm.py"]},
 }
 
