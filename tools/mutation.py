@@ -137,9 +137,14 @@ def load_equivalents(file: str) -> list[dict]:
 
 
 def mutated_line(diff: str) -> tuple[str, str]:
-    """(original, mutated) text of the line a one-line diff changes, stripped."""
-    minus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
-    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    """(original, mutated) text of the line a one-line diff changes, stripped. Blank and comment lines
+    are passed over: cosmic-ray's diff of a removed decorator also drops the blank lines and the comment
+    above it, and its line is the decorator (``@functools.lru_cache(maxsize=4)`` -> nothing)."""
+    def code(ln: str) -> bool:
+        return bool(ln[1:].strip()) and not ln[1:].strip().startswith("#")
+
+    minus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---") and code(ln)]
+    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++") and code(ln)]
     return (minus[0] if minus else "", plus[0] if plus else "")
 
 
