@@ -258,6 +258,10 @@ def test_an_fbt_export_imports_with_its_own_fusion_and_schedule(export, tmp_path
     assert recipe["feedback"]["fusion"] == fusion
     assert recipe["schedule"] == prov["schedule"]
     assert json.loads((tmp_path / "back" / "hf_import" / "provenance.json").read_text()) == prov
+    # the export's tokenizer is kept with it (what `fbt data prepare --tokenizer <out>/hf_import` reads)
+    kept = sorted(p.name for p in (tmp_path / "back" / "hf_import").iterdir() if p.name != "provenance.json")
+    assert "tokenizer.json" in kept and "tokenizer.model" in kept, kept
+    assert all((tmp_path / "back" / "hf_import" / n).read_bytes() == (hf / n).read_bytes() for n in kept)
 
     with pytest.raises(ConversionError, match=r"--fusion off: an FBT export keeps its own fusion \('glu'\)"):
         import_hf(hf, tmp_path / "off", fusion="off", log=lambda *a: None)
