@@ -207,3 +207,9 @@ def test_batch_geometry_is_checked(fx):
         build_loader(cfg, micro_batch_size=3, global_batch_size=8, dp_rank=0, dp_size=2)
     with pytest.raises(ValueError, match="dp_rank"):
         build_loader(cfg, micro_batch_size=2, global_batch_size=8, dp_rank=2, dp_size=2)
+    for mb, gb in ((0, 8), (2, 0)):
+        with pytest.raises(ValueError, match="micro_batch_size and global_batch_size must be >= 1"):
+            build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=0, dp_size=1)
+    # the smallest batches are valid: one sequence per micro-batch, per step
+    one = build_loader(cfg, micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1)
+    assert one.micro_batches_per_step == 1 and next(one)["input_ids"].shape == (1, S)

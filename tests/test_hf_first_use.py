@@ -244,7 +244,8 @@ def test_tied_config_with_a_different_lm_head_is_refused_on_import(tmp_path, sin
 def test_an_fbt_export_imports_with_its_own_fusion_and_schedule(export, tmp_path, single_process):
     """`fbt convert from-hf` of our own export: the written recipe keeps the export's fusion and its pass
     schedule (config.json's ``fbt`` provenance, kept in hf_import/); ``--fusion`` naming another fusion is
-    refused, naming the export's, and nothing is written; ``--fusion`` naming the same one imports."""
+    refused, naming the export's, and nothing is written; ``--fusion`` naming the same one imports. The
+    written recipe trains on from the imported checkpoint."""
     import yaml
 
     from fbt_megatron.hf.importer import import_hf
@@ -262,6 +263,15 @@ def test_an_fbt_export_imports_with_its_own_fusion_and_schedule(export, tmp_path
     kept = sorted(p.name for p in (tmp_path / "back" / "hf_import").iterdir() if p.name != "provenance.json")
     assert "tokenizer.json" in kept and "tokenizer.model" in kept, kept
     assert all((tmp_path / "back" / "hf_import" / n).read_bytes() == (hf / n).read_bytes() for n in kept)
+
+    # `fbt train <out>/recipe.yaml` continues from the imported checkpoint (step 0 -> 1)
+    from fbt_megatron.testing.training import train_fn
+
+    recipe["train"]["stop_at_step"] = 1
+    recipe["logging"] = {"tensorboard": False}
+    summary = train_fn(recipe)
+    assert summary["step"] == 1 and len(summary["history"]) == 1, summary
+    assert summary["checkpoint"].endswith("step_00000001")
 
     with pytest.raises(ConversionError, match=r"--fusion off: an FBT export keeps its own fusion \('glu'\)"):
         import_hf(hf, tmp_path / "off", fusion="off", log=lambda *a: None)
