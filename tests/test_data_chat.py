@@ -199,6 +199,36 @@ def test_prompt_ids_are_the_conversation_up_to_the_assistants_answer(fx):
         assert not mask[: len(prompt)].any() and mask[len(prompt)] == 1
 
 
+def test_the_chat_tokenizer_names_the_sentencepiece_special_tokens(fx):
+    """The fast tokenizer the chat data is rendered with (and that `fbt convert to-hf` saves) names the
+    sentencepiece model's UNK, BOS and EOS pieces with their ids (UNK is id 0 in a default model)."""
+    import sentencepiece as spm
+
+    from data_pipeline.chat import chat_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=fx["tokenizer"])
+    tok = chat_tokenizer(fx["tokenizer"])
+    assert sp.unk_id() == 0  # the case an id test must cover
+    for kind in ("unk", "bos", "eos"):
+        sid = getattr(sp, f"{kind}_id")()
+        assert getattr(tok, f"{kind}_token") == sp.id_to_piece(sid), kind
+        assert getattr(tok, f"{kind}_token_id") == sid, kind
+
+
+def test_prepare_chat_reports_its_progress_unless_told_not_to(tmp_path, fx, capsys):
+    """Like `fbt data prepare`, the library call shows its progress and summary on stderr by default;
+    ``progress=False`` keeps it quiet."""
+    from data_pipeline.chat import prepare_chat
+
+    src = tmp_path / "few.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in fx["conversations"][:3]))
+    capsys.readouterr()
+    prepare_chat([str(src)], tmp_path / "loud", fx["tokenizer"], max_tokens=96)
+    assert "prepare loud: 3 documents" in capsys.readouterr().err
+    prepare_chat([str(src)], tmp_path / "quiet", fx["tokenizer"], max_tokens=96, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_chat_messages_put_the_system_prompt_first_when_given():
     """What `fbt generate --chat [--system S]` renders: the system message (if any), then the user's."""
     from data_pipeline.chat import chat_messages
