@@ -228,8 +228,11 @@ def run(args) -> int:
         if again:  # the file is unchanged and tests were only added: the killed stay killed
             from cosmic_ray.work_db import WorkResultStorage
 
+            listed = {(e["operator"], e["before"], e["after"]) for e in load_equivalents(file)}
+            # a survivor listed as equivalent keeps its result (run again, it would only cost the whole suite)
             again_ids = [item.job_id for item, r in db.completed_work_items
-                         if r.worker_outcome == WorkerOutcome.NORMAL and r.test_outcome == TestOutcome.SURVIVED]
+                         if r.worker_outcome == WorkerOutcome.NORMAL and r.test_outcome == TestOutcome.SURVIVED
+                         and (item.mutations[0].operator_name, *mutated_line(r.diff or "")) not in listed]
             more_ids = [item.job_id for item, r in db.completed_work_items
                         if r.worker_outcome == WorkerOutcome.SKIPPED and r.output == "sampled out"] if args.more else []
             with db._session_maker.begin() as s:  # cosmic-ray has no call to forget a result
@@ -329,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", help="work in this directory and keep it (the session database, the copy)")
     p.add_argument("--survivors-again", action="store_true",
                    help="with --keep DIR of an earlier run of the unchanged FILE: run only its survivors again, "
-                        "against the tests as they are now (after adding tests)")
+                        "against the tests as they are now (after adding tests); those listed as equivalent are not run again")
     p.add_argument("--more", action="store_true",
                    help="with --survivors-again: also run (a sample within --budget of) the mutants the kept run left out")
     p.add_argument("--report", action="store_true",
