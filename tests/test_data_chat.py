@@ -299,6 +299,16 @@ def test_a_chat_dataset_without_its_template_is_refused_by_name(tmp_path, fx):
                           {"name": "broken_chat", "path": str(broken), "weight": 1.0}]
     with pytest.raises(ChatError, match=r"source 'broken_chat' .* is a chat dataset without a chat template"):
         sources_chat_template(DataConfig(**section), require=False)
+    # samples that carry a loss mask make a chat dataset, whatever meta.format says
+    del index["meta"]["format"]
+    (broken / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ChatError, match=r"source 'broken_chat' .* is a chat dataset without a chat template"):
+        sources_chat_template(DataConfig(**section), require=False)
+    # an index that cannot be read is named, not a bare OSError
+    from data_pipeline.chat import dataset_chat_template
+
+    with pytest.raises(ChatError, match=rf"source 'gone': cannot read {tmp_path / 'gone' / 'index.json'}"):
+        dataset_chat_template(tmp_path / "gone", "gone")
     section["sources"] = [{"name": "plain", "path": str(fx["root"] / "text"), "weight": 1.0}]
     with pytest.raises(ChatError, match=r"source 'plain' .* is not a chat dataset"):
         sources_chat_template(DataConfig(**section), require=True)
