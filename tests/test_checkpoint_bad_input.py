@@ -78,7 +78,10 @@ def scenario(base: str) -> dict:
     out["B"] = _train(recipe, "before_rename@4")
     out["B_dirs"] = sorted(p.name for p in ckpts.iterdir())
     out["B_state"] = json.loads((ckpts / "step_00000004" / "state.json").read_text())["train_state"]["step"]
-    # C: a clean resume finishes; keep_last=2 keeps steps 2 and 4.
+    # B2: the next resume re-saves step 4 and dies between its renames: the published step_4 is aside (.old).
+    out["B2"] = _train(recipe, "between_renames@4")
+    out["B2_dirs"] = sorted(p.name for p in ckpts.iterdir())
+    # C: a clean resume finishes (its save first puts step_4.old back); keep_last=2 keeps steps 2 and 4.
     out["C"] = _train(recipe)["step"]
     out["C_dirs"] = sorted(p.name for p in ckpts.iterdir())
     resumed = _tensors(ckpts / "step_00000004")
@@ -127,6 +130,8 @@ def test_resave_keeps_published_step_until_replaced(result):
     assert result["A_latest"] == "step_00000002" and "step_00000004" in result["A_dirs"]
     assert result["B"] == "crash before_rename@4"
     assert "step_00000004" in result["B_dirs"] and result["B_state"] == 4  # not deleted before replacement
+    assert result["B2"] == "crash between_renames@4"
+    assert "step_00000004.old" in result["B2_dirs"] and "step_00000004" not in result["B2_dirs"]
     assert result["C"] == 4
     assert result["C_dirs"] == ["latest", "step_00000002", "step_00000004"]
 
