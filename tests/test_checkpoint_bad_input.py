@@ -9,7 +9,10 @@ import json
 import shutil
 from pathlib import Path
 
+import zlib
+
 import pytest
+import torch
 
 from fbt_megatron.testing.distributed import run_distributed
 from fbt_megatron.testing.training import tiny_recipe
@@ -55,6 +58,12 @@ def _load_weights(ckpt: Path, recipe: dict) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def _tensors(ckpt: Path) -> dict:
+    from fbt_megatron.checkpoint.manager import read_full_tensors
+
+    return read_full_tensors(ckpt)
+
+
 def scenario(base: str) -> dict:
     base = Path(base)
     out = {}
@@ -62,15 +71,27 @@ def scenario(base: str) -> dict:
     ckpts = base / "run" / "checkpoints"
     # A: step 4 is published but the process dies before `latest` moves to it.
     out["A"] = _train(recipe, "before_latest@4")
+    straight = _tensors(ckpts / "step_00000004")  # the straight run's step 4 (B and C replace it)
     out["A_latest"] = (ckpts / "latest").read_text().strip()
     out["A_dirs"] = sorted(p.name for p in ckpts.iterdir())
     # B: the resume from step 2 re-saves step 4 and dies before publishing it: the published step_4 stays.
     out["B"] = _train(recipe, "before_rename@4")
     out["B_dirs"] = sorted(p.name for p in ckpts.iterdir())
     out["B_state"] = json.loads((ckpts / "step_00000004" / "state.json").read_text())["train_state"]["step"]
-    # C: a clean resume finishes; keep_last=2 keeps steps 2 and 4.
+    # B2: the next resume re-saves step 4 and dies between its renames: the published step_4 is aside (.old).
+    out["B2"] = _train(recipe, "between_renames@4")
+    out["B2_dirs"] = sorted(p.name for p in ckpts.iterdir())
+    # C: a clean resume finishes (its save first puts step_4.old back); keep_last=2 keeps steps 2 and 4.
     out["C"] = _train(recipe)["step"]
     out["C_dirs"] = sorted(p.name for p in ckpts.iterdir())
+    resumed = _tensors(ckpts / "step_00000004")
+    out["C_same_as_straight"] = sorted(straight) == sorted(resumed) and all(
+        torch.equal(straight[k], resumed[k]) for k in straight)
+    out["C_tensors"] = len(straight)
+    step4 = ckpts / "step_00000004"
+    out["C_manifest"] = json.loads((step4 / "manifest.json").read_text())["files"]
+    out["C_files"] = {str(f.relative_to(step4)): {"bytes": f.stat().st_size, "crc32": f"{zlib.crc32(f.read_bytes()):08x}"}
+                      for f in step4.rglob("*") if f.is_file()}
     # D: resume=false refuses a directory that already holds checkpoints.
     out["D"] = _train(dict(recipe, checkpoint=dict(recipe["checkpoint"], resume=False)))
     # E: bad input, each on a copy of the run.
@@ -109,8 +130,25 @@ def test_resave_keeps_published_step_until_replaced(result):
     assert result["A_latest"] == "step_00000002" and "step_00000004" in result["A_dirs"]
     assert result["B"] == "crash before_rename@4"
     assert "step_00000004" in result["B_dirs"] and result["B_state"] == 4  # not deleted before replacement
+    assert result["B2"] == "crash between_renames@4"
+    assert "step_00000004.old" in result["B2_dirs"] and "step_00000004" not in result["B2_dirs"]
     assert result["C"] == 4
     assert result["C_dirs"] == ["latest", "step_00000002", "step_00000004"]
+
+
+def test_a_resumed_run_saves_what_the_straight_run_saved(result):
+    """Resuming from step 2 (weights, AdamW moments, RNG, data cursor read back) and training to step 4
+    gives the straight run's step 4 bit for bit: every master weight and moment."""
+    assert result["C_tensors"] > 0 and result["C_same_as_straight"]
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_crc(result):
+    """manifest.json: every file of the checkpoint (weights shards, .metadata, common.pt, each rank's RNG,
+    the tokenizer of a run on tokenized data) with its size and CRC-32: all but itself and state.json."""
+    files = dict(result["C_files"])
+    assert {"manifest.json", "state.json", "weights/.metadata", "weights/common.pt"} <= set(files)
+    del files["manifest.json"], files["state.json"]
+    assert result["C_manifest"] == files
 
 
 def test_resume_false_refuses_used_directory(result):

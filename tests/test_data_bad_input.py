@@ -153,6 +153,38 @@ def test_corrupt_sample_skipped_when_allowed_is_masked_and_counted(fx, clean, ca
     assert n_masked == Dataset.load(fx["root"] / "math").lengths[target]  # exactly the document's tokens
 
 
+def test_a_corrupt_short_document_early_in_a_micro_batch_masks_only_its_span(fx, clean):
+    """The skipped span is the document's own tokens wherever it falls: here a short document that
+    starts within its own length of a micro-batch's first token (the loss of the documents after it,
+    in the same micro-batch, is kept)."""
+    cfg = fixture_config(fx, allow_skip_corrupt=True)
+    dss = [Dataset.load(s_.path) for s_ in cfg.sources]
+    src, sid = planner_for(cfg).documents(3000)
+    lens = np.array([int(dss[i].lengths[k]) + 1 for i, k in zip(src, sid)])  # + the EOS after each
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    window = MB * S
+    first = {}
+    for j, (i, k) in enumerate(zip(src, sid)):
+        first.setdefault((int(i), int(k)), j)
+    j = next(j for j in range(len(src)) if first[(int(src[j]), int(sid[j]))] == j
+             and 3 <= lens[j] < window // 2 and starts[j] % window < lens[j] - 1 and starts[j] > window)
+    source, target = int(src[j]), int(sid[j])
+    shard = fx["root"] / cfg.sources[source].name / dss[source].shards[dss[source].shard_of(target)]["file"]
+    with tarfile.open(shard) as tf:
+        m = tf.getmember(f"{sample_key(target)}.tokens.npy")
+    flip(shard, m.offset_data + 129)  # a token's byte (the npy header is 128 bytes)
+    steps = int(starts[j]) // (GB * S) + 2
+    ref, _ = stream(fixture_config(clean), steps)
+    got, ld = stream(cfg, steps)
+    assert ld.stats["skipped_corrupt_samples"] == 1
+    n = got["input_ids"].numel()
+    want = np.zeros(n, bool)
+    for jj in np.flatnonzero((src == source) & (sid == target)):
+        want[starts[jj]:min(n, starts[jj] + lens[jj] - 1)] = True
+    newly = ((got["loss_mask"] == 0) & (ref["loss_mask"] == 1)).reshape(-1).numpy()
+    assert want.sum() > 0 and np.array_equal(newly, want)
+
+
 def test_tokenizer_mismatch_names_the_index(fx, tmp_path):
     other = tmp_path / "other.model"
     train_tokenizer([t for v in fx["docs"].values() for _, t in v], other, vocab_size=360, num_threads=1)

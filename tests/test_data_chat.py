@@ -199,6 +199,72 @@ def test_prompt_ids_are_the_conversation_up_to_the_assistants_answer(fx):
         assert not mask[: len(prompt)].any() and mask[len(prompt)] == 1
 
 
+def test_the_chat_tokenizer_names_the_sentencepiece_special_tokens(fx):
+    """The fast tokenizer the chat data is rendered with (and that `fbt convert to-hf` saves) names the
+    sentencepiece model's UNK, BOS and EOS pieces with their ids (UNK is id 0 in a default model)."""
+    import sentencepiece as spm
+
+    from data_pipeline.chat import chat_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=fx["tokenizer"])
+    tok = chat_tokenizer(fx["tokenizer"])
+    assert sp.unk_id() == 0  # the case an id test must cover
+    for kind in ("unk", "bos", "eos"):
+        sid = getattr(sp, f"{kind}_id")()
+        assert getattr(tok, f"{kind}_token") == sp.id_to_piece(sid), kind
+        assert getattr(tok, f"{kind}_token_id") == sid, kind
+
+
+def test_a_sentencepiece_model_without_bos_renders_chat(tmp_path):
+    """A sentencepiece model trained without a BOS piece (bos_id -1; the data pipeline adds none) gives
+    a chat tokenizer with no BOS token, and conversations render with it."""
+    import io
+
+    import sentencepiece as spm
+
+    from data_pipeline.chat import chat_tokenizer, encode_conversation
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["user assistant system hello world 1+1=2"] * 50),
+                                   model_writer=buf, vocab_size=40, bos_id=-1, hard_vocab_limit=False,
+                                   minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    assert sp.bos_id() == -1
+    tok = chat_tokenizer(buf.getvalue())
+    assert tok.bos_token is None and tok.eos_token_id == sp.eos_id()
+    ids, mask = encode_conversation(tok, [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}])
+    assert ids[-1] == sp.eos_id() and mask[-1] == 1 and mask[0] == 0
+
+
+def test_iter_conversations_reads_past_blank_lines_and_counts_bad_rows_from_zero(tmp_path, fx):
+    """The JSONL reader: blank lines are passed over (the rows after them are read); called on its own
+    with an empty ``bad`` it counts each kind of bad row from zero and names the first of each."""
+    from data_pipeline.chat import BAD_KINDS, chat_tokenizer, iter_conversations
+
+    good = fx["conversations"][:2]
+    src = tmp_path / "gaps.jsonl"
+    src.write_text(json.dumps(good[0]) + "\n\n   \n" + "{not json\n" + "\n" + json.dumps(good[1]) + "\n")
+    bad: dict = {}
+    got = list(iter_conversations([str(src)], chat_tokenizer(fx["tokenizer"]), max_tokens=4096, bad=bad))
+    assert len(got) == 2 and got[1][0] == f"{src.name}:6"
+    assert bad["counts"] == dict({k: 0 for k in BAD_KINDS}, invalid_json=1)
+    assert bad["first"] == {"invalid_json": f"{src}:4"}
+
+
+def test_prepare_chat_reports_its_progress_unless_told_not_to(tmp_path, fx, capsys):
+    """Like `fbt data prepare`, the library call shows its progress and summary on stderr by default;
+    ``progress=False`` keeps it quiet."""
+    from data_pipeline.chat import prepare_chat
+
+    src = tmp_path / "few.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in fx["conversations"][:3]))
+    capsys.readouterr()
+    prepare_chat([str(src)], tmp_path / "loud", fx["tokenizer"], max_tokens=96)
+    assert "prepare loud: 3 documents" in capsys.readouterr().err
+    prepare_chat([str(src)], tmp_path / "quiet", fx["tokenizer"], max_tokens=96, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_chat_messages_put_the_system_prompt_first_when_given():
     """What `fbt generate --chat [--system S]` renders: the system message (if any), then the user's."""
     from data_pipeline.chat import chat_messages
@@ -233,9 +299,22 @@ def test_a_chat_dataset_without_its_template_is_refused_by_name(tmp_path, fx):
                           {"name": "broken_chat", "path": str(broken), "weight": 1.0}]
     with pytest.raises(ChatError, match=r"source 'broken_chat' .* is a chat dataset without a chat template"):
         sources_chat_template(DataConfig(**section), require=False)
+    # samples that carry a loss mask make a chat dataset, whatever meta.format says
+    del index["meta"]["format"]
+    (broken / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ChatError, match=r"source 'broken_chat' .* is a chat dataset without a chat template"):
+        sources_chat_template(DataConfig(**section), require=False)
+    # an index that cannot be read is named, not a bare OSError
+    from data_pipeline.chat import dataset_chat_template
+
+    with pytest.raises(ChatError, match=rf"source 'gone': cannot read {tmp_path / 'gone' / 'index.json'}"):
+        dataset_chat_template(tmp_path / "gone", "gone")
     section["sources"] = [{"name": "plain", "path": str(fx["root"] / "text"), "weight": 1.0}]
     with pytest.raises(ChatError, match=r"source 'plain' .* is not a chat dataset"):
         sources_chat_template(DataConfig(**section), require=True)
+    # a pretraining mix (not SFT) of plain text and chat data: the chat source's template, whatever the order
+    section["sources"].append({"name": "chat", "path": str(fx["root"] / "chat"), "weight": 1.0})
+    assert sources_chat_template(DataConfig(**section), require=False) == fx["template"]
     assert sources_chat_template(DataConfig(**chat_data_section(fx)), require=True) == fx["template"]
 
 

@@ -185,6 +185,20 @@ def test_resume_refuses_a_different_stream(fx):
                      consumed_sequences=8)
 
 
+def test_resume_accepts_the_same_mix_written_with_other_numbers(fx):
+    """Source weights are relative: a run saved with weights 6 : 3 : 1 resumes under a recipe that
+    writes them 0.6 : 0.3 : 0.1 (the same mix; normalised, they differ in the last bit), and the stream
+    continues as the uninterrupted run's."""
+    a = fixture_config(fx, seq_length=S, weights=(6, 3, 1))
+    b = fixture_config(fx, seq_length=S, weights=(0.6, 0.3, 0.1))
+    assert a.weights != b.weights  # not the same floats: the check must not ask for equality
+    ref, loaders = global_stream(a, 6, 1)
+    _, loaders = global_stream(a, 2, 1)
+    state = json.loads(json.dumps(loaders[0].state_dict()))
+    resumed, _ = global_stream(b, 4, 1, state=state)
+    assert_same({k: v[2 * GB:] for k, v in ref.items()}, resumed)
+
+
 def test_batch_geometry_is_checked(fx):
     cfg = fixture_config(fx, seq_length=S)
     with pytest.raises(ValueError, match="dp_size"):
@@ -193,3 +207,9 @@ def test_batch_geometry_is_checked(fx):
         build_loader(cfg, micro_batch_size=3, global_batch_size=8, dp_rank=0, dp_size=2)
     with pytest.raises(ValueError, match="dp_rank"):
         build_loader(cfg, micro_batch_size=2, global_batch_size=8, dp_rank=2, dp_size=2)
+    for mb, gb in ((0, 8), (2, 0)):
+        with pytest.raises(ValueError, match="micro_batch_size and global_batch_size must be >= 1"):
+            build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=0, dp_size=1)
+    # the smallest batches are valid: one sequence per micro-batch, per step
+    one = build_loader(cfg, micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1)
+    assert one.micro_batches_per_step == 1 and next(one)["input_ids"].shape == (1, S)

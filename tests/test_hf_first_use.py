@@ -247,6 +247,66 @@ def test_tied_config_with_a_different_lm_head_is_refused_on_import(tmp_path, sin
     assert (tmp_path / "tied" / "checkpoints" / "latest").exists()
 
 
+def test_an_fbt_export_imports_with_its_own_fusion_and_schedule(export, tmp_path, single_process):
+    """`fbt convert from-hf` of our own export: the written recipe keeps the export's fusion and its pass
+    schedule (config.json's ``fbt`` provenance, kept in hf_import/); ``--fusion`` naming another fusion is
+    refused, naming the export's, and nothing is written; ``--fusion`` naming the same one imports. The
+    written recipe trains on from the imported checkpoint."""
+    import yaml
+
+    from fbt_megatron.hf.importer import import_hf
+
+    run, hf, sp = export
+    cfg = json.loads((hf / "config.json").read_text())
+    fusion, prov = cfg["feedback_fusion"], cfg["fbt"]
+    assert fusion == "glu" and len(prov["schedule"]["mix"]) == 3  # the fixture's fused, 3-entry mix
+    import_hf(hf, tmp_path / "back", log=lambda *a: None)
+    recipe = yaml.safe_load((tmp_path / "back" / "recipe.yaml").read_text())
+    assert recipe["feedback"]["fusion"] == fusion
+    assert recipe["schedule"] == prov["schedule"]
+    assert json.loads((tmp_path / "back" / "hf_import" / "provenance.json").read_text()) == prov
+    # the export's tokenizer is kept with it (what `fbt data prepare --tokenizer <out>/hf_import` reads)
+    kept = sorted(p.name for p in (tmp_path / "back" / "hf_import").iterdir() if p.name != "provenance.json")
+    assert "tokenizer.json" in kept and "tokenizer.model" in kept, kept
+    assert all((tmp_path / "back" / "hf_import" / n).read_bytes() == (hf / n).read_bytes() for n in kept)
+
+    # `fbt train <out>/recipe.yaml` continues from the imported checkpoint (step 0 -> 1)
+    from fbt_megatron.testing.training import train_fn
+
+    recipe["train"]["stop_at_step"] = 1
+    recipe["logging"] = {"tensorboard": False}
+    summary = train_fn(recipe)
+    assert summary["step"] == 1 and len(summary["history"]) == 1, summary
+    assert summary["checkpoint"].endswith("step_00000001")
+
+    with pytest.raises(ConversionError, match=r"--fusion off: an FBT export keeps its own fusion \('glu'\)"):
+        import_hf(hf, tmp_path / "off", fusion="off", log=lambda *a: None)
+    assert not (tmp_path / "off").exists()
+    import_hf(hf, tmp_path / "same", fusion="glu", log=lambda *a: None)
+    assert yaml.safe_load((tmp_path / "same" / "recipe.yaml").read_text())["feedback"] == recipe["feedback"]
+
+
+def test_a_sharded_stock_checkpoint_imports_like_a_single_file(tmp_path, single_process):
+    """A stock checkpoint saved in shards (model.safetensors.index.json and its files, as large models
+    come) imports to the same tensors as the same model saved in one file; a shard missing is named."""
+    from fbt_megatron.checkpoint.manager import read_full_tensors
+    from fbt_megatron.hf.importer import import_hf
+
+    model = _llama(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    for name in ("one", "sharded"):
+        import_hf(tmp_path / name, tmp_path / f"{name}_ckpt", fusion="off", log=lambda *a: None)
+    one, sharded = read_full_tensors(tmp_path / "one_ckpt"), read_full_tensors(tmp_path / "sharded_ckpt")
+    assert sorted(one) == sorted(sharded) and all(torch.equal(one[k], sharded[k]) for k in one)
+
+    (tmp_path / "sharded" / shards[-1]).unlink()
+    with pytest.raises(ConversionError, match=f"weight shard {shards[-1]} .* is missing"):
+        import_hf(tmp_path / "sharded", tmp_path / "missing", fusion="off", log=lambda *a: None)
+
+
 def test_bf16_export_writes_bf16_tensors(export, tmp_path, single_process):
     """`fbt convert to-hf --dtype bf16`: every tensor in the safetensors files is bfloat16 and is the fp32
     export's value rounded to bfloat16; config.json says bfloat16; transformers loads the --standard

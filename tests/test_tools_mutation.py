@@ -33,6 +33,10 @@ def test_operators_kept_are_one_inverse_each():
 def test_a_one_line_diff_gives_the_line_before_and_after():
     diff = "--- a/x.py\n+++ b/x.py\n@@ -3 +3 @@\n-    if a < b:\n+    if a <= b:\n"
     assert mutated_line(diff) == ("if a < b:", "if a <= b:")
+    # a removed decorator: cosmic-ray's diff also drops the blank lines and the comment above it
+    diff = ("--- a/x.py\n+++ b/x.py\n@@ -181,10 +181,6 @@\n         view.copy_(got)\n-\n-\n-# --- weights only\n"
+            "-@torch.no_grad()\n def load(path):\n")
+    assert mutated_line(diff) == ("@torch.no_grad()", "")
 
 
 def test_equivalent_mutants_name_a_mapped_file_the_lines_and_a_reason():

@@ -67,8 +67,12 @@ MAP: dict[str, dict] = {
                                                 "tests/test_model_bad_input.py", "tests/test_model_packed_attention.py"]},
     "fbt_megatron/checkpoint/manager.py": {"tests": ["tests/test_checkpoint_bad_input.py",
                                                      "tests/test_train_checkpoint.py", "tests/test_checkpoint_rng.py"]},
+    # (the split's held-out documents and its state checks: test_data_split; a chat dataset's loss mask
+    # through the packer: test_data_chat's loader test)
     "data_pipeline/loader.py": {"tests": ["tests/test_data_stream.py", "tests/test_data_shuffle_mix.py",
-                                          "tests/test_data_bad_input.py"]},
+                                          "tests/test_data_bad_input.py", "tests/test_data_split.py",
+                                          "tests/test_data_chat.py"],
+                                "k": "not test_data_chat or loader_puts_the_mask"},
     "fbt_megatron/serving/vllm_model.py": {"tests": ["tests/test_serving_vllm.py"]},
 }
 
@@ -133,9 +137,14 @@ def load_equivalents(file: str) -> list[dict]:
 
 
 def mutated_line(diff: str) -> tuple[str, str]:
-    """(original, mutated) text of the line a one-line diff changes, stripped."""
-    minus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
-    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    """(original, mutated) text of the line a one-line diff changes, stripped. Blank and comment lines
+    are passed over: cosmic-ray's diff of a removed decorator also drops the blank lines and the comment
+    above it, and its line is the decorator (``@functools.lru_cache(maxsize=4)`` -> nothing)."""
+    def code(ln: str) -> bool:
+        return bool(ln[1:].strip()) and not ln[1:].strip().startswith("#")
+
+    minus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---") and code(ln)]
+    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++") and code(ln)]
     return (minus[0] if minus else "", plus[0] if plus else "")
 
 
@@ -219,8 +228,11 @@ def run(args) -> int:
         if again:  # the file is unchanged and tests were only added: the killed stay killed
             from cosmic_ray.work_db import WorkResultStorage
 
+            listed = {(e["operator"], e["before"], e["after"]) for e in load_equivalents(file)}
+            # a survivor listed as equivalent keeps its result (run again, it would only cost the whole suite)
             again_ids = [item.job_id for item, r in db.completed_work_items
-                         if r.worker_outcome == WorkerOutcome.NORMAL and r.test_outcome == TestOutcome.SURVIVED]
+                         if r.worker_outcome == WorkerOutcome.NORMAL and r.test_outcome == TestOutcome.SURVIVED
+                         and (item.mutations[0].operator_name, *mutated_line(r.diff or "")) not in listed]
             more_ids = [item.job_id for item, r in db.completed_work_items
                         if r.worker_outcome == WorkerOutcome.SKIPPED and r.output == "sampled out"] if args.more else []
             with db._session_maker.begin() as s:  # cosmic-ray has no call to forget a result
@@ -320,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", help="work in this directory and keep it (the session database, the copy)")
     p.add_argument("--survivors-again", action="store_true",
                    help="with --keep DIR of an earlier run of the unchanged FILE: run only its survivors again, "
-                        "against the tests as they are now (after adding tests)")
+                        "against the tests as they are now (after adding tests); those listed as equivalent are not run again")
     p.add_argument("--more", action="store_true",
                    help="with --survivors-again: also run (a sample within --budget of) the mutants the kept run left out")
     p.add_argument("--report", action="store_true",
