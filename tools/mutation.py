@@ -46,6 +46,9 @@ EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
 # Each core file and the tests that cover it (with a -k expression where only some tests of a file do,
 # or where the others would not fit the budget). Measured per file: docs/results/benchmarks.md.
 MAP: dict[str, dict] = {
+    # the feedback rule itself, against its formulas, and the Megatron and HF models that call it
+    "fbt_megatron/hf/feedback_rule.py": {"tests": ["tests/test_feedback_rule.py",
+                                                   "tests/test_model_feedback_formulas.py"]},
     "fbt_megatron/passes.py": {"tests": ["tests/test_passes.py", "tests/test_plan.py",
                                          "tests/test_plan_counts_what_runs.py"]},
     "fbt_megatron/checkpoint/rng.py": {"tests": ["tests/test_checkpoint_rng.py"]},
