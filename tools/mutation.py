@@ -63,10 +63,12 @@ MAP: dict[str, dict] = {
     "fbt_megatron/hf/importer.py": {"tests": ["tests/test_hf_first_use.py", "tests/test_hf_convert.py"],
                                     "k": "not other_transformers and (not test_hf_convert or stock_llama)"},
     # (test_first_input_checkpoints.py trains three runs first, minutes under load: give --tests for it; the
-    # tensor- and sequence-parallel paths are test_model_tp.py's, TP=2 workers)
+    # sequence-parallel path: the fusion-level TP=2 test, not the packed model's)
     "fbt_megatron/model/feedback.py": {"tests": ["tests/test_model_feedback_formulas.py",
                                                  "tests/test_model_first_pass.py", "tests/test_model_fusion_off.py",
-                                                 "tests/test_model_bounded_mixin.py"]},
+                                                 "tests/test_model_bounded_mixin.py",
+                                                 "tests/test_model_sequence_parallel.py"],
+                                       "k": "not packed_attention_under_sequence_parallelism"},
     "fbt_megatron/model/fbt_gpt.py": {"tests": ["tests/test_model_jacobi.py", "tests/test_model_first_pass.py",
                                                 "tests/test_model_gradients.py", "tests/test_model_options.py",
                                                 "tests/test_model_bad_input.py", "tests/test_model_packed_attention.py"]},
