@@ -148,10 +148,12 @@ def test_export_under_newest_transformers(export, newest, single_process):
 def test_export_tokenizer_names_a_class_every_supported_transformers_has(export):
     """The export's tokenizer_config.json names PreTrainedTokenizerFast, which every transformers in the
     supported range has (transformers 5 saves its own TokenizersBackend, which 4.x lacks: a 4.x user's
-    AutoTokenizer would fail on it), with left padding and the recipe's sequence length."""
+    AutoTokenizer would fail on it) and no extra_special_tokens list (5.x's form of it), with left padding
+    and the recipe's sequence length."""
     _, hf, _ = export
     cfg = json.loads((hf / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast", cfg.get("tokenizer_class")
+    assert not isinstance(cfg.get("extra_special_tokens"), list), cfg  # 5.x's list; 4.x reads a dict there
     assert cfg["padding_side"] == "left" and cfg["model_max_length"] == 64, cfg
 
 
