@@ -174,6 +174,16 @@ def test_an_hf_tokenizer_with_its_sentencepiece_model_exports_both(export, tmp_p
             [PreTrainedTokenizerFast.from_pretrained(str(hf)).encode(t) for t in TEXTS])
 
 
+def test_a_checkpoint_keeping_its_sentencepiece_model_exports_it(tmp_path):
+    """A run's checkpoint keeps a copy of its sentencepiece model: the export takes that one."""
+    from fbt_megatron.hf.export import tokenizer_source
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "tokenizer.model").write_bytes(b"sp")
+    assert tokenizer_source(ckpt, recipe=None) == ("sp", ckpt / "tokenizer.model")
+
+
 def test_provenance_of_a_continued_import_adds_its_own_history(tmp_path):
     """A run continued from an import exports the source's history plus its own: steps and tokens added,
     pass counts added per pass count (a count the source never ran starts from 0), and the recipe it
@@ -228,6 +238,7 @@ def test_standard_export_config_and_tied_embeddings(export, tmp_path, single_pro
     config = json.loads((tmp_path / "std" / "config.json").read_text())
     assert config["rope_theta"] == 500000.0 and config["rope_parameters"]["rope_theta"] == 500000.0
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is True
+    assert config["use_cache"] is True  # transformers' generate reads it: False would decode without the KV cache
     plain = LlamaForCausalLM.from_pretrained(tmp_path / "std").eval()
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # tied
     model = load_framework_model(run)
