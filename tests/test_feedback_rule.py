@@ -65,6 +65,31 @@ def test_shift_moves_states_one_position_later_and_resets_to_h_init(dim):
             assert torch.equal(out[i, j], want), (i, j)
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_one_token_sequence_receives_h_init(dim):
+    """A sequence of one position (a 1-token prompt) has no previous state: it receives h_init."""
+    fed, h0 = randn(1, 3, D, seed=13), randn(D, seed=14)
+    fed = fed if dim == 0 else fed.transpose(0, 1)  # [1, 3, D] along dim 0, [3, 1, D] along dim 1
+    reset = feedback_rule.reset_positions(None, fed.shape[:2], dim, "cpu")
+    assert torch.equal(feedback_rule.shifted_states(fed, reset, h0, dim), h0.expand_as(fed))
+
+
+def test_a_one_token_prompt_runs_every_pass_on_its_embedding():
+    """End to end, the HF model: a 1-token prompt has no previous state in any pass, so k passes give
+    pass 1's logits (x_0 = e_0 in every pass under the embedding rule)."""
+    from fbt_megatron.hf import modeling_fbt
+
+    config = modeling_fbt.FBTConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = modeling_fbt.FBTForCausalLM(config).eval()
+    ids = torch.tensor([[5], [7]])
+    with torch.no_grad():
+        one = model(ids, num_passes=1, use_cache=False).logits
+        three = model(ids, num_passes=3, use_cache=False).logits
+    torch.testing.assert_close(three, one, rtol=0, atol=0)
+
+
 def test_reset_positions_are_the_first_position_and_document_starts():
     doc = torch.tensor([[0, 0, 1, 0], [0, 1, 0, 1]])
     want = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)

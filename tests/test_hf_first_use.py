@@ -145,6 +145,64 @@ def test_export_under_newest_transformers(export, newest, single_process):
         assert rel(model(ids, num_passes=2).logits[..., :VOCAB], ours) > 1e-3  # 2 and 3 passes differ
 
 
+def test_export_tokenizer_names_a_class_every_supported_transformers_has(export):
+    """The export's tokenizer_config.json names PreTrainedTokenizerFast, which every transformers in the
+    supported range has (transformers 5 saves its own TokenizersBackend, which 4.x lacks: a 4.x user's
+    AutoTokenizer would fail on it) and no extra_special_tokens list (5.x's form of it), with left padding
+    and the recipe's sequence length."""
+    _, hf, _ = export
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast", cfg.get("tokenizer_class")
+    assert not isinstance(cfg.get("extra_special_tokens"), list), cfg  # 5.x's list; 4.x reads a dict there
+    assert cfg["padding_side"] == "left" and cfg["model_max_length"] == 64, cfg
+
+
+def test_an_hf_tokenizer_with_its_sentencepiece_model_exports_both(export, tmp_path):
+    """A run imported from a checkpoint whose tokenizer folder holds tokenizer.json and the sentencepiece
+    tokenizer.model (Llama 2's layout; our own export's too) exports both files unchanged, and the same ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    from fbt_megatron.hf.export import write_tokenizer
+
+    _, hf, _ = export  # an export: tokenizer.json + tokenizer.model
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tokenizer(("hf", hf), out, VOCAB, max_length=64)
+    for name in ("tokenizer.json", "tokenizer.model"):
+        assert (out / name).read_bytes() == (hf / name).read_bytes(), name
+    assert ([PreTrainedTokenizerFast.from_pretrained(str(out)).encode(t) for t in TEXTS] ==
+            [PreTrainedTokenizerFast.from_pretrained(str(hf)).encode(t) for t in TEXTS])
+
+
+def test_a_checkpoint_keeping_its_sentencepiece_model_exports_it(tmp_path):
+    """A run's checkpoint keeps a copy of its sentencepiece model: the export takes that one."""
+    from fbt_megatron.hf.export import tokenizer_source
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "tokenizer.model").write_bytes(b"sp")
+    assert tokenizer_source(ckpt, recipe=None) == ("sp", ckpt / "tokenizer.model")
+
+
+def test_provenance_of_a_continued_import_adds_its_own_history(tmp_path):
+    """A run continued from an import exports the source's history plus its own: steps and tokens added,
+    pass counts added per pass count (a count the source never ran starts from 0), and the recipe it
+    continued as named."""
+    from types import SimpleNamespace
+
+    from fbt_megatron.hf.export import provenance
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_7"
+    (tmp_path / "run" / "hf_import").mkdir(parents=True)
+    source = {"recipe_name": "base", "steps": 100, "tokens_seen": 5000, "pass_counts": {"1": 60, "2": 40},
+              "source_model_type": "llama"}
+    (tmp_path / "run" / "hf_import" / "provenance.json").write_text(json.dumps(source))
+    state = {"train_state": {"step": 7, "tokens_seen": 300, "pass_counts": {2: 4, 3: 3}}}
+    got = provenance(ckpt, state, SimpleNamespace(name="continued"))
+    assert got == dict(source, steps=107, tokens_seen=5300, pass_counts={"1": 60, "2": 44, "3": 3},
+                       continued_as="continued"), got
+
+
 @pytest.mark.parametrize("version", list(transformers_envs.VERSIONS))
 def test_export_under_other_transformers(export, newest, version, tmp_path):
     """The same export under the oldest supported transformers (4.57), the first 5.x and 5.23 (the last
@@ -180,6 +238,7 @@ def test_standard_export_config_and_tied_embeddings(export, tmp_path, single_pro
     config = json.loads((tmp_path / "std" / "config.json").read_text())
     assert config["rope_theta"] == 500000.0 and config["rope_parameters"]["rope_theta"] == 500000.0
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is True
+    assert config["use_cache"] is True  # transformers' generate reads it: False would decode without the KV cache
     plain = LlamaForCausalLM.from_pretrained(tmp_path / "std").eval()
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # tied
     model = load_framework_model(run)

@@ -79,3 +79,35 @@ def test_shift_gives_each_position_the_previous_state_and_resets_at_document_sta
         for b in range(2):
             want[t, b] = h0 if reset[t, b] else 0.7 * h[t - 1, b] + 0.3 * h0
     torch.testing.assert_close(fb.shift_states(h, reset), want, rtol=0, atol=1e-6)
+
+
+def test_jitter_of_rows_laid_end_to_end_is_the_rows_jitter(single_process):
+    """Packed attention under sequence parallelism lays a micro-batch's B rows end to end as one row
+    ([B*S, 1, D]); the jitter is then the rows' own [S, B, D] draw laid the same way, so both layouts train
+    alike. A batch of one row (micro_batch_size 1) draws as any batch."""
+    fb = fusion(prefix_mixin=0.3, jitter_std=0.5).train()
+    h = state(seq=6, batch=3)
+    rows = fb.fed_back(h, torch.Generator().manual_seed(7))  # [S, B, D], the formula: the test above
+    fb.rows_as_one = 3
+    laid = fb.fed_back(h.transpose(0, 1).reshape(18, 1, D), torch.Generator().manual_seed(7))
+    torch.testing.assert_close(laid, rows.transpose(0, 1).reshape(18, 1, D), rtol=0, atol=1e-6)
+    fb.rows_as_one = None
+    one = h[:, :1]
+    noise = torch.randn(one.shape, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(fb.fed_back(one, torch.Generator().manual_seed(7)),
+                               0.7 * one + 0.3 * fb.initial_state.detach() + 0.5 * noise, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth_scaling", [True, False])
+def test_normal_init_scales(single_process, depth_scaling):
+    """value_init normal: W_U ~ N(0, std / sqrt(2 L)) with depth scaling, N(0, std) without (std the
+    model's init_method_std, L its layers); gate_init unit_spread: W_G ~ N(0, 1 / (sqrt(D) std)), so W_G e
+    of a unit-spread embedding (entries ~ N(0, std)) has unit spread; gate_init normal: N(0, std)."""
+    cfg = tiny_model_config()
+    std, layers = cfg.init_method_std, cfg.num_layers
+    for gate_init, gate_std in (("unit_spread", 1.0 / (D ** 0.5 * std)), ("normal", std)):
+        fb = fusion(value_init="normal", depth_scaling=depth_scaling, gate_init=gate_init)
+        value_std = std / (2 * layers) ** 0.5 if depth_scaling else std
+        # D * D = 1024 draws: the sample std is within ~2 % (one standard error) of the true one
+        assert abs(float(fb.value.weight.std()) / value_std - 1) < 0.1, (float(fb.value.weight.std()), value_std)
+        assert abs(float(fb.gate.weight.std()) / gate_std - 1) < 0.1, (gate_init, float(fb.gate.weight.std()))

@@ -172,6 +172,16 @@ def test_one_pass_computes_no_fusion(single_process):
     assert calls == {"value": 2, "gate": 1}
 
 
+@pytest.mark.parametrize("first_input", ["embedding", "state"])
+def test_the_token_gate_is_read_exactly_when_a_pass_fuses(single_process, first_input):
+    """What the KV-cache decoder and the pipeline's first stage ask before computing sigmoid(W_G e): a
+    forward of k passes fuses (reads the gate) when k >= 2, or in pass 1 under the ``state`` rule; a 1-pass
+    forward under the embedding rule is the plain model and reads none."""
+    torch.manual_seed(0)
+    fb = build_model(tiny_model_config(), feedback(first_input=first_input)).feedback
+    assert [fb.needs_token_gate(k) for k in (1, 2, 3)] == [first_input == "state", True, True]
+
+
 def test_scaled_identity_value_init_is_tensor_parallel_invariant(single_process):
     """feedback.value_init=identity: W_U = scale * I (the whole matrix at TP=1; default scale
     2 * init_method_std); gate_init=unit_spread: W_G ~ N(0, 1 / (sqrt(D) * init_method_std))."""

@@ -32,6 +32,15 @@ def fusion_outputs(full_weights):
         (x * target).sum().backward()
         full_x = torch.cat(_all_gather(x), dim=0) if sp else x
         out[sp] = (full_x.detach(), s.grad, e.grad, {n: unshard(p.grad, p) for n, p in fusion.named_parameters()})
+        # a later pass's input: the stack's layout is this rank's sequence chunk under SP, whose document
+        # starts (one in each rank's chunk) read the embedding
+        reset = torch.zeros(8, 2, dtype=torch.bool)
+        reset[0], reset[2, 1], reset[5, 0] = True, True, True
+        fusion.eval()  # (no jitter)
+        with torch.no_grad():
+            local_emb = emb.chunk(2, dim=0)[tp_rank] if sp else emb
+            x = fusion.pass_input(state, local_emb, fusion.token_gate(emb), reset)
+        out["pass_input", sp] = torch.cat(_all_gather(x), dim=0) if sp else x
     return out
 
 
@@ -42,6 +51,8 @@ def _all_gather(t):
 
 
 def test_fusion_sequence_parallel_matches_tensor_parallel():
+    """The fusion and a later pass's input (its document starts included) under sequence parallelism equal
+    plain TP=2: outputs, input gradients and every weight gradient."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     full = {"value.weight": torch.randn(32, 32, generator=g) * 0.1, "gate.weight": torch.randn(32, 32, generator=g) * 0.1,
@@ -49,6 +60,7 @@ def test_fusion_sequence_parallel_matches_tensor_parallel():
     for rank_out in run_distributed(fusion_outputs, 2, full, layout=ParallelLayout(tensor=2)):
         plain, sp = rank_out[False], rank_out[True]
         torch.testing.assert_close(sp[0], plain[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rank_out["pass_input", True], rank_out["pass_input", False], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(sp[1], plain[1], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(sp[2], plain[2], rtol=1e-6, atol=1e-6)
         for name in plain[3]:

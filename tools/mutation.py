@@ -46,6 +46,9 @@ EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
 # Each core file and the tests that cover it (with a -k expression where only some tests of a file do,
 # or where the others would not fit the budget). Measured per file: docs/results/benchmarks.md.
 MAP: dict[str, dict] = {
+    # the feedback rule itself, against its formulas, and the Megatron and HF models that call it
+    "fbt_megatron/hf/feedback_rule.py": {"tests": ["tests/test_feedback_rule.py",
+                                                   "tests/test_model_feedback_formulas.py"]},
     "fbt_megatron/passes.py": {"tests": ["tests/test_passes.py", "tests/test_plan.py",
                                          "tests/test_plan_counts_what_runs.py"]},
     "fbt_megatron/checkpoint/rng.py": {"tests": ["tests/test_checkpoint_rng.py"]},
@@ -59,9 +62,13 @@ MAP: dict[str, dict] = {
     "fbt_megatron/hf/export.py": {"tests": ["tests/test_hf_first_use.py"], "k": "not other_transformers"},
     "fbt_megatron/hf/importer.py": {"tests": ["tests/test_hf_first_use.py", "tests/test_hf_convert.py"],
                                     "k": "not other_transformers and (not test_hf_convert or stock_llama)"},
+    # (test_first_input_checkpoints.py trains three runs first, minutes under load: give --tests for it; the
+    # sequence-parallel path: the fusion-level TP=2 test, not the packed model's)
     "fbt_megatron/model/feedback.py": {"tests": ["tests/test_model_feedback_formulas.py",
                                                  "tests/test_model_first_pass.py", "tests/test_model_fusion_off.py",
-                                                 "tests/test_first_input_checkpoints.py"]},
+                                                 "tests/test_model_bounded_mixin.py",
+                                                 "tests/test_model_sequence_parallel.py"],
+                                       "k": "not packed_attention_under_sequence_parallelism"},
     "fbt_megatron/model/fbt_gpt.py": {"tests": ["tests/test_model_jacobi.py", "tests/test_model_first_pass.py",
                                                 "tests/test_model_gradients.py", "tests/test_model_options.py",
                                                 "tests/test_model_bad_input.py", "tests/test_model_packed_attention.py"]},
