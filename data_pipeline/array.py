@@ -217,6 +217,15 @@ def _lock(path: Path):
     return fh
 
 
+def _check_tokenizer(plan: dict) -> None:
+    """The tokenizer files must be the ones the plan was made with: tasks run hours after submission, and
+    a dataset tokenized by two tokenizers would train silently wrong."""
+    now = tokenizer_hash(plan["tokenizer"])
+    if now != plan["tokenizer_hash"]:
+        raise SourceError(f"tokenizer {plan['tokenizer']} changed since the plan was made (hash {plan['tokenizer_hash']}, "
+                          f"now {now}): restore it, or submit the preparation again")
+
+
 def tokenize_slice(adir: str | os.PathLike, task: int, num_workers: int = 1) -> dict:
     """Stage 2 of task ``task``: its shards under their final numbers in ``shards/``, with ``num_workers``
     processes; shards finished by an earlier attempt are kept. Writes ``done/slice-i.json``."""
@@ -235,6 +244,7 @@ def tokenize_slice(adir: str | os.PathLike, task: int, num_workers: int = 1) -> 
             all(_finished(out, i["shard"], i["num_samples"], i["first_sample"]) for i in old["infos"]):
         log.info("slice %d: tokenized earlier (%s)", task, done_path)
         return old
+    _check_tokenizer(plan)
     lock = _lock(adir / "locks" / f"slice-{task:05d}.lock")
     try:
         for s in range(first_shard, first_shard + len(mine["shard_docs"])):  # this slice's shards in flight
@@ -284,9 +294,14 @@ def merge(adir: str | os.PathLike) -> dict:
                if (_read_json(_slice_file(adir, "done", j)) or {}).get("plan") != plan["id"]]
     if missing:
         raise SourceError(f"slices {missing} are not tokenized ({adir / 'done'}): run their tasks again first")
-    recs = [_read_json(_slice_file(adir, "counts", j)) for j in range(plan["num_tasks"])]
+    recs = _counts_before(adir, plan, plan["num_tasks"] - 1)
     done = [_read_json(_slice_file(adir, "done", j)) for j in range(plan["num_tasks"])]
     infos = [i for d in done for i in d["infos"]]
+    aside = out.parent / f".{out.name}.replaced-{plan['id']}"  # an earlier dataset at out, until the move is done
+    moved = _read_json(out / INDEX_FILE) if not shards.exists() and out.is_dir() else None
+    if moved is not None and moved.get("prepare", {}).get("plan") == plan["id"]:
+        return _finish_merge(adir, plan, out, aside, infos, moved)  # a merge stopped after its move
+    _check_tokenizer(plan)
     if not infos:
         raise SourceError(f"source {plan['name']!r} is empty: no non-empty documents in {', '.join(plan['paths'])} "
                           f"({sum(r['empty'] for r in recs)} empty skipped)")
@@ -310,17 +325,25 @@ def merge(adir: str | os.PathLike) -> dict:
                          paths=plan["paths"],
                          extra_meta=None, drop_meta=False)  # kept until verified: a failed merge can run again
     index["seconds"] = round(max(d["seconds"] for d in done), 3)  # the slowest task
-    index["prepare"] = {"array_tasks": plan["num_tasks"], "workers": max(d["workers"] for d in done),
+    index["prepare"] = {"array_tasks": plan["num_tasks"], "plan": plan["id"], "workers": max(d["workers"] for d in done),
                         "resumed_shards": sum(d["kept_shards"] for d in done),
                         "tokens_per_s": [d["tokens_per_s"] for d in done]}
     (shards / INDEX_FILE).write_text(json.dumps(index, indent=1))
     _verify(shards)
-    drop_shard_meta(shards, infos)
+    # The shards' meta files (what a resumed task reads) go only after the move: a merge stopped before
+    # it keeps every finished shard, and one stopped after it is finished by the next merge.
     if out.exists():
-        shutil.rmtree(out)
+        os.replace(out, aside)
     os.replace(shards, out)
+    return _finish_merge(adir, plan, out, aside, infos, index)
+
+
+def _finish_merge(adir: Path, plan: dict, out: Path, aside: Path, infos: list, index: dict) -> dict:
+    drop_shard_meta(out, infos)
     _write_json(adir / MERGED_FILE, {"id": plan["id"], "out": str(out), "num_samples": index["num_samples"],
                                      "num_tokens": index["num_tokens"]})
+    if aside.exists():
+        shutil.rmtree(aside)
     return index
 
 

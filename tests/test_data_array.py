@@ -194,3 +194,80 @@ def test_merge_refuses_a_missing_or_rewritten_shard(corpus, tmp_path):
     shard.write_bytes(data)  # put back: the merge goes through
     array.merge(adir)
     assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
+
+
+def _planned_and_tokenized(corpus, out, tok, n=2):
+    adir, _, _ = array.write_plan(corpus["inputs"], out, tok, n, name="corpus", shard_bytes=SHARD)
+    for stage in (array.count_slice, array.tokenize_slice):
+        for i in range(n):
+            stage(adir, i)
+    return adir
+
+
+def test_a_tokenizer_changed_after_the_plan_is_refused(corpus, tmp_path):
+    """Tasks run long after submission: a tokenizer whose files changed since the plan is refused by the
+    tasks still to run and by the merge, naming it, before anything is written."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(corpus["tok"], tok)
+    adir, _, _ = array.write_plan(corpus["inputs"], tmp_path / "out", tok, 2, name="corpus", shard_bytes=SHARD)
+    for i in range(2):
+        array.count_slice(adir, i)
+    array.tokenize_slice(adir, 0)
+    other = train_hf_bpe(TEXTS, tmp_path / "other", vocab_size=400)  # with merges: another tokenizer
+    shutil.rmtree(tok)
+    shutil.copytree(other, tok)
+    shards_before = sorted(p.name for p in (adir / "shards").iterdir())
+    with pytest.raises(SourceError, match=rf"tokenizer {tok} changed since the plan was made"):
+        array.tokenize_slice(adir, 1)
+    assert sorted(p.name for p in (adir / "shards").iterdir()) == shards_before
+    shutil.rmtree(tok)  # the plan's tokenizer back: slice 1 goes through; changed again before the merge
+    shutil.copytree(corpus["tok"], tok)
+    array.tokenize_slice(adir, 1)
+    shutil.rmtree(tok)
+    shutil.copytree(other, tok)
+    with pytest.raises(SourceError, match="changed since the plan was made"):
+        array.merge(adir)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_merge_stopped_before_or_after_its_move_loses_nothing(corpus, tmp_path, monkeypatch):
+    """Stopped before the move (here: in the verification), every shard stays finished for the tasks and
+    the next merge goes through; stopped after it, the next merge finishes it. An earlier dataset at the
+    output is replaced only then."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("an earlier dataset")
+    adir = _planned_and_tokenized(corpus, out, corpus["tok"])
+    real_verify, real_drop = array._verify, array.drop_shard_meta
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(array, "_verify", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        array.merge(adir)
+    monkeypatch.setattr(array, "_verify", real_verify)
+    assert (out / "old.txt").exists()
+    shards = sorted((p.name, p.stat().st_mtime_ns) for p in (adir / "shards").glob("shard-*.tar"))
+    for i in range(2):  # the tasks again: each finds its slice finished, nothing rewritten
+        assert array.tokenize_slice(adir, i) == array._read_json(adir / "done" / f"slice-{i:05d}.json")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (adir / "shards").glob("shard-*.tar")) == shards
+    monkeypatch.setattr(array, "drop_shard_meta", stopped)  # after the move
+    with pytest.raises(KeyboardInterrupt):
+        array.merge(adir)
+    monkeypatch.setattr(array, "drop_shard_meta", real_drop)
+    assert not (adir / "shards").exists() and (out / "index.json").is_file()
+    index = array.merge(adir)
+    assert index["prepare"]["plan"] == array.load_plan(adir)["id"]
+    assert not (out / "old.txt").exists() and not list(tmp_path.glob(".out.replaced-*"))
+    assert not list(out.glob("*.meta*")) and (adir / array.MERGED_FILE).is_file()
+    assert_same_stream(out, corpus["ref"], corpus["tok"])
+
+
+def test_merge_names_a_missing_count(corpus, tmp_path):
+    adir = _planned_and_tokenized(corpus, tmp_path / "out", corpus["tok"])
+    (adir / "counts" / "slice-00001.json").unlink()
+    with pytest.raises(SourceError, match=r"slice 1 has not been counted"):
+        array.merge(adir)
