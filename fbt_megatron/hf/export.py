@@ -303,7 +303,8 @@ def as_applied(key: str, tensor: torch.Tensor, feedback) -> torch.Tensor:
         if sigma <= 1:
             return tensor
         # a hair inside the unit ball: a re-import applies the bound again, which must leave it bit for bit
-        # (divided by sigma exactly, rounding leaves sigma a few ulps either side of 1)
+        # (divided by sigma exactly, rounding leaves sigma a few ulps either side of 1). Exact for fp32
+        # exports; a bf16/fp16 export rounds after this, and its re-import moves W_U by ~1e-5 relative.
         return feedback_rule.bounded(tensor, sigma / (1.0 - BOUND_MARGIN))
     return tensor
 
