@@ -172,3 +172,24 @@ def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
     untied = summarise({n: {} for n in readouts}, readouts)["fbt_untied"]
     assert untied["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(4.0 - 3.9), 1)
     assert untied["best mode - standard (equal tokens)"][:3:2] == (pytest.approx(4.0 - 4.0), 1)
+
+
+def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_process):
+    """sigmoid(W_G e + b_G): a bias of +20 saturates every entry whatever W_G e is; the additive fusion
+    has no sigmoid, so no saturation is read."""
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.research.study import fusion_state
+
+    model_cfg = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "vocab_size": 64, "max_sequence_length": 16}
+    for fusion in ("glu", "additive"):
+        recipe = load_recipe(data={"model": model_cfg, "feedback": {"fusion": fusion, "bias": True}, "data": {"seq_length": 16, "synthetic": {"vocab_size": 64}}})
+        model = build_model(recipe.model, recipe.feedback)
+        with torch.no_grad():
+            model.feedback.gate.weight.mul_(1e-3)
+            model.feedback.gate.bias.fill_(20.0)
+        state = fusion_state(model, recipe, None)
+        if fusion == "glu":
+            assert state["gate_saturated"] == 1.0 and state["gate_mean"] > 0.99
+        else:
+            assert "gate_saturated" not in state and "w_u_norm" in state

@@ -27,7 +27,7 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
 
 
 def fusion_state(model, recipe, initial: dict | None) -> dict:
-    """The fusion at one checkpoint: the share of saturated entries of sigmoid(W_G e) over the
+    """The fusion at one checkpoint: the share of saturated entries of sigmoid(W_G e + b_G) (glu only) over the
     vocabulary's embeddings, and the relative distance of W_U (from value_init_scale * I under the
     identity init) and of W_G (from ``initial``, the last checkpoint before the switch) from their start."""
     import torch
@@ -35,10 +35,13 @@ def fusion_state(model, recipe, initial: dict | None) -> dict:
     fb = model.feedback
     if fb is None:
         return {}
-    emb = model.gpt.embedding.word_embeddings.weight[: recipe.model.vocab_size].detach()
-    gate = torch.sigmoid(emb @ fb.gate.weight.detach().t())
-    out = {"gate_saturated": float(((gate < SATURATED) | (gate > 1 - SATURATED)).float().mean()),
-           "gate_mean": float(gate.mean()), "gate_std": float(gate.std())}
+    out = {}
+    if recipe.feedback.fusion == "glu":  # the additive fusion has no sigmoid to saturate
+        emb = model.gpt.embedding.word_embeddings.weight[: recipe.model.vocab_size].detach()
+        bias = fb.gate.bias.detach() if getattr(fb.gate, "bias", None) is not None else 0.0
+        gate = torch.sigmoid(emb @ fb.gate.weight.detach().t() + bias)
+        out = {"gate_saturated": float(((gate < SATURATED) | (gate > 1 - SATURATED)).float().mean()),
+               "gate_mean": float(gate.mean()), "gate_std": float(gate.std())}
     w_u, w_g = fb.value.weight.detach(), fb.gate.weight.detach()
     if recipe.feedback.value_init == "identity":
         scale = recipe.feedback.value_init_scale or 2.0 * recipe.model.init_method_std
@@ -270,7 +273,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         sigma = [statistics.fmean(x["one_step"]["spectral_norm"]) for x in r if x.get("one_step")]
         cells.append("%.2f ± %.2f" % mean_std(sigma) if len(sigma) == len(r) else "-")
         fus = [x["fusion_history"][-1] for x in r if x["fusion_history"]]
-        cells.append("%.2f / %.2f" % (statistics.fmean(f["gate_saturated"] for f in fus),
+        cells.append("%.2f / %.2f" % (statistics.fmean(f.get("gate_saturated", float("nan")) for f in fus),
                                       statistics.fmean(f.get("w_u_from_init", float("nan")) for f in fus))
                      if fus else "-")
         loss_rows.append(cells)
