@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fbt_megatron.launch.submit import SubmitError
+from fbt_megatron.launch.submit import SubmitError, sbatch
 
 STAGES = ("count", "tokenize", "merge")
 ACTIVE = "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED,REQUEUED,REQUEUE_HOLD,RESIZING,SIGNALING,STAGE_OUT"
@@ -139,11 +139,7 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
             continue
         (adir / "logs").mkdir(parents=True, exist_ok=True)
         path = adir / f"{name}-{stage}.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-        path.write_text(script)
-        r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-        if r.returncode:
-            raise SubmitError(f"sbatch {path} failed ({r.returncode}): {r.stderr.strip()}")
-        job_id = r.stdout.strip().split(";")[0]
+        job_id = sbatch(path, script)
         rec.update(job_id=job_id, script=str(path))
         with open(jobs_file, "a") as f:
             f.write(json.dumps(rec) + "\n")

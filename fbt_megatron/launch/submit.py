@@ -133,6 +133,16 @@ def _validate(spec: JobSpec, overrides: list[str]):
     return recipe
 
 
+def sbatch(path: Path, script: str) -> str:
+    """Write ``script`` to ``path`` and submit it; returns the job id (raises :class:`SubmitError` with
+    sbatch's message when it refuses)."""
+    path.write_text(script)
+    r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        raise SubmitError(f"sbatch {path} failed ({r.returncode}): {r.stderr.strip()}")
+    return r.stdout.strip().split(";")[0]
+
+
 def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_fn=print) -> list[dict]:
     """Render, keep and (unless dry_run) sbatch the job(s); returns one record per job."""
     recipe = _validate(spec, spec.overrides)
@@ -163,11 +173,7 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
             continue
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{name}.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-        path.write_text(script)
-        r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-        if r.returncode:
-            raise SubmitError(f"sbatch {path} failed ({r.returncode}): {r.stderr.strip()}")
-        job_id = r.stdout.strip().split(";")[0]
+        job_id = sbatch(path, script)
         rec.update(job_id=job_id, script=str(path), log=str(out_dir / "logs" / f"{name}-{job_id}.out"))
         with open(out_dir / "jobs.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
