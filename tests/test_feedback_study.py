@@ -172,6 +172,13 @@ def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
     untied = summarise({n: {} for n in readouts}, readouts)["fbt_untied"]
     assert untied["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(4.0 - 3.9), 1)
     assert untied["best mode - standard (equal tokens)"][:3:2] == (pytest.approx(4.0 - 4.0), 1)
+    # untied plus a fusion-only change: its baseline is still the untied standard model
+    readouts["fbt_heavy_untied_fusion_lr_x10_seed1"] = ro(p1=4.2, p2=3.7)
+    readouts["fbt_heavy_seed1"] = ro(p1=4.6, p2=4.5)
+    rows = summarise({n: {} for n in readouts}, readouts)
+    both = rows["fbt_heavy_untied_fusion_lr_x10"]
+    assert both["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(3.7 - 3.9), 1)
+    assert not any("same change" in name for name in rows["fbt_heavy"])
 
 
 def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_process):

@@ -193,6 +193,19 @@ def _pm(mean: float, err: float, digits: int = 3) -> str:
     return f"{mean:+.{digits}f}" + (f" ± {err:.{digits}f}" if math.isfinite(err) else "")
 
 
+def same_change_baseline(kind: str, kinds: dict) -> str | None:
+    """The model change X of an FBT ablation ``fbt[_heavy]_X[_more]`` that has a standard run ``standard_X``
+    (the longest such X): ``fbt_heavy_untied_fusion_lr_x10`` is compared with ``standard_untied``, since a
+    fusion-only change does nothing to a model without the fusion."""
+    for base in ("fbt_heavy", "fbt"):
+        if kind.startswith(f"{base}_"):
+            suffix = kind[len(base) + 1:]
+            changes = [k[len("standard_"):] for k in kinds if k.startswith("standard_")
+                       and (suffix == k[len("standard_"):] or suffix.startswith(k[len("standard_"):] + "_"))]
+            return max(changes, key=len) if changes else None
+    return None
+
+
 def summarise(summaries: dict, readouts: dict) -> dict:
     """The study's comparisons, each a paired difference over seeds (mean, standard error, seeds)."""
     kinds = _by_kind(summaries)
@@ -216,12 +229,12 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         common = [s for s in seeds if s in std]
         row["best mode - standard (equal tokens)"] = paired([val[std[s]]["1"] for s in common],
                                                             [b for s, b in zip(seeds, best) if s in std])
-        for base in ("fbt", "fbt_heavy"):  # an ablation that changes the model itself, e.g. untied
-            if kind.startswith(f"{base}_") and f"standard_{kind[len(base) + 1:]}" in kinds:
-                same = dict(kinds[f"standard_{kind[len(base) + 1:]}"])
-                common = [s for s in seeds if s in same]
-                row[f"best mode - standard_{kind[len(base) + 1:]} (same change, equal tokens)"] = paired(
-                    [val[same[s]]["1"] for s in common], [b for s, b in zip(seeds, best) if s in same])
+        change = same_change_baseline(kind, kinds)
+        if change:  # an ablation that changes the model itself, e.g. untied
+            same = dict(kinds[f"standard_{change}"])
+            common = [s for s in seeds if s in same]
+            row[f"best mode - standard_{change} (same change, equal tokens)"] = paired(
+                [val[same[s]]["1"] for s in common], [b for s, b in zip(seeds, best) if s in same])
         compute = dict(kinds.get(f"standard_compute_{kind}", []))
         common = [s for s in seeds if s in compute]
         row["best mode - standard (equal compute)"] = paired([val[compute[s]]["1"] for s in common],
