@@ -200,3 +200,33 @@ def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_
             assert state["gate_saturated"] == 1.0 and state["gate_mean"] > 0.99
         else:
             assert "gate_saturated" not in state and "w_u_norm" in state
+
+
+def test_an_interrupted_run_resumes_only_when_started_with_the_same_command(tmp_path, monkeypatch):
+    """``train_run(resume=True)`` keeps a run folder holding a checkpoint of the same command (the trainer
+    resumes from it); another command, or ``resume=False``, starts from scratch."""
+    import json
+    import subprocess
+
+    from fbt_megatron.research import runs
+
+    calls = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr):
+        run_dir = Path(cmd[cmd.index("train") + 2].split("=", 1)[1])
+        calls.append(sorted(p.name for p in run_dir.iterdir()))
+        (run_dir / "summary.json").write_text(json.dumps({"step": 1}))
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "latest").write_text("step_1")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    run_dir = tmp_path / "run"
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=1"], resume=True)
+    assert calls[-1] == ["command.json", "train.log"]  # nothing to resume: a fresh folder
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=1"], resume=True)
+    assert "checkpoints" in calls[-1]  # the same command: the checkpoint is kept
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=2"], resume=True)
+    assert "checkpoints" not in calls[-1]  # another command: from scratch
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=2"], resume=False)
+    assert "checkpoints" not in calls[-1]

@@ -20,7 +20,8 @@ arithmetic under standard and feedback decoding, the fusion's gate saturation an
 its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
 reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS].{md,json,png};
-with ``--reuse`` a run recorded there stands in for its run folder when that is gone, so the study
+with ``--reuse`` an unfinished run continues from its latest checkpoint, and a run recorded there stands
+in for its run folder when that is gone, so the study
 can be continued run by run (``--only``) across machines. docs/results/feedback_phase.md is the write-up.
 
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
@@ -144,7 +145,7 @@ def finished_summary(run_dir: Path) -> dict | None:
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
           recorded: dict | None = None, train_missing: bool = True) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
-    ``recorded``) under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only
+    ``recorded``; an unfinished one continues from its latest checkpoint) under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only
     the finished ones, nothing trained)."""
     from data_pipeline.embedded import build_embedded
     from fbt_megatron.research.runs import ROOT, run_jobs, train_run
@@ -163,7 +164,7 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
         if not train_missing:
             return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
-        return train_run(RECIPE, run_dir, [f"name=study_{name}_{seed}", f"seed={seed}", *runs[name]])
+        return train_run(RECIPE, run_dir, [f"name=study_{name}_{seed}", f"seed={seed}", *runs[name]], resume=reuse)
 
     todo = [(name, seed) for seed in seeds for name in runs]
     return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs)) if s is not None}
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
                     "3000), the switch at 20 %% of it; runs go to RUNS/SCALE_STEPS")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
-    ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, train the rest")
+    ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, continue unfinished ones from their "
+                    "latest checkpoint, train the rest")
     ap.add_argument("--train-only", action="store_true", help="train, do not read out or write the report")
     ap.add_argument("--summarise-only", action="store_true",
                     help="train nothing: report the runs already finished (implies --reuse)")

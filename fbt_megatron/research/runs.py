@@ -13,16 +13,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None) -> dict:
-    """``fbt train RECIPE run_dir=... OVERRIDES`` from scratch in a fresh process; returns summary.json."""
+def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,
+              resume: bool = False) -> dict:
+    """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns summary.json. From scratch,
+    unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe and overrides: then the run
+    continues from its latest checkpoint (a study interrupted mid-run loses no steps)."""
     run_dir = Path(run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / recipe), f"run_dir={run_dir}", *overrides]
+    started = run_dir / "command.json"  # what the run was started with: resume only the same run
+    same = started.exists() and json.loads(started.read_text()) == cmd[3:]
+    resuming = resume and same and (run_dir / "checkpoints" / "latest").exists()
+    if not resuming:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        started.write_text(json.dumps(cmd[3:]))
     env = dict(os.environ, FBT_DEVICE=os.environ.get("FBT_DEVICE", "cpu"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    with open(log_file or run_dir / "train.log", "w") as log:
+    with open(log_file or run_dir / "train.log", "a" if resuming else "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
