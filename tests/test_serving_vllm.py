@@ -202,6 +202,25 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
         assert e["per_token"] < 1e-5 and e["table"] < 1e-5 and e["stack_input"] < 1e-5 and e["reads_table"], (mode, e)
 
 
+def test_plugin_forward_against_the_recurrence(vllm_python, tmp_path):
+    """The plugin's forward without an engine (tests/vllm_forward_side.py): a scheduler written in the test drives it
+    step by step on a position-wise stand-in for the stack, giving blocks out of order and reusing freed ones, and
+    every top state is compared with the recurrence written from its formula (or the prompt's K Jacobi passes):
+    exact prefill then decode (one step with padded rows), a 1-token prompt decoded beside running requests in a
+    reused slot that holds another request's state, a chunked prompt, 2-pass prefill then decode, the same request
+    recomputed as one prefill after a preemption, standard decoding, a warm-up run, a block table that does not
+    give the step's slots."""
+    forward_side = Path(__file__).with_name("vllm_forward_side.py")
+    proc = subprocess.run([str(vllm_python), str(forward_side), str(tmp_path / "result.json")], cwd=tmp_path,
+                          env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "does not give the step's slot mapping" in result.pop("wrong block table")
+    kinds = result.pop("exact kinds")
+    assert kinds["general"] == 1 and kinds["decode"] == 3, kinds  # prefill on the general path, then decode steps
+    assert len(result) == 7 and all(e < 1e-5 for e in result.values()), result
+
+
 def test_plugin_preemption(vllm_python, model, tmp_path):
     """A KV cache of 6 blocks of 32 tokens (``num_gpu_blocks_override``) for 4 requests of 100 new tokens:
     vLLM's scheduler preempts running requests (its ``vllm:num_preemptions`` counter > 0) and recomputes
