@@ -15,14 +15,14 @@ $(STAMP): pyproject.toml
 .PHONY: setup train test bench vllm-env mutation gpu-check gpu-check-multi
 setup: $(STAMP)
 
-# vLLM's CPU build in a venv of its own for the serving tests (tests/vllm_env.py; cached under
+# vLLM's CPU build in a venv of its own for the serving tests (tests/support/vllm_env.py; cached under
 # ~/.cache/fbt_megatron/vllm-envs): built here, before pytest, with its own time (printed; limit
 # FBT_VLLM_SETUP_TIMEOUT, default 2400 s), so the tests never skip for time. Where the package cannot
 # install (no index, a pip error) it says so and the serving tests skip naming the reason. If the build
 # runs out of time (exit 1), `make test` still runs pytest (the serving tests then fail in CI, skip
 # elsewhere, without building again) and exits non-zero; any other failure of the step also fails the target.
 vllm-env: $(STAMP)
-	$(PY) tests/vllm_env.py
+	$(PY) tests/support/vllm_env.py
 
 train: $(STAMP)
 	$(PY) -m fbt_megatron.cli train recipes/tiny.yaml
@@ -30,7 +30,7 @@ train: $(STAMP)
 # The SLURM tests start a one-node cluster themselves (tests/conftest.py: apt-installs munge/slurmctld/
 # slurmd if missing, as root; stops only the daemons it started); with CI=true they fail instead of skip.
 test: $(STAMP)
-	@setup=0; $(PY) tests/vllm_env.py || setup=$$?; \
+	@setup=0; $(PY) tests/support/vllm_env.py || setup=$$?; \
 	if [ $$setup -eq 1 ]; then export FBT_VLLM_SETUP_TIMED_OUT="see its output above"; \
 	else unset FBT_VLLM_SETUP_TIMED_OUT; fi; \
 	echo "$(PY) -m pytest -q tests"; $(PY) -m pytest -q tests; tests=$$?; \

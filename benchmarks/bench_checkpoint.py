@@ -125,8 +125,7 @@ def main(argv=None) -> int:
     os.environ["FBT_DEVICE"] = "cpu"
 
     from fbt_megatron.runtime import ParallelLayout
-    from fbt_megatron.testing.distributed import run_distributed
-    from fbt_megatron.testing.training import tiny_recipe
+    from harness import run_distributed, tiny_recipe
 
     rows = []
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:

@@ -128,7 +128,9 @@ def bench_vs_datatrove(a) -> dict:
     import datatrove
     import tokenizers
 
-    from data_pipeline.testing import train_hf_bpe
+    from harness import repo_module
+
+    train_hf_bpe = repo_module("tests/support/data_fixtures.py").train_hf_bpe
 
     cores = sorted(int(c) for c in a.cores.split(","))
     os.sched_setaffinity(0, cores)  # this process, its workers and the tokenizers' Rayon pool

@@ -117,7 +117,7 @@ def stage_measurements(args, k: int) -> dict:
 def main():
     from fbt_megatron.parallel.schedule import build_schedule, grad_passes_for, simulated_bubbles, theoretical_bubble
     from fbt_megatron.runtime import ParallelLayout
-    from fbt_megatron.testing.distributed import run_distributed
+    from harness import run_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)

@@ -20,7 +20,7 @@ engine's process lies weighs in, and fresh processes average it out. Before,
 each engine ran its calls in one go, one engine after the other (and standard served the repeated prompts
 from its prefix cache); the calls of one engine ranged over ±20 %: two runs on the idle machine gave FUSED /
 standard 0.914 and 0.778. Each engine makes two untimed calls (one at its start, one in the untimed round).
-Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/vllm_env.py, built on first use).
+Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/support/vllm_env.py, built on first use).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 1024 --layers 8 --batch 8 --tokens 64 --rounds 6 --sessions 3]
 
@@ -108,7 +108,7 @@ def paired_ratios(seconds: dict[str, list[float]], name: str) -> list[float]:
 
 class EngineProcess:
     """One variant's vLLM engine in a process of its own (as a server runs one), kept for the whole run
-    (``tests/vllm_side.py --calls``): calling it makes one timed ``generate`` there and returns its seconds.
+    (``tests/support/side/vllm_side.py --calls``): calling it makes one timed ``generate`` there and returns its seconds.
     A child that dies, or answers nothing within ``timeout`` seconds, is an error naming it with its log's
     tail (the child is killed)."""
 
@@ -118,7 +118,7 @@ class EngineProcess:
         read, write = os.pipe()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [str(python), str(REPO / "tests" / "vllm_side.py"), "--calls", str(root / f"{slug}.json"),
+                [str(python), str(REPO / "tests" / "support" / "side" / "vllm_side.py"), "--calls", str(root / f"{slug}.json"),
                  str(write)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
                 cwd=root, pass_fds=(write,))
         os.close(write)  # the child's end: a dying child is an end of file at once
@@ -222,8 +222,9 @@ def main():
     args = ap.parse_args()
     if args.sessions < 1:
         ap.error(f"--sessions {args.sessions}: at least 1")
-    import vllm_env
+    from harness import repo_module
 
+    vllm_env = repo_module("tests/support/vllm_env.py")
     python = vllm_env.ensure()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

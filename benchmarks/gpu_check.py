@@ -209,7 +209,7 @@ def host_syncs() -> dict:
 
 
 def _tiny(run_dir: Path, **sections) -> dict:
-    from fbt_megatron.testing.training import tiny_recipe
+    from harness import tiny_recipe
 
     sections.setdefault("train", {"steps": TINY_STEPS})
     return tiny_recipe(str(run_dir), precision="bf16", **sections)  # feedback from step 2, mix 0.2/0.5/0.3
@@ -305,12 +305,12 @@ def worker(recipe_path: str, summary_path: str) -> int:
 
     from fbt_megatron import runtime
     from fbt_megatron.engine import ensure_ds_accelerator
-    from fbt_megatron.testing.training import train_fn
+    from harness import train_summary
 
     ensure_ds_accelerator()
     runtime.init_distributed()
     try:
-        summary = train_fn(json.loads(Path(recipe_path).read_text()))
+        summary = train_summary(json.loads(Path(recipe_path).read_text()))
         if dist.get_rank() == 0:
             Path(summary_path).write_text(json.dumps(summary, default=str))
     finally:

@@ -1,21 +1,29 @@
 import os
+import sys
 
 import pytest
 
 
 def pytest_configure(config):
     """The CPU path for the suite; CUDA kept for a session of GPU tests alone (``pytest -m gpu``, what
-    ``make gpu-check`` runs) on a CUDA machine (``fbt_megatron/testing/gpu.py``). Runs before any test
+    ``make gpu-check`` runs) on a CUDA machine (``tests/support/gpu.py``). Runs before any test
     module imports fbt_megatron or DeepSpeed."""
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.testing.gpu import session_env
+    from tests.support.gpu import session_env
 
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs under `pytest -m gpu` (make gpu-check), "
                             "skips with the reason elsewhere")
     os.environ.update(session_env(config.option.markexpr or "", os.environ, torch.cuda.is_available()))
     runtime.quiet_known_warnings()  # again, now that the device is decided (the package's import ran it)
+    # Transitional: six model tests that another branch is editing (test_rope, test_swiglu,
+    # test_cross_entropy, test_norms, test_model_one_rank_linear, test_cpu_replacements_off_gpu) still say
+    # `from model_helpers import ...`, the name from before tests/ was a package. Remove these lines once
+    # they import tests.support.model_helpers like the others.
+    from tests.support import model_helpers
+
+    sys.modules.setdefault("model_helpers", model_helpers)
 
 
 @pytest.fixture
@@ -24,7 +32,7 @@ def cuda_device():
     import torch
 
     from fbt_megatron import runtime
-    from fbt_megatron.testing.gpu import gpu_skip_reason
+    from tests.support.gpu import gpu_skip_reason
 
     reason = gpu_skip_reason(runtime.use_cuda(), torch.cuda.is_available())
     if reason:

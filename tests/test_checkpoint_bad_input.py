@@ -14,8 +14,8 @@ import zlib
 import pytest
 import torch
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe
 
 
 class Crash(Exception):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fbt_megatron.checkpoint.manager import read_full_tensors
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe, train_fn
 
 SECTIONS = dict(train={"steps": 6}, schedule={"feedback_start_step": 3, "mix": [0.2, 0.5, 0.3], "seed": 3},
                 checkpoint={"every": 1000, "at_end": True})

@@ -7,7 +7,7 @@ import pytest
 from fbt_megatron.checkpoint.state import CheckpointState
 from fbt_megatron.passes import PassSchedule
 from fbt_megatron.recipe import Recipe
-from fbt_megatron.testing.training import tiny_recipe
+from tests.support.training import tiny_recipe
 from fbt_megatron.train.trainer import TrainState
 
 

@@ -52,7 +52,7 @@ def straight(tmp_path_factory):
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    from fbt_megatron.testing.training import read_metrics
+    from tests.support.training import read_metrics
 
     return read_metrics(run_dir)  # the step rows (validation lines left out)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.testing import WORDS, train_hf_bpe
+from tests.support.data_fixtures import WORDS, train_hf_bpe
 
 REPO = Path(__file__).resolve().parent.parent
 TEXTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(8 + i % 17)) + f". {i * 37} + {i} = {i * 38}\n"

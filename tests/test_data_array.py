@@ -9,9 +9,9 @@ import pytest
 from data_pipeline import array
 from data_pipeline.errors import SourceError
 from data_pipeline.prepare import prepare_dataset
-from data_pipeline.testing import train_hf_bpe
+from tests.support.data_fixtures import train_hf_bpe
 
-from array_helpers import SHARD, TEXTS, assert_same_stream, write_corpus
+from tests.support.array_helpers import SHARD, TEXTS, assert_same_stream, write_corpus
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

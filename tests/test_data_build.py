@@ -16,7 +16,7 @@ from data_pipeline.embedded import math_documents
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.shards import Dataset, verify_dataset
-from data_pipeline.testing import build_fixture
+from tests.support.data_fixtures import build_fixture
 from data_pipeline.tokenizer import load_tokenizer, tokenizer_hash
 
 

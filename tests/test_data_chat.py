@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from chat_helpers import build_chat_fixture, chat_data_section
+from tests.support.chat_helpers import build_chat_fixture, chat_data_section
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx)
     from data_pipeline.config import DataConfig
     from fbt_megatron.recipe import RecipeError, load_recipe
     from fbt_megatron.train.cli import sft_recipe as resolve
-    from chat_helpers import sft_recipe
+    from tests.support.chat_helpers import sft_recipe
 
     other = DEFAULT_CHAT_TEMPLATE.replace("<|", "<<|")
     assert other != DEFAULT_CHAT_TEMPLATE
@@ -350,7 +350,7 @@ def test_chat_data_with_a_hugging_face_tokenizer(tmp_path):
 
     from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, prepare_chat
     from data_pipeline.shards import Dataset, DatasetReader
-    from data_pipeline.testing import train_hf_bpe
+    from tests.support.data_fixtures import train_hf_bpe
     from data_pipeline.tokenizer import tokenizer_hash
 
     convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+4?"},

@@ -68,7 +68,7 @@ def test_every_format_yields_the_documents(inputs):
 
 def test_formats_prepare_the_same_tokens(inputs, tmp_path):
     from data_pipeline.prepare import prepare_dataset
-    from data_pipeline.testing import train_hf_bpe
+    from tests.support.data_fixtures import train_hf_bpe
 
     tok = train_hf_bpe(TEXTS, tmp_path / "tok", vocab_size=120)
     out = {k: prepare_dataset([str(p)], tmp_path / k, tok, name="corpus", shard_bytes=300, progress=False)
@@ -81,7 +81,7 @@ def test_formats_prepare_the_same_tokens(inputs, tmp_path):
 
 def test_bad_inputs_name_file_and_row(tmp_path):
     from data_pipeline.prepare import prepare_dataset
-    from data_pipeline.testing import train_hf_bpe
+    from tests.support.data_fixtures import train_hf_bpe
 
     tok = train_hf_bpe(TEXTS, tmp_path / "tok", vocab_size=120)
     nulls = _parquet(tmp_path / "nulls.parquet", texts=TEXTS[:12] + [None] + TEXTS[13:])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.errors import TokenizerMismatchError
-from data_pipeline.testing import train_hf_bpe
+from tests.support.data_fixtures import train_hf_bpe
 
 TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits", "x = 'mixed' + \"quotes\"\n",
          "The river ran past the stone garden; seven windows, twelve lights.", "naïve café — ünïcödé ✓"]

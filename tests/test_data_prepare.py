@@ -12,7 +12,7 @@ import pytest
 from data_pipeline import cli
 from data_pipeline.prepare import _npy_bytes, prepare_dataset
 from data_pipeline.shards import Dataset, verify_dataset
-from data_pipeline.testing import write_corpus
+from tests.support.data_fixtures import write_corpus
 from data_pipeline.tokenizer import train_tokenizer
 
 SHARD = 6000

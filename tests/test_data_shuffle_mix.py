@@ -15,8 +15,8 @@ from data_pipeline.errors import DataError, IndexError_
 from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.shards import Dataset, verify_dataset
 from data_pipeline.stream import BLOCK, FeistelPermutation
-from data_pipeline.testing import assert_same_batches as assert_same
-from data_pipeline.testing import build_fixture, fixture_config, global_stream
+from tests.support.data_fixtures import assert_same_batches as assert_same
+from tests.support.data_fixtures import build_fixture, fixture_config, global_stream
 
 S, MB = 32, 2
 

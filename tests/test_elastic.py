@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from fbt_megatron.runtime import _free_port
-from fbt_megatron.testing.distributed import child_pids, run_distributed
-from fbt_megatron.testing.training import effective_stream, read_metrics, tiny_recipe, train_fn
+from tests.support.distributed import child_pids, run_distributed
+from tests.support.training import effective_stream, read_metrics, tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = dict(train={"steps": 10, "stop_at_step": 7}, checkpoint={"every": 2, "at_end": True, "keep_last": 2},
@@ -30,7 +30,7 @@ SECTIONS = dict(train={"steps": 10, "stop_at_step": 7}, checkpoint={"every": 2, 
 def _torchrun(recipe_file: Path, nproc: int, overrides: list[str], log: Path, hold_after_save: int | None = None
               ) -> subprocess.Popen:
     """``hold_after_save``: the first attempt holds after that step's checkpoint (testing/slow_save.py)."""
-    module = "fbt_megatron.cli" if hold_after_save is None else "fbt_megatron.testing.slow_save"
+    module = "fbt_megatron.cli" if hold_after_save is None else "tests.support.slow_save"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={nproc}",
            "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
            "--rdzv-conf=last_call_timeout=1", "-m", module, "train", str(recipe_file), *overrides]

@@ -35,7 +35,7 @@ def _engine(tmp_path, **sections):
     from fbt_megatron.engine import Engine
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     recipe = load_recipe(data=tiny_recipe(tmp_path, **sections))
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=recipe.seed)

@@ -185,7 +185,7 @@ def _class_methods(path: Path, cls: str) -> set[str]:
 
 
 def test_the_vllm_model_inherits_the_hf_rule_methods():
-    """Read from the source (vLLM is not installed here; tests/vllm_gate_side.py checks the objects in
+    """Read from the source (vLLM is not installed here; tests/support/side/vllm_gate_side.py checks the objects in
     vLLM's venv): the plugin's module overrides none of the fusion's methods but ``token_gate`` (the same
     quantity, read from a table of it), and builds the table with the rule's ``token_gate``."""
     source = ROOT / "fbt_megatron" / "serving" / "vllm_model.py"

@@ -10,8 +10,8 @@ rule now: the fusion decays only from the first step that may run feedback
 import pytest
 import torch
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe, train_fn
 
 FUSION = ("feedback.value.weight", "feedback.gate.weight")
 START = 3  # feedback_start_step: steps 0, 1, 2 are single-pass

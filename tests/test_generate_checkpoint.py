@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from tests.generate_helpers import make_tokenizer, save_run
 
 PROMPTS = ["def add(a, b):", "x = 1", "Question: what is 3 plus 4?\nAnswer:"]

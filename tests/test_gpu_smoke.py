@@ -46,7 +46,7 @@ def test_smoke_runs_on_gpu(cuda_device):
 def test_session_device_decision():
     """The suite runs the CPU path, except a session of the GPU tests alone on a CUDA machine; a caller's
     FBT_DEVICE always wins; a GPU test says why it skips."""
-    from fbt_megatron.testing.gpu import gpu_skip_reason, session_env
+    from tests.support.gpu import gpu_skip_reason, session_env
 
     cpu = {"FBT_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}
     assert session_env("", {}, cuda_available=True) == cpu

@@ -2,7 +2,7 @@
 bad checkpoints.
 
 The checkpoints are trained and saved at TP=2 or PP=2 (2 gloo processes); the framework reference loads them at
-TP=1 in this process; the HF side runs in a fresh process with HF_HUB_OFFLINE=1 (tests/hf_side.py), so
+TP=1 in this process; the HF side runs in a fresh process with HF_HUB_OFFLINE=1 (tests/support/side/hf_side.py), so
 the export must be self-contained (transformers + the shipped modelling file).
 """
 
@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from fbt_megatron.hf.mapping import ConversionError
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe
+from tests.support import SIDE_SCRIPTS
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe
 
-HF_SIDE = Path(__file__).with_name("hf_side.py")
+HF_SIDE = SIDE_SCRIPTS / "hf_side.py"
 RTOL = 1e-4
 PASSES = (1, 2, 3)
 VOCAB = 384
@@ -69,7 +70,7 @@ def _sp_tokenizer(path: Path) -> Path:
 def exported(tmp_path_factory):
     """{variant: (checkpoint dir, export dir)}, plus the sentencepiece model used by the rope export."""
     from fbt_megatron.hf.export import export_checkpoint
-    from fbt_megatron.testing.hf import train_recipes
+    from tests.support.hf import train_recipes
 
     root = tmp_path_factory.mktemp("hf")
     run_distributed(train_recipes, 2, [_recipe(root / f"run_{v}", v) for v in VARIANTS])
@@ -85,7 +86,7 @@ def exported(tmp_path_factory):
 
 
 def run_hf_side(export: Path, request: dict, tmp: Path) -> dict:
-    """tests/hf_side.py in a fresh process: offline, its own HF cache, no fbt_megatron on the path."""
+    """tests/support/side/hf_side.py in a fresh process: offline, its own HF cache, no fbt_megatron on the path."""
     torch.save(request, tmp / "request.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp / "hf_home"), OMP_NUM_THREADS="1")
@@ -205,7 +206,7 @@ def test_export_import_export_is_bit_identical(exported, tmp_path, single_proces
     # The imported checkpoint is trainable in another layout: its own recipe resumes it at TP=2.
     import yaml
 
-    from fbt_megatron.testing.training import train_fn
+    from tests.support.training import train_fn
 
     recipe = yaml.safe_load((tmp_path / "imported" / "recipe.yaml").read_text())
     recipe["parallel"]["tensor"] = 2

@@ -147,7 +147,7 @@ def test_family_exports_under_oldest_transformers(tmp_path, single_process):
     import subprocess
     import sys
 
-    import transformers_envs
+    from tests.support import SIDE_SCRIPTS, transformers_envs
 
     from fbt_megatron.hf.export import export_checkpoint
     from fbt_megatron.hf.importer import import_hf
@@ -170,7 +170,7 @@ def test_family_exports_under_oldest_transformers(tmp_path, single_process):
     torch.save({"ids": IDS, "exports": exports}, tmp_path / "request.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
-    side = Path(__file__).with_name("hf_families_side.py")
+    side = SIDE_SCRIPTS / "hf_families_side.py"
     proc = subprocess.run([str(python), str(side), str(tmp_path), str(tmp_path / "request.pt"),
                            str(tmp_path / "result.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)

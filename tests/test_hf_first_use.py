@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import transformers_envs
+from tests.support import SIDE_SCRIPTS, transformers_envs
 from fbt_megatron.hf.mapping import ConversionError
 
-SIDE = Path(__file__).with_name("hf_versions_side.py")
+SIDE = SIDE_SCRIPTS / "hf_versions_side.py"
 VOCAB = 384
 TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits"]
 
@@ -330,7 +330,7 @@ def test_an_fbt_export_imports_with_its_own_fusion_and_schedule(export, tmp_path
     assert all((tmp_path / "back" / "hf_import" / n).read_bytes() == (hf / n).read_bytes() for n in kept)
 
     # `fbt train <out>/recipe.yaml` continues from the imported checkpoint (step 0 -> 1)
-    from fbt_megatron.testing.training import train_fn
+    from tests.support.training import train_fn
 
     recipe["train"]["stop_at_step"] = 1
     recipe["logging"] = {"tensorboard": False}
@@ -402,7 +402,7 @@ def test_export_forward_passes_is_the_deepest_trained_count(tmp_path):
     a mix ending in 0 ([0.75, 0.25, 0.0]) never trained 3 passes, so its export forwards 2."""
     from fbt_megatron.hf.export import hf_config
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     for mix, deepest in [([0.75, 0.25, 0.0], 2), ([0.75, 0.22, 0.03], 3), ([1.0, 0.0, 0.0], 1)]:
         recipe = load_recipe(data=tiny_recipe(tmp_path, schedule={"mix": mix}))

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from fbt_megatron.runtime import _free_port
-from fbt_megatron.testing.distributed import child_pids
-from fbt_megatron.testing.training import read_metrics, tiny_recipe
+from tests.support.distributed import child_pids
+from tests.support.training import read_metrics, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 20  # also bounds the start-up skew between the ranks (gloo connects within it): not too short

@@ -47,14 +47,12 @@ LAYERS = {
     "fbt_megatron.launch": 6,
     "fbt_megatron.research": 6,
     "fbt_megatron.demo": 6,
-    # 7: entry points and test support
+    # 7: entry points (test support lives in tests/support, outside the packages)
     "fbt_megatron.cli": 7,
     "fbt_megatron.checkpoint.cli": 7,
     "fbt_megatron.train.cli": 7,
     "fbt_megatron.train.sft_cli": 7,
     "data_pipeline.cli": 7,
-    "fbt_megatron.testing": 7,
-    "data_pipeline.testing": 7,
 }
 
 

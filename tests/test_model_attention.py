@@ -10,7 +10,7 @@ from fbt_megatron.model.attention import document_positions
 from fbt_megatron.model.fbt_gpt import build_model, reset_positions
 from fbt_megatron.model.kernels import fused_switches
 from fbt_megatron.model.sequential import sequential_forward
-from model_helpers import feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import feedback, make_inputs, tiny_model_config
 
 SEQ = 10
 

@@ -7,8 +7,8 @@ from pydantic import ValidationError
 from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig
 from fbt_megatron.model.fbt_gpt import build_model
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import DistributedTestFailure, run_distributed
-from model_helpers import feedback, tiny_model_config
+from tests.support.distributed import DistributedTestFailure, run_distributed
+from tests.support.model_helpers import feedback, tiny_model_config
 
 
 def build_tp2_with_hidden_27():

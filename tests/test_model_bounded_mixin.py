@@ -69,7 +69,7 @@ def test_bounded_model_is_the_recurrence_after_seq_len_passes(single_process):
 
 def test_bounded_mixin_refused_with_zero3():
     from fbt_megatron.recipe import Recipe
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     with pytest.raises(ValueError, match="mixin='bounded' with parallel.zero_stage=3"):
         Recipe.model_validate(tiny_recipe("run", feedback={"mixin": "bounded"}, parallel={"zero_stage": 3}))
@@ -123,7 +123,7 @@ def test_eval_sigma_follows_updates_that_bypass_the_weights_version(single_proce
 def test_resuming_a_bounded_checkpoint_under_zero3_is_refused():
     """The recipe's own refusal holds for what a resumed run takes from its checkpoint."""
     from fbt_megatron.recipe import Recipe, RecipeError, adopt_checkpoint_rule
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     recipe = Recipe.model_validate(tiny_recipe("run", parallel={"zero_stage": 3}))
     saved = tiny_recipe("run", feedback={"mixin": "bounded"})

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
 
 
 def _pair(model_overrides=None, **feedback_overrides):

@@ -5,7 +5,7 @@ from megatron.core.models.gpt import GPTModel
 
 from fbt_megatron.model.attention import adapt_layer_spec
 from fbt_megatron.model.fbt_gpt import build_model, layer_spec
-from model_helpers import feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import feedback, make_inputs, tiny_model_config
 
 
 def test_fusion_off_is_plain_megatron_gpt(single_process):

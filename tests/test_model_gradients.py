@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from fbt_megatron.model.fbt_gpt import build_model, reset_positions
-from model_helpers import feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import feedback, make_inputs, tiny_model_config
 
 
 def test_grad_mode_last_is_the_last_pass_with_earlier_states_detached(single_process):

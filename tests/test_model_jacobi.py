@@ -5,7 +5,7 @@ import torch
 
 from fbt_megatron.model.fbt_gpt import build_model
 from fbt_megatron.model.sequential import sequential_forward
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
 
 SEQ = 10
 

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from fbt_megatron.config import ModelConfig
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
 
 
 def test_llama_block_structure(single_process):

@@ -13,7 +13,7 @@ import torch
 from fbt_megatron.model.attention import (SDPADotProductAttention, document_causal_mask, document_positions,
                                           from_packed, packed_seq_params, to_packed)
 from fbt_megatron.model.fbt_gpt import build_model, reset_positions
-from model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, make_inputs, tiny_model_config
 
 
 def test_cu_seqlens_and_positions_from_doc_start():

@@ -13,8 +13,8 @@ from megatron.core import parallel_state
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.fbt_gpt import transformer_config
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import run_distributed
-from model_helpers import feedback, load_full_weights, tiny_model_config, unshard
+from tests.support.distributed import run_distributed
+from tests.support.model_helpers import feedback, load_full_weights, tiny_model_config, unshard
 
 
 def fusion_outputs(full_weights):
@@ -74,7 +74,7 @@ def packed_model_outputs(full_state):
     over TP, as the engine does)."""
     from fbt_megatron.config import ModelConfig
     from fbt_megatron.model.fbt_gpt import build_model
-    from model_helpers import LLAMA, make_inputs
+    from tests.support.model_helpers import LLAMA, make_inputs
 
     ids, labels, doc_start = make_inputs(seq=10)
     out = {}
@@ -103,7 +103,7 @@ def test_packed_attention_under_sequence_parallelism_matches_tensor_parallel(sin
     from fbt_megatron.config import ModelConfig
     from fbt_megatron.model import tp_layout
     from fbt_megatron.model.fbt_gpt import build_model
-    from model_helpers import LLAMA
+    from tests.support.model_helpers import LLAMA
 
     torch.manual_seed(0)
     reference = build_model(ModelConfig(**LLAMA), feedback(), packed=True)

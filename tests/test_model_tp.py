@@ -10,8 +10,8 @@ import torch
 from fbt_megatron.model import tp_layout
 from fbt_megatron.model.fbt_gpt import build_model
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import run_distributed
-from model_helpers import LLAMA, TINY, feedback, gathered_logits, load_full_weights, make_inputs, unshard
+from tests.support.distributed import run_distributed
+from tests.support.model_helpers import LLAMA, TINY, feedback, gathered_logits, load_full_weights, make_inputs, unshard
 
 from fbt_megatron.config import ModelConfig
 

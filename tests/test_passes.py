@@ -46,7 +46,7 @@ def test_custom_mix_with_a_deeper_pass():
 
 def _recipe(**overrides):
     from fbt_megatron.recipe import Recipe
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     data = tiny_recipe("run")
     data["schedule"].pop("seed")

@@ -12,9 +12,9 @@ from fbt_megatron.parallel.pipeline_runner import PipelineRunner
 from fbt_megatron.parallel.schedule import (BACKWARD, FORWARD, Op, build_schedule, grad_passes_for,
                                             theoretical_bubble)
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from fbt_megatron.engine import Engine
-from model_helpers import feedback, shard, tiny_model_config, unshard
+from tests.support.model_helpers import feedback, shard, tiny_model_config, unshard
 
 # (passes, grad_mode, loss_on): every k with both gradient modes; both loss modes among them
 # (loss_on="mean" with grad_mode="last" is refused by FeedbackConfig).

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 MICRO_BATCHES = 4  # global batch 8, micro-batch 2, DP=1
 
@@ -24,7 +24,7 @@ def step_counts(run_dir: str, zero_stage: int):
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
     from fbt_megatron.train.train_step import FBTTrainStep
 
     recipe = load_recipe(data=tiny_recipe(run_dir, parallel={"pipeline": 2, "zero_stage": zero_stage}))

@@ -73,7 +73,7 @@ def test_gelu_on_gpu_is_exact(single_process):
 
     from fbt_megatron.model.fbt_gpt import transformer_config
     from fbt_megatron.model.kernels import fused_switches
-    from model_helpers import tiny_model_config
+    from tests.support.model_helpers import tiny_model_config
 
     config = transformer_config(tiny_model_config())  # GELU with biases
     gpu = fused_switches("LayerNorm", on_gpu=True, available=lambda name: False, activation="gelu")

@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from fbt_megatron.runtime import _free_port
-from fbt_megatron.testing.distributed import child_pids, run_distributed
-from fbt_megatron.testing.training import read_metrics, tiny_recipe, train_fn
+from tests.support.distributed import child_pids, run_distributed
+from tests.support.training import read_metrics, tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 50  # ~0.04 s a step here: a window of seconds for the signal to land before the end

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from data_pipeline.testing import build_fixture, fixture_config
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.data_fixtures import build_fixture, fixture_config
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe, train_fn
 
 
 def test_checkpoint_keeps_the_tokenizer(tmp_path, monkeypatch, single_process):

@@ -174,7 +174,7 @@ def test_two_takers_of_one_stale_lock_cannot_both_win(tmp_path, monkeypatch):
 
 def _train_when_rank0_cannot_lock(recipe_data: dict) -> str:
     import fbt_megatron.train.run_lock as run_lock
-    from fbt_megatron.testing.training import train_fn
+    from tests.support.training import train_fn
 
     def fail(self):
         raise PermissionError(13, "Permission denied", str(self.path))
@@ -191,8 +191,8 @@ def _train_when_rank0_cannot_lock(recipe_data: dict) -> str:
 def test_a_lock_error_on_rank0_reaches_every_rank_at_once(tmp_path):
     """Not only a held lock: any failure to take it (here a permission error) is broadcast, so the
     other ranks report the cause instead of waiting in a collective until its timeout."""
-    from fbt_megatron.testing.distributed import run_distributed
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.distributed import run_distributed
+    from tests.support.training import tiny_recipe
 
     out = run_distributed(_train_when_rank0_cannot_lock, 2, tiny_recipe(tmp_path / "run"), timeout=300)
     for rank in (0, 1):

@@ -6,7 +6,7 @@ import torch
 
 from fbt_megatron import runtime
 from fbt_megatron.runtime import ParallelLayout
-from fbt_megatron.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 SEED = 1234
 

@@ -3,9 +3,9 @@ fbt_megatron vLLM plugin (FUSED and exact prefill), a feedback export refused wi
 preempted and recomputed inside vLLM, and `vllm serve` (the OpenAI-compatible server) driven by the `openai`
 client.
 
-vLLM's CPU build runs in a venv of its own (tests/vllm_env.py: built once and cached, with a time limit;
+vLLM's CPU build runs in a venv of its own (tests/support/vllm_env.py: built once and cached, with a time limit;
 skipped with the reason where it cannot be installed: no package index, a pip failure, the limit). Its side
-of each test is tests/vllm_side.py (or the server and tests/vllm_openai_client.py), run as fresh processes
+of each test is tests/support/side/vllm_side.py (or the server and tests/support/side/vllm_openai_client.py), run as fresh processes
 with HF_HUB_OFFLINE=1: the plugin is found through its entry point (declared from pyproject.toml by
 ``vllm_env.plugin_path``; this checkout's package is on PYTHONPATH, ``vllm_env.package_path``), or, for the
 refusal, not at all.
@@ -30,14 +30,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import vllm_env
+from tests.support import SIDE_SCRIPTS, vllm_env
 
 # the first run builds the vLLM venv (vllm_env.build_timeout(), then skips); a test itself takes 1-2 minutes
 pytestmark = pytest.mark.timeout(vllm_env.build_timeout() + 900)
 
-SIDE = Path(__file__).with_name("vllm_side.py")
-GATE_SIDE = Path(__file__).with_name("vllm_gate_side.py")
-CLIENT = Path(__file__).with_name("vllm_openai_client.py")
+SIDE = SIDE_SCRIPTS / "vllm_side.py"
+GATE_SIDE = SIDE_SCRIPTS / "vllm_gate_side.py"
+CLIENT = SIDE_SCRIPTS / "vllm_openai_client.py"
 VOCAB = 320  # = the sentencepiece tokenizer's pieces: the framework and vLLM choose among the same ids
 PROMPTS = [[5, 17, 30, 44, 9], [100, 7], [3, 200, 250, 12, 40, 41, 42, 60, 61, 70, 80], [77]]
 NEW_TOKENS = 8
@@ -189,7 +189,7 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
     """The plugin's fusion against its formula (float64), glu and additive, with biases: the token's gate computed
     per token and read from the vocabulary's gate table, which is built from the raw W_G after vLLM's CPU GEMM
     has prepacked and dropped its own copy, and the stack input of flattened tokens under the ``state`` rule
-    (tests/vllm_gate_side.py, no engine). The plugin's fusion is the export modelling file's (inherited, not
+    (tests/support/side/vllm_gate_side.py, no engine). The plugin's fusion is the export modelling file's (inherited, not
     overridden: the shared rule's functions, tests/test_feedback_rule.py) and its gate table is built with the
     rule's own token_gate."""
     proc = subprocess.run([str(vllm_python), str(GATE_SIDE), str(tmp_path / "errors.json")], cwd=tmp_path,

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from chat_helpers import build_chat_fixture, chat_data_section, checkpoint_params, sft_recipe, sft_train_fn, stock_llama
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import losses, read_metrics, tiny_recipe, train_fn
+from tests.support.chat_helpers import build_chat_fixture, chat_data_section, checkpoint_params, sft_recipe, sft_train_fn, stock_llama
+from tests.support.distributed import run_distributed
+from tests.support.training import losses, read_metrics, tiny_recipe, train_fn
 
 TOL = 1e-5
 
@@ -235,7 +235,7 @@ def test_length_pairing_is_per_problem():
 
 
 def test_sft_recipes_are_checked_before_anything_runs(fx, tmp_path):
-    from chat_helpers import sft_recipe as make
+    from tests.support.chat_helpers import sft_recipe as make
     from fbt_megatron.train.cli import sft_recipe as resolve
     from fbt_megatron.recipe import RecipeError, load_recipe
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import effective_stream, load_latest_weights, read_metrics
+from tests.support.distributed import run_distributed
+from tests.support.training import effective_stream, load_latest_weights, read_metrics
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def test_cancel_mid_save_keeps_latest_loadable(slurm_cluster, tmp_path):
     import os
 
     env = dict(os.environ, FBT_TEST_SLOW_SAVE_STEP="4")
-    job, _ = _submit(tmp_path, "--train-module", "fbt_megatron.testing.slow_save", "checkpoint.every=2", env=env)
+    job, _ = _submit(tmp_path, "--train-module", "tests.support.slow_save", "checkpoint.every=2", env=env)
     log = tmp_path / "slurm" / "logs" / f"tiny-{job}.out"
     _wait(lambda: (tmp_path / "checkpoints" / "saving_4").exists(), 900, "the save of step 4", log)
     assert (tmp_path / "checkpoints" / "step_00000004.tmp" / "weights").is_dir()  # halfway through it

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from array_helpers import SHARD, TEXTS, assert_same_stream, write_corpus
+from tests.support.array_helpers import SHARD, TEXTS, assert_same_stream, write_corpus
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from data_pipeline.prepare import prepare_dataset
-    from data_pipeline.testing import train_hf_bpe
+    from tests.support.data_fixtures import train_hf_bpe
 
     root = tmp_path_factory.mktemp("slurm_prepare")
     inputs = write_corpus(root / "in")
@@ -90,7 +90,7 @@ def test_killed_task_resumes(slurm_cluster, corpus, tmp_path):
 
     out, adir = tmp_path / "out", tmp_path / "out.array"
     env = dict(os.environ, FBT_TEST_HOLD_PREPARE_TASK="1", FBT_TEST_HOLD_PREPARE_SHARDS="2")
-    jobs = _submit(corpus, out, "--module", "fbt_megatron.testing.hold_prepare", env=env)
+    jobs = _submit(corpus, out, "--module", "tests.support.hold_prepare", env=env)
     logs = adir / "logs"
     _wait(lambda: (adir / "held_1").exists(), 600, "task 1 to hold after 2 shards", logs)
     # another submission (other settings) while the array runs: refused before the plan or its work is touched

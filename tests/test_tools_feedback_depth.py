@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe, train_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from feedback_depth import depth_report  # noqa: E402

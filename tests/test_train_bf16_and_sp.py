@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import grad_norms, losses, tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import grad_norms, losses, tiny_recipe, train_fn
 
 # bf16 matmuls are slow on CPU: a shorter run on shorter rows than the other training tests.
 BF16 = dict(precision="bf16", parallel={"zero_stage": 1}, train={"steps": 3}, data={"seq_length": 16},

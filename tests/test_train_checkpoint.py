@@ -11,23 +11,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fbt_megatron.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from fbt_megatron.checkpoint.safe_load import SafePickleModule as _SafePickleModule
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.training import tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _killed_run(recipe: dict, tmp_path: Path, fault: str) -> tuple[int, str]:
     """`fbt train` whose checkpoint save is killed at ``fault`` (``<point>@<step>``, through the save's
-    fault hook: fbt_megatron.testing.training's runner), in its own session; a process killed mid-save can
+    fault hook: tests.support.training's runner), in its own session; a process killed mid-save can
     leave helper processes (megatron's writer queue manager) behind, so the whole session is killed."""
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), FBT_DEVICE="cpu")
     log = tmp_path / "train.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "fbt_megatron.testing.training", str(path), fault], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.training", str(path), fault], cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=300)

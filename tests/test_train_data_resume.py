@@ -3,9 +3,9 @@ continues the same samples exactly, and a resume under a changed data stream is 
 
 import pytest
 
-from data_pipeline.testing import build_fixture, fixture_config
-from fbt_megatron.testing.distributed import DistributedTestFailure, run_distributed
-from fbt_megatron.testing.training import losses, tiny_recipe, train_fn
+from tests.support.data_fixtures import build_fixture, fixture_config
+from tests.support.distributed import DistributedTestFailure, run_distributed
+from tests.support.training import losses, tiny_recipe, train_fn
 
 
 @pytest.fixture(scope="module")

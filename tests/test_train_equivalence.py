@@ -10,8 +10,8 @@ after the last step check the whole update (decay groups, clipping, moments)."""
 import pytest
 import torch
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import grad_norms, losses, tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import grad_norms, losses, tiny_recipe, train_fn
 
 TOL = 1e-5
 # Gradient norms after several multi-pass steps carry TP=2's summation order further: 4.5e-6 on an AVX2

@@ -4,8 +4,8 @@ and a vocabulary padded to 256 rows in the checkpoint's factories) and resumed u
 
 import math
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import losses, tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import losses, tiny_recipe, train_fn
 
 LLAMA_MODEL = {"activation": "swiglu", "ffn_hidden_size": 96, "normalization": "RMSNorm", "num_query_groups": 2,
                "add_bias_linear": False, "tie_embeddings": False, "rotary_base": 500000, "vocab_size": 120}

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from fbt_megatron.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from fbt_megatron.engine import no_weight_decay
 from fbt_megatron.train.lr_schedule import lr_at
-from fbt_megatron.testing.training import grad_norms, losses, tiny_recipe, train_fn
+from tests.support.training import grad_norms, losses, tiny_recipe, train_fn
 
 FAULTS = {0: "grad:zero", 2: "grad:nan", 3: "grad:inf", 4: "loss:inf"}
 WEIGHT_DECAY = 0.5

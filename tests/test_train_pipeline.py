@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import losses, tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import losses, tiny_recipe, train_fn
 
 TOL = 1e-5
 # 4 layers (2 per stage), feedback from step 2, 4 micro-batches per step at DP=1.

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe, train_fn
 
 
 def _signal_at(recipe_data: dict, step: int, rank: int, signame: str) -> dict:

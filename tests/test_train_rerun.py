@@ -1,7 +1,7 @@
 """Running a finished recipe again (`make train` twice) trains nothing and reports on its checkpoint."""
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import tiny_recipe, train_fn
 
 
 def test_rerun_of_finished_run_reports_validation_of_its_checkpoint(tmp_path):

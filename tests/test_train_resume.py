@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from fbt_megatron.testing.distributed import run_distributed
-from fbt_megatron.testing.training import losses, tiny_recipe, train_fn
+from tests.support.distributed import run_distributed
+from tests.support.training import losses, tiny_recipe, train_fn
 
 SECTIONS = dict(train={"steps": 10}, schedule={"feedback_start_step": 4, "mix": [0.2, 0.5, 0.3], "seed": 3},
                 checkpoint={"every": 1000, "at_end": True})

@@ -1,4 +1,4 @@
-"""tests/vllm_env.py, the vLLM venv of the serving tests, without building it: a build cut short by its time
+"""tests/support/vllm_env.py, the vLLM venv of the serving tests, without building it: a build cut short by its time
 limit is told apart from a package that cannot install (in CI the first fails the serving tests, the second
 skips them), and `make test` builds the venv as a setup step before pytest (its own time limit), so a cold
 machine does not skip the serving tests for time."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import vllm_env
+from tests.support import vllm_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def test_ci_fails_on_time_skips_on_install(monkeypatch):
 
 @pytest.mark.parametrize("outcome, code", [("built", 0), ("cannot install", 0), ("timeout", 1)])
 def test_setup_step(outcome, code, monkeypatch, capsys):
-    """`python tests/vllm_env.py`: its own limit (FBT_VLLM_SETUP_TIMEOUT, default 2400 s, not the test-time 600 s),
+    """`python tests/support/vllm_env.py`: its own limit (FBT_VLLM_SETUP_TIMEOUT, default 2400 s, not the test-time 600 s),
     the seconds printed; exit 1 only when the build ran out of time."""
     monkeypatch.delenv("FBT_VLLM_SETUP_TIMEOUT", raising=False)
     monkeypatch.setenv("FBT_VLLM_BUILD_TIMEOUT", "600")
@@ -69,7 +69,7 @@ def _fake_venv(tmp_path, setup_code: int, pytest_code: int) -> Path:
     (venv / "bin" / "python").write_text(
         "#!/bin/sh\n"
         f'echo "$* | ${{FBT_VLLM_SETUP_TIMED_OUT:-}}" >> {log}\n'
-        f'case "$1" in tests/vllm_env.py) exit {setup_code};; -m) exit {pytest_code};; esac\nexit 0\n')
+        f'case "$1" in tests/support/vllm_env.py) exit {setup_code};; -m) exit {pytest_code};; esac\nexit 0\n')
     (venv / "bin" / "python").chmod(0o755)
     (venv / ".fbt-installed").touch()  # newer than pyproject.toml: make does not reinstall
     return venv
@@ -78,7 +78,7 @@ def _fake_venv(tmp_path, setup_code: int, pytest_code: int) -> Path:
 @pytest.mark.parametrize("setup_code, pytest_code, make_fails", [(0, 0, False), (0, 3, True), (1, 0, True), (1, 3, True),
                                                                   (2, 0, True)])
 def test_make_test_runs_pytest_after_the_setup_step_whatever_it_gave(tmp_path, setup_code, pytest_code, make_fails):
-    """`make test` runs the setup step (tests/vllm_env.py), then pytest whatever the step gave; a timeout (exit
+    """`make test` runs the setup step (tests/support/vllm_env.py), then pytest whatever the step gave; a timeout (exit
     1) is told to pytest (the serving tests report it instead of building again), nothing else is (an
     inherited flag is cleared); the target fails if either did."""
     venv = _fake_venv(tmp_path, setup_code, pytest_code)
@@ -86,7 +86,7 @@ def test_make_test_runs_pytest_after_the_setup_step_whatever_it_gave(tmp_path, s
     r = subprocess.run(["make", "-s", "-C", str(REPO), "test", f"VENV={venv}"], capture_output=True, text=True, env=env)
     assert (r.returncode != 0) == make_fails, (r.returncode, r.stdout, r.stderr)
     calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert [c.split(" | ")[0] for c in calls] == ["tests/vllm_env.py", "-m pytest -q tests"], calls
+    assert [c.split(" | ")[0] for c in calls] == ["tests/support/vllm_env.py", "-m pytest -q tests"], calls
     timed_out = calls[1].split(" | ")[1]
     assert bool(timed_out) == (setup_code == 1), calls
 

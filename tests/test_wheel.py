@@ -48,13 +48,18 @@ def installed(tmp_path_factory):
     return wheel, venv, env, work
 
 
-def test_wheel_ships_the_package_data(installed):
+def test_wheel_ships_the_package_data_and_no_test_code(installed):
     wheel, *_ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("fbt_megatron/launch/train.sbatch", "fbt_megatron/eval/tasks/fbt_humaneval.yaml",
                  "fbt_megatron/eval/tasks/fbt_tasks.py", "fbt_megatron/hf/modeling_fbt.py",
                  "fbt_megatron/hf/feedback_rule.py", "data_pipeline/cli.py"):
         assert path in names, path
+    # test support lives in tests/support (and what the benchmarks share with it in benchmarks/), not in the wheel
+    shipped_tests = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "tools/"))
+                           or "/testing" in n or "_helpers" in n or n.rsplit("/", 1)[-1].startswith(("test_", "conftest")))
+    assert not shipped_tests, shipped_tests
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"fbt_megatron", "data_pipeline"}
 
 
 def test_fbt_runs_from_the_wheel(installed):

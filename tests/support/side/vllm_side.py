@@ -1,7 +1,7 @@
-"""The vLLM side of the serving tests and benchmark, run with the vLLM venv's python (tests/vllm_env.py):
+"""The vLLM side of the serving tests and benchmark, run with the vLLM venv's python (tests/support/vllm_env.py):
 
-    python tests/vllm_side.py REQUEST.json RESULT.json
-    python tests/vllm_side.py --calls JOB.json ANSWER_FD   (the benchmark: one engine kept for timed calls)
+    python tests/support/side/vllm_side.py REQUEST.json RESULT.json
+    python tests/support/side/vllm_side.py --calls JOB.json ANSWER_FD   (the benchmark: one engine kept for timed calls)
 
 REQUEST: {"jobs": [{"name", "model", "engine": {LLM kwargs}, "prompts": [[ids]], "max_tokens",
 "error": true (the engine must fail to start),

@@ -1,6 +1,6 @@
 """Test entry point: ``fbt`` whose job-array prepare holds one tokenize task part-way.
 
-    python -m fbt_megatron.testing.hold_prepare data prepare-task tokenize ...   (submit-prepare --module)
+    python -m tests.support.hold_prepare data prepare-task tokenize ...   (submit-prepare --module)
 
 ``FBT_TEST_HOLD_PREPARE_TASK=I`` and ``FBT_TEST_HOLD_PREPARE_SHARDS=K``: array task I, before writing its
 (K+1)-th shard, writes ``<out>.array/held_I`` (the PID) and sleeps for ten minutes: a test kills the task

@@ -5,6 +5,6 @@ from __future__ import annotations
 
 def train_recipes(recipes: list[dict]) -> list[dict]:
     """Train several tiny recipes one after the other in the same (distributed) processes."""
-    from fbt_megatron.testing.training import train_fn
+    from tests.support.training import train_fn
 
     return [{k: v for k, v in train_fn(r).items() if k in ("checkpoint", "step", "pass_counts")} for r in recipes]

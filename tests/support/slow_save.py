@@ -1,6 +1,6 @@
 """Test entry point: ``fbt`` whose checkpoint save of one step stalls, before or after publishing.
 
-    torchrun ... -m fbt_megatron.testing.slow_save train RECIPE ...   (fbt slurm submit --train-module)
+    torchrun ... -m tests.support.slow_save train RECIPE ...   (fbt slurm submit --train-module)
 
 - ``FBT_TEST_SLOW_SAVE_STEP=N``: the save of step N writes its tensors into ``step_N.tmp``, then writes
   ``RUN_DIR/checkpoints/saving_N`` and sleeps for ten minutes before publishing: a test cancels the job in

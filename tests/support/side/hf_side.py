@@ -1,6 +1,6 @@
 """The Hugging Face side of the conversion tests, run as a fresh process with HF_HUB_OFFLINE=1.
 
-    python tests/hf_side.py EXPORT_DIR REQUEST.pt RESULT.pt
+    python tests/support/side/hf_side.py EXPORT_DIR REQUEST.pt RESULT.pt
 
 Loads the export with transformers alone (trust_remote_code) and records logits for the requested
 pass counts, greedy generation in each decoding mode (tokens and per-step logits) and, if the export

@@ -1,7 +1,7 @@
 """The client side of the OpenAI-server test (tests/test_serving_vllm.py), run with the vLLM venv's python
 (it has the ``openai`` package):
 
-    python tests/vllm_openai_client.py BASE_URL REQUEST.json RESULT.json
+    python tests/support/side/vllm_openai_client.py BASE_URL REQUEST.json RESULT.json
 
 REQUEST: {"prompts": [[ids]], "max_tokens": N}. One completion request for the batch of prompts (token ids),
 greedy (temperature 0), asking vLLM for the generated token ids (``return_token_ids``, a vLLM extension of

@@ -24,7 +24,7 @@ def build_chat_fixture(root, n: int = 160, vocab_size: int = 512, seed: int = 0)
     plain-text dataset ``root/text`` (for a pretraining run to start SFT from)."""
     from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, prepare_chat
     from data_pipeline.prepare import prepare_dataset
-    from data_pipeline.testing import write_corpus
+    from tests.support.data_fixtures import write_corpus
     from data_pipeline.tokenizer import train_tokenizer
 
     root = Path(root)
@@ -49,7 +49,7 @@ def chat_data_section(fx: dict, seq_length: int = 32, name: str = "chat") -> dic
 
 def sft_recipe(run_dir, fx: dict, init_from=None, **sections) -> dict:
     """The tests' tiny recipe on the chat dataset with ``task: sft`` (model vocabulary: the fixture's)."""
-    from fbt_megatron.testing.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     sections.setdefault("model", {})
     sections["model"] = {"vocab_size": 512, "max_sequence_length": 64, **sections["model"]}
@@ -62,7 +62,7 @@ def sft_recipe(run_dir, fx: dict, init_from=None, **sections) -> dict:
 def sft_train_fn(recipe_data: dict, probe: str | None = None) -> dict:
     """``fbt sft``'s path in a (distributed) test process: the recipe resolved against ``init_from``
     (its model section when the recipe has none) and checked, then trained; returns the summary."""
-    from fbt_megatron.testing.training import train_fn
+    from tests.support.training import train_fn
 
     return train_fn(recipe_data, probe=probe, task="sft")
 
