@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: setup train test bench vllm-env mutation gpu-check gpu-check-multi
+.PHONY: setup train test test-fast bench vllm-env mutation gpu-check gpu-check-multi
 setup: $(STAMP)
 
 # vLLM's CPU build in a venv of its own for the serving tests (tests/support/vllm_env.py; cached under
@@ -35,6 +35,12 @@ test: $(STAMP)
 	else unset FBT_VLLM_SETUP_TIMED_OUT; fi; \
 	echo "$(PY) -m pytest -q tests"; $(PY) -m pytest -q tests; tests=$$?; \
 	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$setup
+
+# The edit-test loop: the unit tier without the tests marked slow (tests/unit; multi-process, SLURM, vLLM,
+# other transformers versions and end-to-end CLI runs are the integration tier, tests/integration). `make test`
+# above is CI's command: every tier, after the vLLM setup step.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py

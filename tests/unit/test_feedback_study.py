@@ -1,0 +1,232 @@
+"""The feedback study's pieces (issue 40): the state-tracking task, the fusion's learning-rate
+multiplier, validation at chosen pass counts, and the study command end to end at a toy size."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fbt_megatron.config import SyntheticDataConfig
+from fbt_megatron.data.synthetic import make_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cyclic_task_labels_are_running_sums():
+    cfg = SyntheticDataConfig(task="state_tracking", group="cyclic", group_size=7, vocab_size=7, seq_length=40)
+    b = make_batch(cfg, range(5))
+    x = b["input_ids"]
+    assert x.shape == (5, 40) and 0 <= int(x.min()) and int(x.max()) < 7
+    assert torch.equal(b["labels"], torch.cumsum(x, dim=1) % 7)
+    assert b["loss_mask"].eq(1).all() and b["doc_start"][:, 0].all() and not b["doc_start"][:, 1:].any()
+    assert torch.equal(b["position_ids"][0], torch.arange(40))
+    assert not torch.equal(make_batch(cfg, [5])["input_ids"], x[:1])  # each index its own problem
+
+
+def test_symmetric_task_labels_compose_permutations():
+    """Element i is the i-th permutation of range(n) in lexicographic order; the label at t is
+    x_t o x_{t-1} o ... o x_1 (apply x_1 first)."""
+    cfg = SyntheticDataConfig(task="state_tracking", group="symmetric", group_size=3, vocab_size=6, seq_length=30)
+    perms = list(itertools.permutations(range(3)))
+    b = make_batch(cfg, range(4))
+    for row, labels in zip(b["input_ids"].tolist(), b["labels"].tolist()):
+        state = (0, 1, 2)
+        for g, label in zip(row, labels):
+            state = tuple(perms[g][state[i]] for i in range(3))  # (x_t o state)(i) = x_t(state(i))
+            assert perms[label] == state
+    assert len(set(b["labels"].flatten().tolist())) == 6  # the composed states cover the group
+
+
+def test_state_task_must_fit_the_vocabulary():
+    with pytest.raises(ValueError, match="symmetric group of size 4 has 24 elements, more than vocab_size=16"):
+        SyntheticDataConfig(task="state_tracking", group="symmetric", group_size=4, vocab_size=16)
+
+
+def test_fusion_lr_multiplier_scales_adams_step_of_the_fusion_only(single_process):
+    """Adam's first step moves every entry by ~lr (m / sqrt(v) = +-1): the fusion's by lr x multiplier."""
+    from fbt_megatron.config import FeedbackConfig, ModelConfig
+    from fbt_megatron.engine.engine import Engine
+    from fbt_megatron.engine.param_groups import param_groups
+    from fbt_megatron.model.fbt_gpt import build_model
+
+    model = build_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                                    max_sequence_length=16), FeedbackConfig())
+    groups = param_groups(model, 0.0, False, fusion_decay_from=0, fusion_lr_multiplier=10.0)
+    opt = torch.optim.AdamW(groups, lr=1.0, eps=1e-12)
+    Engine.set_lr(SimpleNamespace(torch_optimizer=opt), 1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (2, 16))
+    model(ids, num_passes=2, labels=ids).token_loss.mean().backward()
+    opt.step()
+    for name, p in model.named_parameters():
+        if p.grad is None or p.ndim < 2:
+            continue
+        step = (p.detach() - before[name]).abs()
+        moved = step[p.grad.abs() > 1e-6]
+        expected = 1e-2 if "feedback.value" in name or "feedback.gate" in name else 1e-3
+        assert moved.numel() and torch.allclose(moved, torch.full_like(moved, expected), rtol=1e-3), name
+
+
+def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
+    """--reuse takes a run folder's summary only if the run reached its last step: a run stopped by SIGTERM
+    (its summary written at the stop) is trained again, which resumes it from its checkpoint."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import finished_summary
+
+    assert finished_summary(tmp_path) is None
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 173, "total_steps": 1200, "preempted": "SIGTERM"}))
+    assert finished_summary(tmp_path) is None
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 1200, "total_steps": 1200}))
+    assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
+
+
+def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
+    """sigma of d h_t / d h_{t-1}: 0 with W_U = 0 (the fed-back state reaches nothing), positive otherwise;
+    only positions inside the row are measured."""
+    from fbt_megatron.config import FeedbackConfig, ModelConfig
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.research.study import one_step_readout
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                    max_sequence_length=40), FeedbackConfig(jitter_std=0.0))
+    ids = torch.randint(0, 64, (2, 40))
+    read = one_step_readout(model, ids, 40)
+    assert read["positions"] == [8, 32] and min(read["spectral_norm"]) > 1e-3
+    with torch.no_grad():
+        model.feedback.value.weight.zero_()
+    assert one_step_readout(model, ids, 40)["spectral_norm"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="hold none of the positions"):
+        one_step_readout(model, ids[:, :8], 8)
+
+
+def test_study_smoke_trains_reads_out_and_reports(tmp_path):
+    """The one command of the study at a toy size: the runs train, are read out at 1, 2, 3 passes and
+    the exact recurrence, and the report compares them; with the run folders gone, ``--reuse``
+    rebuilds the same report from the recorded one without training."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "tools/feedback_study.py"), "--smoke", "--seeds", "1", "--groups", "main,state",
+           "--only", "standard,fbt_heavy,state_fbt_heavy", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+           "--out", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((out / "feedback_study_tiny_smoke.json").read_text())
+    fbt = data["readouts"]["fbt_heavy_seed1"]
+    assert set(fbt["val_loss"]) == {"1", "2", "3", "128"}  # 128 passes: the exact recurrence at seq_length 128
+    assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
+    assert {"standard", "feedback"} <= set(fbt["answers"])
+    assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
+    assert fbt["one_step"]["positions"] == [8, 32, 64, 96, 120] and min(fbt["one_step"]["spectral_norm"]) > 0
+    assert "one_step" not in data["readouts"]["standard_seed1"]
+    assert len(data["readouts"]["state_fbt_heavy_seed1"]["state_accuracy"]["1"]) == 32
+    history = data["val_history"]["fbt_heavy_seed1"][-1]["loss"]
+    assert set(history) == {"1", "2", "3"}  # eval.passes of the research recipe
+    comparisons = data["comparisons"]["fbt_heavy"]
+    assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
+    md = (out / "feedback_study_tiny_smoke.md").read_text()
+    assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md and "one-step σ" in md
+    # a run read out before the one-step measure existed gets it added to its cache, the rest kept
+    cache = tmp_path / "runs" / "fbt_heavy_seed1" / "readouts.json"
+    cached = json.loads(cache.read_text())
+    del cached["one_step"]
+    cache.write_text(json.dumps(cached))
+    refresh = subprocess.run(cmd + ["--summarise-only"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert refresh.returncode == 0, refresh.stdout[-2000:] + refresh.stderr[-2000:]
+    assert json.loads(cache.read_text())["one_step"] == fbt["one_step"]
+    shutil.rmtree(tmp_path / "runs")
+    again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]
+    assert json.loads((out / "feedback_study_tiny_smoke.json").read_text())["comparisons"] == data["comparisons"]
+
+
+def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
+    """Paired differences from hand-made read-outs: k-pass - 1-pass within a run, and the mode with the
+    lowest mean over seeds (not each seed's minimum) against the standard model of the same seed."""
+    from fbt_megatron.research.study import summarise
+
+    def ro(**losses):
+        return {"seq_length": 8, "val_loss": {k.lstrip("p"): v for k, v in losses.items()}}
+
+    readouts = {"standard_seed1": ro(p1=4.0), "standard_seed2": ro(p1=4.2),
+                "fbt_seed1": ro(p1=4.5, p2=4.1, p3=4.3, p8=3.9), "fbt_seed2": ro(p1=4.4, p2=4.2, p3=4.1, p8=4.5),
+                "standard_compute_fbt_seed1": ro(p1=3.8),
+                "fbt_untied_seed1": ro(p1=4.3, p2=4.0), "standard_untied_seed1": ro(p1=3.9)}
+    rows = summarise({n: {} for n in readouts}, readouts)["fbt"]
+    mean, err, n = rows["2-pass - 1-pass"]
+    assert (mean, n) == (pytest.approx(-0.3), 2) and err == pytest.approx(0.1)  # stdev(-0.4, -0.2) / sqrt(2)
+    assert rows["exact - 1-pass"][0] == pytest.approx((-0.6 + 0.1) / 2)
+    # means: 1: 4.45, 2: 4.15, 3: 4.2, 8: 4.2 -> 2 passes (each seed's minimum would be 3.9 and 4.1)
+    assert rows["best mode"] == "2"
+    assert rows["best mode - standard (equal tokens)"][0] == pytest.approx(((4.1 - 4.0) + (4.2 - 4.2)) / 2)
+    assert rows["best mode - standard (equal compute)"][:3:2] == (pytest.approx(4.1 - 3.8), 1)
+    assert not any("same change" in name for name in rows)
+    # a change to the model itself (untied embeddings) is also compared with the standard model so changed
+    untied = summarise({n: {} for n in readouts}, readouts)["fbt_untied"]
+    assert untied["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(4.0 - 3.9), 1)
+    assert untied["best mode - standard (equal tokens)"][:3:2] == (pytest.approx(4.0 - 4.0), 1)
+    # untied plus a fusion-only change: its baseline is still the untied standard model
+    readouts["fbt_heavy_untied_fusion_lr_x10_seed1"] = ro(p1=4.2, p2=3.7)
+    readouts["fbt_heavy_seed1"] = ro(p1=4.6, p2=4.5)
+    rows = summarise({n: {} for n in readouts}, readouts)
+    both = rows["fbt_heavy_untied_fusion_lr_x10"]
+    assert both["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(3.7 - 3.9), 1)
+    assert not any("same change" in name for name in rows["fbt_heavy"])
+
+
+def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_process):
+    """sigmoid(W_G e + b_G): a bias of +20 saturates every entry whatever W_G e is; the additive fusion
+    has no sigmoid, so no saturation is read."""
+    from fbt_megatron.model.fbt_gpt import build_model
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.research.study import fusion_state
+
+    model_cfg = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "vocab_size": 64, "max_sequence_length": 16}
+    for fusion in ("glu", "additive"):
+        recipe = load_recipe(data={"model": model_cfg, "feedback": {"fusion": fusion, "bias": True}, "data": {"seq_length": 16, "synthetic": {"vocab_size": 64}}})
+        model = build_model(recipe.model, recipe.feedback)
+        with torch.no_grad():
+            model.feedback.gate.weight.mul_(1e-3)
+            model.feedback.gate.bias.fill_(20.0)
+        state = fusion_state(model, recipe, None)
+        if fusion == "glu":
+            assert state["gate_saturated"] == 1.0 and state["gate_mean"] > 0.99
+        else:
+            assert "gate_saturated" not in state and "w_u_norm" in state
+
+
+def test_an_interrupted_run_resumes_only_when_started_with_the_same_command(tmp_path, monkeypatch):
+    """``train_run(resume=True)`` keeps a run folder holding a checkpoint of the same command (the trainer
+    resumes from it); another command, or ``resume=False``, starts from scratch."""
+    import json
+    import subprocess
+
+    from fbt_megatron.research import runs
+
+    calls = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr):
+        run_dir = Path(cmd[cmd.index("train") + 2].split("=", 1)[1])
+        calls.append(sorted(p.name for p in run_dir.iterdir()))
+        (run_dir / "summary.json").write_text(json.dumps({"step": 1}))
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "latest").write_text("step_1")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    run_dir = tmp_path / "run"
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=1"], resume=True)
+    assert calls[-1] == ["command.json", "train.log"]  # nothing to resume: a fresh folder
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=1"], resume=True)
+    assert "checkpoints" in calls[-1]  # the same command: the checkpoint is kept
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=2"], resume=True)
+    assert "checkpoints" not in calls[-1]  # another command: from scratch
+    runs.train_run("recipes/tiny.yaml", run_dir, ["seed=2"], resume=False)
+    assert "checkpoints" not in calls[-1]
