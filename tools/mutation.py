@@ -47,42 +47,42 @@ EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
 # or where the others would not fit the budget). Measured per file: docs/results/benchmarks.md.
 MAP: dict[str, dict] = {
     # the feedback rule itself, against its formulas, and the Megatron and HF models that call it
-    "fbt_megatron/hf/feedback_rule.py": {"tests": ["tests/test_feedback_rule.py",
-                                                   "tests/test_model_feedback_formulas.py"]},
-    "fbt_megatron/passes.py": {"tests": ["tests/test_passes.py", "tests/test_plan.py",
-                                         "tests/test_plan_counts_what_runs.py"]},
-    "fbt_megatron/checkpoint/rng.py": {"tests": ["tests/test_checkpoint_rng.py"]},
+    "fbt_megatron/hf/feedback_rule.py": {"tests": ["tests/unit/test_feedback_rule.py",
+                                                   "tests/unit/test_model_feedback_formulas.py"]},
+    "fbt_megatron/passes.py": {"tests": ["tests/unit/test_passes.py", "tests/unit/test_plan.py",
+                                         "tests/unit/test_plan_counts_what_runs.py"]},
+    "fbt_megatron/checkpoint/rng.py": {"tests": ["tests/unit/test_checkpoint_rng.py"]},
     # (the two tests that train a run, ~20 s each, cover the same lock through fbt train)
-    "fbt_megatron/train/run_lock.py": {"tests": ["tests/test_run_lock.py"],
+    "fbt_megatron/train/run_lock.py": {"tests": ["tests/unit/test_run_lock.py"],
                                        "k": "not second_live_run and not reaches_every_rank"},
     # (the packed-attention test checks the loader and the model, ~20 s of a single-process model set-up)
-    "data_pipeline/chat.py": {"tests": ["tests/test_data_chat.py"], "k": "not packed_conversations"},
+    "data_pipeline/chat.py": {"tests": ["tests/unit/test_data_chat.py"], "k": "not packed_conversations"},
     # (test_hf_convert.py's parity tests first train four models at TP=2: give --tests for that deeper run;
     # the older transformers versions each build a venv)
-    "fbt_megatron/hf/export.py": {"tests": ["tests/test_hf_first_use.py"], "k": "not other_transformers"},
-    "fbt_megatron/hf/importer.py": {"tests": ["tests/test_hf_first_use.py", "tests/test_hf_convert.py"],
+    "fbt_megatron/hf/export.py": {"tests": ["tests/integration/test_hf_first_use.py"], "k": "not other_transformers"},
+    "fbt_megatron/hf/importer.py": {"tests": ["tests/integration/test_hf_first_use.py", "tests/integration/test_hf_convert.py"],
                                     "k": "not other_transformers and (not test_hf_convert or stock_llama)"},
     # (test_first_input_checkpoints.py trains three runs first, minutes under load: give --tests for it; the
     # sequence-parallel path: the fusion-level TP=2 test, not the packed model's)
-    "fbt_megatron/model/feedback.py": {"tests": ["tests/test_model_feedback_formulas.py",
-                                                 "tests/test_model_first_pass.py", "tests/test_model_fusion_off.py",
-                                                 "tests/test_model_bounded_mixin.py",
-                                                 "tests/test_model_sequence_parallel.py"],
+    "fbt_megatron/model/feedback.py": {"tests": ["tests/unit/test_model_feedback_formulas.py",
+                                                 "tests/unit/test_model_first_pass.py", "tests/unit/test_model_fusion_off.py",
+                                                 "tests/unit/test_model_bounded_mixin.py",
+                                                 "tests/integration/test_model_sequence_parallel.py"],
                                        "k": "not packed_attention_under_sequence_parallelism"},
-    "fbt_megatron/model/fbt_gpt.py": {"tests": ["tests/test_model_jacobi.py", "tests/test_model_first_pass.py",
-                                                "tests/test_model_gradients.py", "tests/test_model_options.py",
-                                                "tests/test_model_bad_input.py", "tests/test_model_packed_attention.py"]},
-    "fbt_megatron/checkpoint/manager.py": {"tests": ["tests/test_checkpoint_bad_input.py",
-                                                     "tests/test_train_checkpoint.py", "tests/test_checkpoint_rng.py"]},
+    "fbt_megatron/model/fbt_gpt.py": {"tests": ["tests/unit/test_model_jacobi.py", "tests/unit/test_model_first_pass.py",
+                                                "tests/unit/test_model_gradients.py", "tests/unit/test_model_options.py",
+                                                "tests/unit/test_model_bad_input.py", "tests/unit/test_model_packed_attention.py"]},
+    "fbt_megatron/checkpoint/manager.py": {"tests": ["tests/integration/test_checkpoint_bad_input.py",
+                                                     "tests/integration/test_train_checkpoint.py", "tests/unit/test_checkpoint_rng.py"]},
     # (the split's held-out documents and its state checks: test_data_split; a chat dataset's loss mask
     # through the packer: test_data_chat's loader test)
-    "data_pipeline/loader.py": {"tests": ["tests/test_data_stream.py", "tests/test_data_shuffle_mix.py",
-                                          "tests/test_data_bad_input.py", "tests/test_data_split.py",
-                                          "tests/test_data_chat.py"],
+    "data_pipeline/loader.py": {"tests": ["tests/unit/test_data_stream.py", "tests/unit/test_data_shuffle_mix.py",
+                                          "tests/unit/test_data_bad_input.py", "tests/unit/test_data_split.py",
+                                          "tests/unit/test_data_chat.py"],
                                 "k": "not test_data_chat or loader_puts_the_mask"},
     # (the tests without an engine: the forward against the recurrence under a scheduler written in the test,
     # and the fusion's formula; the engine tests, 1-2 minutes each, fit a few mutants: give --tests for them)
-    "fbt_megatron/serving/vllm_model.py": {"tests": ["tests/test_serving_vllm.py"],
+    "fbt_megatron/serving/vllm_model.py": {"tests": ["tests/integration/test_serving_vllm.py"],
                                            "k": "forward_against_the_recurrence or gate_table_formula"},
 }
 

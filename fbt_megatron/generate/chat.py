@@ -4,7 +4,7 @@ An SFT checkpoint carries its chat template next to ``tokenizer.model`` (``chat_
 train/sft.py). A user prompt (and an optional system prompt) becomes ``[system], user`` messages,
 rendered with ``add_generation_prompt`` by the same transformers ``apply_chat_template`` call on the
 same converted tokenizer that an HF export's tokenizer makes, so both give the same token ids
-(tests/test_sft.py checks it). The assistant's end-of-turn token is EOS, where decoding stops.
+(tests/integration/test_sft.py checks it). The assistant's end-of-turn token is EOS, where decoding stops.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Communication: ``torch.distributed.batch_isend_irecv`` (gloo and NCCL alike), on
 the ops where that time falls and awaited at once (:func:`message_plan`). On NCCL all p2p ops of a
 rank run in issue order on one stream and a send waits for its receive, so receives posted ahead as
 lone ``irecv`` can deadlock; the round order cannot (the argument is in :func:`message_plan`, and
-``tests/test_pipeline_messages.py`` replays every schedule against a model of stream-ordered blocking
+``tests/unit/test_pipeline_messages.py`` replays every schedule against a model of stream-ordered blocking
 p2p). A sent tensor is dropped as soon as its batch completes, right after the op that made it.
 Under tensor parallelism each TP rank sends and receives only its 1/TP share of a message and the stage
 all-gathers the whole over TP (Megatron's ``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor``):
@@ -77,7 +77,7 @@ def message_plan(schedule: Schedule, stage: int) -> list[tuple[int, list]]:
     their peers'): take the earliest round not yet complete on some stage; every stage whose current
     batch is not of that round has completed it already or takes no part in it, and every message of
     that round is in both its ends' current batch, so it completes. The ops before a stage's batch
-    of round t need only messages of earlier rounds. (``tests/test_pipeline_messages.py`` replays every
+    of round t need only messages of earlier rounds. (``tests/unit/test_pipeline_messages.py`` replays every
     plan against a model of stream-ordered blocking p2p.)"""
     stages, grad = schedule.stages, schedule.grad_passes
     starts = [schedule.start[(stage, op)] for op in schedule.ops[stage]]  # increasing: ops run in order

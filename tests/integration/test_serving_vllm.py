@@ -190,7 +190,7 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
     per token and read from the vocabulary's gate table, which is built from the raw W_G after vLLM's CPU GEMM
     has prepacked and dropped its own copy, and the stack input of flattened tokens under the ``state`` rule
     (tests/support/side/vllm_gate_side.py, no engine). The plugin's fusion is the export modelling file's (inherited, not
-    overridden: the shared rule's functions, tests/test_feedback_rule.py) and its gate table is built with the
+    overridden: the shared rule's functions, tests/unit/test_feedback_rule.py) and its gate table is built with the
     rule's own token_gate."""
     proc = subprocess.run([str(vllm_python), str(GATE_SIDE), str(tmp_path / "errors.json")], cwd=tmp_path,
                           env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
@@ -203,14 +203,14 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
 
 
 def test_plugin_forward_against_the_recurrence(vllm_python, tmp_path):
-    """The plugin's forward without an engine (tests/vllm_forward_side.py): a scheduler written in the test drives it
+    """The plugin's forward without an engine (tests/support/side/vllm_forward_side.py): a scheduler written in the test drives it
     step by step on a position-wise stand-in for the stack, giving blocks out of order and reusing freed ones, and
     every top state is compared with the recurrence written from its formula (or the prompt's K Jacobi passes):
     exact prefill then decode (one step with padded rows), a 1-token prompt decoded beside running requests in a
     reused slot that holds another request's state, a chunked prompt, 2-pass prefill then decode, the same request
     recomputed as one prefill after a preemption, standard decoding, a warm-up run, a block table that does not
     give the step's slots."""
-    forward_side = Path(__file__).with_name("vllm_forward_side.py")
+    forward_side = SIDE_SCRIPTS / "vllm_forward_side.py"
     proc = subprocess.run([str(vllm_python), str(forward_side), str(tmp_path / "result.json")], cwd=tmp_path,
                           env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])

@@ -44,4 +44,4 @@ def test_resume_equals_straight_run(straight, tmp_path):
     assert state["data_cursor"]["consumed_sequences"] == 5 * 8
 
 
-# Resumes under other layouts (DP, TP, ZeRO in both directions): tests/test_checkpoint_layouts.py.
+# Resumes under other layouts (DP, TP, ZeRO in both directions): tests/integration/test_checkpoint_layouts.py.

@@ -1,4 +1,4 @@
-"""Shared by tests/test_data_array.py and tests/test_slurm_prepare.py: a corpus of every input format and
+"""Shared by tests/unit/test_data_array.py and tests/integration/test_slurm_prepare.py: a corpus of every input format and
 the comparison of a job-array prepare with a one-process prepare."""
 
 import json

@@ -1,4 +1,4 @@
-"""A Python environment with vLLM's CPU build, for the serving tests (tests/test_serving_vllm.py).
+"""A Python environment with vLLM's CPU build, for the serving tests (tests/integration/test_serving_vllm.py).
 
 vLLM pins its own transformers (5.16-5.19 for 0.32) and pulls a web server stack, so it lives in a venv
 of its own, built once and cached under ``$FBT_VLLM_ENVS`` (default ``~/.cache/fbt_megatron/vllm-envs``),

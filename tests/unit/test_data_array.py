@@ -2,7 +2,7 @@
 input's units (files, Parquet row groups, Arrow files), counted, tokenized and merged, give the token
 stream of a one-process prepare of the same inputs, for any N; a task stopped part-way keeps its
 finished shards; bad rows, changed inputs and a merge before the tasks are errors naming the problem.
-(tests/test_slurm_prepare.py runs the same stages as SLURM job arrays.)"""
+(tests/integration/test_slurm_prepare.py runs the same stages as SLURM job arrays.)"""
 
 import pytest
 

@@ -336,7 +336,7 @@ class _Recorder:
 def test_one_rank_train_step_sums_without_all_reduce(single_process, tmp_path, monkeypatch):
     """At DP=1 the step's sums over data-parallel ranks (loss tokens, data checksum, loss) are the local
     values, taken without a gloo call; the loss is the token-weighted mean written out from the model's
-    own token losses. DP=2 against DP=1 is tests/test_train_pipeline.py and the torchrun tests."""
+    own token losses. DP=2 against DP=1 is tests/integration/test_train_pipeline.py and the torchrun tests."""
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train import train_step
 

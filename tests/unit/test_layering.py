@@ -58,7 +58,7 @@ LAYERS = {
 
 # entries that name one module, not its submodules: a new subpackage of fbt_megatron must declare its layer
 EXACT = {"fbt_megatron"}
-DECLARE = "declare its layer in LAYERS (tests/test_layering.py; docs/architecture.md, \"Layout\")"
+DECLARE = "declare its layer in LAYERS (tests/unit/test_layering.py; docs/architecture.md, \"Layout\")"
 
 
 def _is_module(root: Path, parts: list[str]) -> bool:

@@ -1,4 +1,4 @@
-"""tests/test_serving_vllm.py::test_plugin_gate_table_formula, in vLLM's venv: the plugin's fusion (glu and additive, with
+"""tests/integration/test_serving_vllm.py::test_plugin_gate_table_formula, in vLLM's venv: the plugin's fusion (glu and additive, with
 biases) against its formula in float64, the token's gate computed per token and read from the gate table built from
 the raw W_G (vLLM's CPU GEMM has prepacked and dropped its own copy), and the stack input of flattened tokens under
 the ``state`` rule (h_init fused where a token has no previous state). Writes {mode: {per_token, table, stack_input:

@@ -1,4 +1,4 @@
-"""The client side of the OpenAI-server test (tests/test_serving_vllm.py), run with the vLLM venv's python
+"""The client side of the OpenAI-server test (tests/integration/test_serving_vllm.py), run with the vLLM venv's python
 (it has the ``openai`` package):
 
     python tests/support/side/vllm_openai_client.py BASE_URL REQUEST.json RESULT.json

@@ -1,4 +1,4 @@
-"""tests/test_serving_vllm.py::test_plugin_forward_against_the_recurrence, in vLLM's venv, without an engine: the
+"""tests/integration/test_serving_vllm.py::test_plugin_forward_against_the_recurrence, in vLLM's venv, without an engine: the
 plugin's ``FBTForCausalLM.forward`` (the state cache by KV slot, the decode and general layouts, K-pass and exact
 prefill, a recompute after preemption) driven step by step by a small scheduler written here, on a position-wise
 stand-in for vLLM's Llama stack (``top_t = tanh(x_t A + P[t])``), against the recurrence written from its
