@@ -80,7 +80,7 @@ def global_stream(cfg: DataConfig, steps: int, dp: int = 1, *, gb: int = 8, mb: 
     order (rank r's block is block r of each global batch). Returns (tensors by key, the loaders)."""
     import torch
 
-    from .loader import build_loader
+    from data_pipeline.loader import build_loader
 
     loaders = [build_loader(cfg, micro_batch_size=mb, global_batch_size=gb, dp_rank=r, dp_size=dp, **loader_kw)
                for r in range(dp)]
