@@ -71,6 +71,7 @@ def test_log_levels_and_ranks(capsys, monkeypatch):
     assert "[rank 1] an info line" in err
 
 
+@pytest.mark.slow  # fbt train end to end (~10 s)
 def test_training_progress_is_logged_and_summary_is_on_stdout(tmp_path, capsys, monkeypatch):
     """`fbt train`: the progress lines go through logging (stderr; -q silences them), the summary (the
     result) to stdout."""

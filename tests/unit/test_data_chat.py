@@ -122,6 +122,7 @@ BAD_ROWS = [
 ]
 
 
+@pytest.mark.slow  # fbt data prepare as a subprocess
 def test_bad_conversations_are_counted_by_kind_and_refused_under_strict(tmp_path, fx):
     r = _prepare(tmp_path, fx, BAD_ROWS, "--max-tokens", "48")
     assert r.returncode == 0, r.stderr

@@ -52,6 +52,7 @@ def test_code_execution_needs_opt_in():
         run_program("print(1)", allow=False)
 
 
+@pytest.mark.slow  # sandbox subprocesses, one stopped by its time limit
 def test_sandbox_passes_fails_and_stops_runaway_programs():
     from fbt_megatron.eval.sandbox import check_program, run_program
 

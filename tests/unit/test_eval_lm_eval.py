@@ -75,6 +75,7 @@ def exact_logprob(model, context, continuation):
     return sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(continuation))
 
 
+@pytest.mark.slow  # lm-eval end to end (~10 s)
 def test_lm_eval_runs_local_tasks_through_fbt_model(tmp_path, single_process, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
@@ -150,6 +151,7 @@ def greedy_exact(model, sp, prompt: str, max_new_tokens: int, stops: list[str]) 
     return text[: min(cuts)] if cuts else text
 
 
+@pytest.mark.slow  # fbt eval end to end (~10 s)
 def test_fbt_eval_writes_mode_table(tmp_path, single_process, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))

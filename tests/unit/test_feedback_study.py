@@ -108,6 +108,7 @@ def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
         one_step_readout(model, ids[:, :8], 8)
 
 
+@pytest.mark.slow  # tools/feedback_study.py end to end in subprocesses (~2 min)
 def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     """The one command of the study at a toy size: the runs train, are read out at 1, 2, 3 passes and
     the exact recurrence, and the report compares them; with the run folders gone, ``--reuse``

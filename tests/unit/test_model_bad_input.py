@@ -15,6 +15,7 @@ def build_tp2_with_hidden_27():
     build_model(ModelConfig(num_layers=1, hidden_size=27, num_attention_heads=3, vocab_size=64), FeedbackConfig())
 
 
+@pytest.mark.slow  # two gloo processes
 def test_hidden_not_divisible_by_tp():
     with pytest.raises(DistributedTestFailure, match=r"model.hidden_size=27 is not divisible by tensor parallel size 2; allowed: multiples of 2"):
         run_distributed(build_tp2_with_hidden_27, 2, layout=ParallelLayout(tensor=2))

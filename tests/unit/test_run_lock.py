@@ -40,6 +40,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.slow  # a lock-holder process
 def test_second_live_run_refuses_and_loses_nothing(tmp_path, single_process):
     from fbt_megatron.recipe import load_recipe
     from fbt_megatron.train.run import train
@@ -140,6 +141,7 @@ def test_a_lock_being_written_is_waited_for_not_taken(tmp_path):
     assert json.loads(lock_file.read_text()) == live  # the other run's lock, untouched
 
 
+@pytest.mark.slow  # a lock-holder process
 def test_two_takers_of_one_stale_lock_cannot_both_win(tmp_path, monkeypatch):
     """B judged a dead run's lock stale; before B removes it, A takes it over and holds it. B must not
     remove A's fresh lock: it re-reads the holder under the takers' guard and refuses."""
@@ -188,6 +190,7 @@ def _train_when_rank0_cannot_lock(recipe_data: dict) -> str:
     return "trained"
 
 
+@pytest.mark.slow  # two gloo processes
 def test_a_lock_error_on_rank0_reaches_every_rank_at_once(tmp_path):
     """Not only a held lock: any failure to take it (here a permission error) is broadcast, so the
     other ranks report the cause instead of waiting in a collective until its timeout."""
