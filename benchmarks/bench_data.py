@@ -40,15 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from data_pipeline.config import DataConfig  # noqa: E402
-from data_pipeline.embedded import build_embedded, code_documents, stdlib_files  # noqa: E402
-from data_pipeline.loader import build_loader  # noqa: E402
-from data_pipeline.prepare import prepare_dataset  # noqa: E402
+from data_pipeline.config import DataConfig
+from data_pipeline.embedded import build_embedded, code_documents, stdlib_files
+from data_pipeline.loader import build_loader
+from data_pipeline.prepare import prepare_dataset
 
 
 def _cpu_seconds() -> float:

@@ -18,11 +18,9 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_train  # noqa: E402  (this folder's benchmark: the two sides, their recipe and batches)
+import bench_train  # (this folder's benchmark: the two sides, their recipe and batches)
 
 
 def _count(conn, kind, a_dict, threads):

@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 QUIET = ["eval.every=100000", "eval.at_end=false", "checkpoint.every=100000", "checkpoint.at_end=false",
          "logging.tensorboard=false", "logging.log_every=100000", "checkpoint.resume=false"]

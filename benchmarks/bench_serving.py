@@ -37,7 +37,6 @@ import os
 import select
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -47,7 +46,6 @@ os.environ.setdefault("FBT_DEVICE", "cpu")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 

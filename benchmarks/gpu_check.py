@@ -38,8 +38,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 SINGLE_STEPS = ("gpu_tests", "te_packed_vs_mask", "train_1b", "host_syncs", "zero1_bf16_resume", "full_recompute")
 MULTI_STEPS = ("tp2_sp", "pp2_k3", "dp2")

@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EVERY = 50
 KINDS = ("fbt", "state", "standard")  # FBT (pass 1 = the plain model), the first_input=state ablation, standard

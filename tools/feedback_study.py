@@ -40,7 +40,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RECIPE = "recipes/research/tiny_feedback.yaml"
 MIX_PAPER, MIX_HEAVY = [0.75, 0.22, 0.03], [0.5, 0.4, 0.1]

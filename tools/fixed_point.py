@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MIXES = {"mix_1_2": "[0.78,0.22]", "mix_1_2_3": "[0.75,0.22,0.03]"}
 POSITIONS = [8, 32, 64, 96, 120]

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = [("standard", 1), ("feedback", 1), ("feedback", 2), ("feedback", 3), ("feedback", "exact")]
 ANSWER = re.compile(r"#### (-?[0-9.,]+)")

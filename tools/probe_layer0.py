@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROBES = {"completion": ["complete"], "delayed_memory": ["recall", "recall_prev"]}
 TASK_KWARGS = {"completion": {"max_count": 4, "num_items": 8}, "delayed_memory": {"delay": 4, "num_symbols": 16}}

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EVERY = 50
 VARIANTS = {  # name -> recipe overrides (feedback.*)

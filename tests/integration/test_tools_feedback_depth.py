@@ -1,15 +1,10 @@
 """tools/feedback_depth.py reads a checkpoint back and probes the pass-to-pass map."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.support.distributed import run_distributed
 from tests.support.training import tiny_recipe, train_fn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from feedback_depth import depth_report  # noqa: E402
+from tools.feedback_depth import depth_report
 
 
 def test_depth_report_matches_trainer_and_reaches_the_recurrence(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 
 
 def _load():
-    """The benchmark module, with the environment and sys.path its import sets (FBT_DEVICE=cpu...) put back."""
-    env, path = dict(os.environ), list(sys.path)
+    """The benchmark module, with the environment its import sets (FBT_DEVICE=cpu...) put back."""
+    env = dict(os.environ)
     try:
         spec = importlib.util.spec_from_file_location(
             "bench_serving", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py")
@@ -23,7 +23,6 @@ def _load():
     finally:
         os.environ.clear()
         os.environ.update(env)
-        sys.path[:] = path
 
 
 bench = _load()

@@ -2,13 +2,12 @@
 set keeps one inverse per operator, and every listed equivalent mutant names a mapped file and a reason.
 The tool itself runs cosmic-ray (not installed for CI); its runs are recorded in docs/results/benchmarks.md."""
 
-import sys
 import tomllib
 from pathlib import Path
 
+from tools.mutation import EQUIVALENTS, MAP, annotation_spans, excluded, in_annotation, mutated_line
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-from mutation import EQUIVALENTS, MAP, annotation_spans, excluded, in_annotation, mutated_line  # noqa: E402
 
 CORE = ["model/feedback.py", "passes.py", "model/fbt_gpt.py", "train/run_lock.py", "checkpoint/manager.py",
         "checkpoint/rng.py", "hf/export.py", "hf/importer.py", "serving/vllm_model.py"]
