@@ -33,7 +33,6 @@ starts over (``write_plan``) or is refused by the task (an input changed under a
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -45,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SourceError
-from .prepare import _finished, _shard_tasks, _write_index, drop_shard_meta, run_shard_tasks
+from .prepare import _finished, _shard_tasks, _write_index, drop_shard_meta, exclusive_lock, run_shard_tasks
 from .shards import FORMAT_VERSION, INDEX_FILE, Dataset, DatasetReader, shard_name
 from .sources import Unit, expand_paths, fingerprint_files, iter_units, list_units
 from .tokenizer import load_tokenizer, resolve_bos, tokenizer_hash
@@ -204,19 +203,6 @@ def _counts_before(adir: Path, plan: dict, task: int) -> list[dict]:
     return recs
 
 
-def _lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(path, "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        raise SourceError(f"another process is tokenizing this slice (lock {path})") from None
-    except OSError as exn:  # a shared file system without locks: the submission's own check stands alone
-        log.warning("%s: no lock on this file system (%s)", path, exn)
-    return fh
-
-
 def _check_tokenizer(plan: dict) -> None:
     """The tokenizer files must be the ones the plan was made with: tasks run hours after submission, and
     a dataset tokenized by two tokenizers would train silently wrong."""
@@ -245,7 +231,7 @@ def tokenize_slice(adir: str | os.PathLike, task: int, num_workers: int = 1) -> 
         log.info("slice %d: tokenized earlier (%s)", task, done_path)
         return old
     _check_tokenizer(plan)
-    lock = _lock(adir / "locks" / f"slice-{task:05d}.lock")
+    lock = exclusive_lock(adir / "locks" / f"slice-{task:05d}.lock", f"another process is tokenizing slice {task}")
     try:
         for s in range(first_shard, first_shard + len(mine["shard_docs"])):  # this slice's shards in flight
             for p in out.glob(f"{shard_name(s)}*.part*"):

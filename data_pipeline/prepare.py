@@ -198,7 +198,9 @@ def prepare_dataset(
                 "text_field": text_field, "id_field": id_field, "inputs": inputs, "meta": extra_meta,
                 "skip_bad_rows": skip_bad_rows, "bos_added_id": bos_id}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    lock = _lock(out_dir.with_name(out_dir.name + ".lock"))
+    # two runs writing the same <out>.tmp would corrupt it
+    lock = exclusive_lock(out_dir.with_name(out_dir.name + ".lock"),
+                          f"another `fbt data prepare` is writing {tmp}: wait for it or stop it")
     try:
         return _prepare(documents, out_dir, tmp, tokenizer, name=name, thash=thash, vocab=vocab, eos=sp.eos_id(), bos=bos_id,
                         dtype=dtype, counts=counts, settings=settings, shard_bytes=shard_bytes,
@@ -208,8 +210,11 @@ def prepare_dataset(
         lock.close()
 
 
-def _lock(path: Path):
-    """An exclusive lock on ``<out>.lock``: two runs writing the same ``<out>.tmp`` would corrupt it."""
+def exclusive_lock(path: Path, busy: str):
+    """An exclusive lock on ``path`` (created, with its directory), holding this process's pid; the open
+    file is the lock (close it to release). Taken already: SourceError ``"{busy} (pid P; lock PATH)"``.
+    On a file system without locks (some shared ones) it warns and goes on unlocked, since refusing would
+    stop every run there: the caller's other checks then stand alone."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a+")
     try:
@@ -218,8 +223,9 @@ def _lock(path: Path):
         fh.seek(0)
         holder = fh.read().strip() or "?"
         fh.close()
-        raise SourceError(f"another `fbt data prepare` (pid {holder}) is writing {path.with_suffix('.tmp')} "
-                          f"(lock {path}); wait for it or stop it") from None
+        raise SourceError(f"{busy} (pid {holder}; lock {path})") from None
+    except OSError as exn:
+        log.warning("%s: no lock on this file system (%s): two runs at once would not be stopped", path, exn)
     fh.seek(0)
     fh.truncate()
     fh.write(str(os.getpid()))

@@ -12,8 +12,8 @@ import pytest
 from data_pipeline import cli
 from data_pipeline.prepare import _npy_bytes, prepare_dataset
 from data_pipeline.shards import Dataset, verify_dataset
-from tests.support.data_fixtures import write_corpus
 from data_pipeline.tokenizer import train_tokenizer
+from tests.support.data_fixtures import write_corpus
 
 SHARD = 6000
 
@@ -128,13 +128,39 @@ def test_cli_prepare_prints_throughput(corpus, tmp_path, capsys):
 
 def test_a_second_concurrent_prepare_is_refused(corpus, tmp_path):
     from data_pipeline.errors import SourceError
-    from data_pipeline.prepare import _lock
+    from data_pipeline.prepare import exclusive_lock
 
-    held = _lock(tmp_path / "mix.lock")  # as a running prepare holds it
+    held = exclusive_lock(tmp_path / "mix.lock", "")  # as a running prepare holds it
     try:
-        with pytest.raises(SourceError, match=rf"another `fbt data prepare` \(pid {os.getpid()}\) is writing .*mix\.tmp"):
+        with pytest.raises(SourceError, match=rf"another `fbt data prepare` is writing .*mix\.tmp: wait for it or stop "
+                                              rf"it \(pid {os.getpid()}; lock .*mix\.lock\)"):
             prepare_dataset(corpus["inputs"], tmp_path / "mix", corpus["tok"], shard_bytes=SHARD, progress=False)
     finally:
         held.close()
     idx = prepare_dataset(corpus["inputs"], tmp_path / "mix", corpus["tok"], shard_bytes=SHARD, progress=False)
     assert idx["num_samples"] == corpus["ref_index"]["num_samples"] and not (tmp_path / "mix.lock").exists()
+
+
+def test_the_lock_names_its_holder_and_goes_on_unlocked_where_the_file_system_has_no_locks(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """One lock for fbt data prepare and the job array's tokenize tasks (data_pipeline/array.py)."""
+    import errno
+
+    from data_pipeline import prepare
+    from data_pipeline.errors import SourceError
+
+    held = prepare.exclusive_lock(tmp_path / "locks" / "slice-00003.lock", "")
+    try:
+        with pytest.raises(SourceError, match=rf"^another process is tokenizing slice 3 \(pid {os.getpid()}; lock "):
+            prepare.exclusive_lock(tmp_path / "locks" / "slice-00003.lock", "another process is tokenizing slice 3")
+    finally:
+        held.close()
+
+    def no_locks(fh, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(prepare.fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="data_pipeline.prepare"):
+        unlocked = prepare.exclusive_lock(tmp_path / "nfs.lock", "busy")
+    unlocked.close()
+    assert "no lock on this file system" in caplog.text and (tmp_path / "nfs.lock").read_text() == str(os.getpid())
