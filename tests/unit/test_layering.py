@@ -155,8 +155,10 @@ def test_an_undeclared_subpackage_has_no_layer(tmp_path):
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """module -> the modules of PACKAGES it imports (anywhere in the file), a package's own ``__init__``
-    and its parents left out (importing one's package is how a submodule is reached)."""
+    """module -> the modules of PACKAGES it imports (anywhere in the file). A package's ``__init__`` is the
+    package's name: a submodule that imports a name its own package's ``__init__`` defines (``from . import
+    name``, ``from fbt_megatron import __version__``) depends on that ``__init__``, so a cycle through it
+    (the ``__init__`` importing the submodule back) is one."""
     modules = {module_name(path, root): path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
 
     def resolve(name: str) -> str | None:  # the longest prefix that is a module (``from x import name``)
@@ -166,7 +168,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     graph = {}
     for module, path in modules.items():
         targets = {resolve(name) for _, name in imports(path, root)}
-        graph[module] = {t for t in targets if t and t != module and not module.startswith(t + ".")}
+        graph[module] = {t for t in targets if t and t != module}
     return graph
 
 
@@ -209,3 +211,39 @@ def test_import_cycles_are_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_cycles(graph) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_cycle_through_a_packages_own_init_is_found(tmp_path):
+    pkg = tmp_path / "fbt_megatron"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model" / "__init__.py").write_text("from .layers import Layer\n\nSIZE = 4\n")
+    (pkg / "model" / "layers.py").write_text("from . import SIZE\n\n\nclass Layer:\n    size = SIZE\n")
+    (pkg / "model" / "other.py").write_text("import fbt_megatron.model.layers\n")  # a submodule through its package
+    (tmp_path / "data_pipeline").mkdir()
+    assert import_cycles(import_graph(tmp_path)) == [["fbt_megatron.model", "fbt_megatron.model.layers"]]
+
+
+def lower_modules_in_higher_packages() -> list[tuple[str, str]]:
+    """(module, package) for each module declared below the layer of a package that holds it: importing the
+    module runs that package's ``__init__`` first (fbt_megatron.hf.feedback_rule, layer 2, in hf, layer 6)."""
+    out = []
+    for name, layer in LAYERS.items():
+        parts = name.split(".")
+        for n in range(len(parts) - 1, 0, -1):
+            package = ".".join(parts[:n])
+            if (layer_of(package) or 0) > layer:
+                out.append((name, package))
+    return out
+
+
+def test_a_package_holding_a_lower_layer_module_has_an_init_without_imports():
+    """A module may sit below its package's layer only while the package's ``__init__`` imports nothing
+    (it runs first whenever the module is imported, and would bring its layer's imports along)."""
+    pairs = lower_modules_in_higher_packages()
+    assert ("fbt_megatron.hf.feedback_rule", "fbt_megatron.hf") in pairs
+    for module, package in pairs:
+        init = ROOT.joinpath(*package.split("."), "__init__.py")
+        found = [f"{init.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(ast.parse(init.read_text()))
+                 if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert not found, f"{module} (layer {LAYERS[module]}) needs {package}'s __init__ free of imports: {found}"
