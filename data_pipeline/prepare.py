@@ -2,7 +2,7 @@
 
 How the work is split, and why:
 
-* The parent process reads the inputs (JSONL decoding is ~100x cheaper than tokenizing) and cuts the
+* The parent process reads the inputs (JSONL decoding costs little next to tokenizing) and cuts the
   document stream into **shard tasks** by an estimate of the shard's size from the text length, so the
   cut depends only on the input (the output is byte-identical for any worker count).
 * Each task (shard number, first sample id, its documents) goes to a worker process that tokenizes it
@@ -49,7 +49,8 @@ TAR_OVERHEAD = 1536  # tar headers and padding of a sample's two members (estima
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:
-    """A 1-D array as ``.npy`` (format 1.0) bytes; a hand-written header is ~10x faster than ``np.save``."""
+    """A 1-D array as ``.npy`` (format 1.0) bytes, its header written by hand: ``np.save``'s generic writer
+    is the slow part for these small per-shard arrays (docs/results/benchmarks.md)."""
     header = "{'descr': '%s', 'fortran_order': False, 'shape': (%d,), }" % (arr.dtype.str, len(arr))
     pad = 64 - (10 + len(header) + 1) % 64
     header = (header + " " * (pad % 64) + "\n").encode("latin1")

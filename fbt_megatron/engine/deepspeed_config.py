@@ -60,8 +60,8 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
         "optimizer": {
             "type": "AdamW",
             # torch's fused AdamW: one kernel per tensor doing every element-wise op of the update (CPU and
-            # CUDA); the unfused one streams a flat ZeRO partition through memory ~8 times (28M elements,
-            # 2 threads: 18 ms fused, 112 ms unfused, 72 ms unfused in cache-sized chunks)
+            # CUDA); the unfused one streams a flat ZeRO partition through memory ~8 times (timings:
+            # docs/results/benchmarks.md, "Measurements behind code choices")
             "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                        "torch_adam": True, "adam_w_mode": True, "fused": True},
         },
@@ -72,8 +72,8 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
     }
     cfg.update(precision_config(recipe))
     if recipe.parallel.zero_stage in (1, 2) and not runtime.use_cuda():
-        # On CPU a contiguous gradient buffer only adds a copy of every gradient per micro-batch
-        # (profiled: ~15% of a ZeRO-2 step at 28M parameters); there is no fragmentation to avoid.
+        # On CPU a contiguous gradient buffer only adds a copy of every gradient per micro-batch (its cost:
+        # docs/results/benchmarks.md); there is no fragmentation to avoid.
         cfg["zero_optimization"]["contiguous_gradients"] = False
     if recipe.parallel.zero_stage == 3:
         # Small, deterministic buckets; no prefetch reordering surprises on CPU.

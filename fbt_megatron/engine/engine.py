@@ -41,8 +41,7 @@ NORM_CHUNK_ELEMENTS = 1 << 16  # 512 KiB in float64: a piece's copy stays in cac
 def squared_l2(grad: torch.Tensor) -> torch.Tensor:
     """sum(grad**2) accumulated in float64. On CPU piece by piece: a float64 copy of a whole gradient
     and its square are two fresh allocations per parameter and step, which the CPU allocator takes
-    from the OS and page-faults in every time (measured on one 3.1M-element gradient: 15.8 ms and
-    3k page faults against 3.8 ms and none in 64k pieces; the sums agree to 2e-15)."""
+    from the OS and page-faults in every time (timings: docs/results/benchmarks.md)."""
     grad = grad.detach()
     if grad.device.type != "cpu":
         return grad.double().pow(2).sum()

@@ -14,7 +14,8 @@ What it does (facts measured on these machines: ../shared design notes §5):
   PIDs, each after checking /proc that it is still the same program.
 
 Requeue-latency settings (``cred_expire=10``, ``bf_interval=1,sched_interval=2``) cut a requeued job's
-restart from ~2.5 min to ~11 s; ``KillWait`` is short so a cancel's SIGTERM->SIGKILL gap is quick.
+restart from minutes to seconds (docs/results/benchmarks.md); ``KillWait`` is short so a cancel's
+SIGTERM->SIGKILL gap is quick.
 """
 
 from __future__ import annotations

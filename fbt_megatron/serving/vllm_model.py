@@ -106,8 +106,8 @@ class LatentFeedback(HFLatentFeedback):
     names, so the export's ``feedback.*`` weights load as they are, and the same rule functions,
     ``hf/feedback_rule.py``), on vLLM's flattened ``[N, D]`` tokens.
     The two projections are vLLM's ``ReplicatedLinear``, so they run on the GEMM vLLM picks for the platform,
-    as the stack's layers do (on CPU its oneDNN kernel with prepacked weights: on 8 decode rows x a 1024 x 1024
-    weight, one thread, 192-213 us against torch's ``nn.Linear``'s 415-538 us).
+    as the stack's layers do (on CPU its oneDNN kernel with prepacked weights, faster than torch's
+    ``nn.Linear`` on decode rows: docs/results/benchmarks.md).
 
     The token's side of the fusion, ``token_gate`` = ``sigmoid(W_G e_t)`` (``W_G e_t`` for the additive
     fusion), is a function of the token id alone: with ``feedback_gate_table`` (config field, default true) it

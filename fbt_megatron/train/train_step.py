@@ -90,7 +90,7 @@ class FBTTrainStep:
 
     def _sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed in place over the data-parallel ranks. Over one rank it is the sum already, and
-        not called: gloo would still hand it to its worker thread and wait (~60 µs a call on CPU)."""
+        not called: gloo would still hand it to its worker thread and wait."""
         if self.dp_size > 1:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor
