@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import SIDE_SCRIPTS, transformers_envs
 from fbt_megatron.hf.mapping import ConversionError
+from tests.support import SIDE_SCRIPTS, transformers_envs
 
 SIDE = SIDE_SCRIPTS / "hf_versions_side.py"
 VOCAB = 384

@@ -12,8 +12,8 @@ from fbt_megatron.parallel.pipeline_runner import PipelineRunner
 from fbt_megatron.parallel.schedule import (BACKWARD, FORWARD, Op, build_schedule, grad_passes_for,
                                             theoretical_bubble)
 from fbt_megatron.runtime import ParallelLayout
-from tests.support.distributed import run_distributed
 from fbt_megatron.engine import Engine
+from tests.support.distributed import run_distributed
 from tests.support.model_helpers import feedback, shard, tiny_model_config, unshard
 
 # (passes, grad_mode, loss_on): every k with both gradient modes; both loss modes among them

@@ -24,8 +24,8 @@ def step_counts(run_dir: str, zero_stage: int):
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.recipe import load_recipe
-    from tests.support.training import tiny_recipe
     from fbt_megatron.train.train_step import FBTTrainStep
+    from tests.support.training import tiny_recipe
 
     recipe = load_recipe(data=tiny_recipe(run_dir, parallel={"pipeline": 2, "zero_stage": zero_stage}))
     torch.manual_seed(0)

@@ -235,9 +235,9 @@ def test_length_pairing_is_per_problem():
 
 
 def test_sft_recipes_are_checked_before_anything_runs(fx, tmp_path):
-    from tests.support.chat_helpers import sft_recipe as make
     from fbt_megatron.train.cli import sft_recipe as resolve
     from fbt_megatron.recipe import RecipeError, load_recipe
+    from tests.support.chat_helpers import sft_recipe as make
 
     plain = make(tmp_path, fx)
     plain["data"]["pipeline"] = chat_data_section(fx, name="text")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.distributed import run_distributed
 from fbt_megatron.checkpoint.safe_load import SafePickleModule as _SafePickleModule
+from tests.support.distributed import run_distributed
 from tests.support.training import tiny_recipe, train_fn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from tests.support.distributed import run_distributed
 from fbt_megatron.engine import no_weight_decay
 from fbt_megatron.train.lr_schedule import lr_at
+from tests.support.distributed import run_distributed
 from tests.support.training import grad_norms, losses, tiny_recipe, train_fn
 
 FAULTS = {0: "grad:zero", 2: "grad:nan", 3: "grad:inf", 4: "loss:inf"}

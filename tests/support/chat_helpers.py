@@ -24,8 +24,8 @@ def build_chat_fixture(root, n: int = 160, vocab_size: int = 512, seed: int = 0)
     plain-text dataset ``root/text`` (for a pretraining run to start SFT from)."""
     from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, prepare_chat
     from data_pipeline.prepare import prepare_dataset
-    from tests.support.data_fixtures import write_corpus
     from data_pipeline.tokenizer import train_tokenizer
+    from tests.support.data_fixtures import write_corpus
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

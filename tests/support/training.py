@@ -22,9 +22,9 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
     ``task="sft"``: ``fbt sft``'s path (the recipe resolved against ``init_from`` and checked first)."""
     os.environ.update(env or {})
     from fbt_megatron.recipe import load_recipe
-    from tests.support.faults import NonFiniteFaults
     from fbt_megatron.train.cli import sft_recipe
     from fbt_megatron.train.run import train
+    from tests.support.faults import NonFiniteFaults
 
     recipe = load_recipe(data=recipe_data)
     if task == "sft":

@@ -7,8 +7,8 @@ import pytest
 from fbt_megatron.checkpoint.state import CheckpointState
 from fbt_megatron.passes import PassSchedule
 from fbt_megatron.recipe import Recipe
-from tests.support.training import tiny_recipe
 from fbt_megatron.train.trainer import TrainState
+from tests.support.training import tiny_recipe
 
 
 class Counter:

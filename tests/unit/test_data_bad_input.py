@@ -17,8 +17,8 @@ from data_pipeline.errors import CorruptShardError, IndexError_, SourceError, To
 from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.shards import Dataset, sample_key, verify_dataset
-from tests.support.data_fixtures import build_fixture, fixture_config
 from data_pipeline.tokenizer import train_tokenizer
+from tests.support.data_fixtures import build_fixture, fixture_config
 
 S, MB, GB = 32, 2, 8
 

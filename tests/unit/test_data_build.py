@@ -16,8 +16,8 @@ from data_pipeline.embedded import math_documents
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.shards import Dataset, verify_dataset
-from tests.support.data_fixtures import build_fixture
 from data_pipeline.tokenizer import load_tokenizer, tokenizer_hash
+from tests.support.data_fixtures import build_fixture
 
 
 @pytest.fixture(scope="module")

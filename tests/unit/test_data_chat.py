@@ -351,8 +351,8 @@ def test_chat_data_with_a_hugging_face_tokenizer(tmp_path):
 
     from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, prepare_chat
     from data_pipeline.shards import Dataset, DatasetReader
-    from tests.support.data_fixtures import train_hf_bpe
     from data_pipeline.tokenizer import tokenizer_hash
+    from tests.support.data_fixtures import train_hf_bpe
 
     convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+4?"},
               {"role": "assistant", "content": "7"}, {"role": "user", "content": "and x2?"},

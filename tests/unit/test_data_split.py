@@ -13,9 +13,9 @@ from data_pipeline.errors import DataError
 from data_pipeline.loader import build_loader, held_out_documents, planner_for
 from data_pipeline.shards import Dataset
 from data_pipeline.stream import Planner, auto_valid_documents
+from data_pipeline.tokenizer import load_tokenizer
 from tests.support.data_fixtures import assert_same_batches as assert_same
 from tests.support.data_fixtures import build_fixture, fixture_config, global_stream
-from data_pipeline.tokenizer import load_tokenizer
 
 S, MB, GB = 32, 2, 8
 NAMES = ("web", "code", "math")

@@ -12,10 +12,10 @@ from data_pipeline.errors import DataError
 from data_pipeline.loader import build_loader, planner_for
 from data_pipeline.shards import Dataset
 from data_pipeline.stream import BLOCK, Planner
+from data_pipeline.tokenizer import load_tokenizer
 from tests.support.data_fixtures import assert_same_batches as assert_same
 from tests.support.data_fixtures import build_fixture, fixture_config
 from tests.support.data_fixtures import global_stream as _global_stream
-from data_pipeline.tokenizer import load_tokenizer
 
 S = 32
 MB = 2
