@@ -207,8 +207,7 @@ def main(argv=None) -> int:
             cfg = DataConfig(tokenizer=str(tok), seq_length=4096, sources=[
                 SourceConfig(name=d.name, path=str(d), weight=0.7), SourceConfig(name="small", path=str(small), weight=0.3)])
             child = [sys.executable, __file__, "--_child", json.dumps([cfg.model_dump_json(), str(root)])]
-            out = subprocess.run(child, capture_output=True, text=True, cwd=ROOT,
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            out = subprocess.run(child, capture_output=True, text=True, cwd=ROOT)
             if out.returncode:
                 print(out.stderr, file=sys.stderr)
                 return 1

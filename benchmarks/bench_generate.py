@@ -8,7 +8,7 @@ reported):
 - for reference, a plain GPT of the same size (fusion=off, no fusion layer at all).
 - prefill seconds for K = 1, 2 (FUSED) passes and for the exact (token-by-token) prefill.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_generate.py [--checkpoint runs/tiny] [--batch 1]
+    .venv/bin/python benchmarks/bench_generate.py [--checkpoint runs/tiny] [--batch 1]
 """
 
 from __future__ import annotations

@@ -17,9 +17,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(args) -> float:
@@ -79,7 +76,7 @@ def main(argv=None) -> int:
         print(json.dumps({"mib": measure(a)}))
         return 0
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     env.setdefault("FBT_DEVICE", "cpu")
     sizes = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.heads), "--vocab", str(a.vocab),
              "--seq", str(a.seq), "--batch", str(a.batch)]

@@ -22,7 +22,7 @@ from its prefix cache); the calls of one engine ranged over ±20 %: two runs on 
 standard 0.914 and 0.778. Each engine makes two untimed calls (one at its start, one in the untimed round).
 Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/support/vllm_env.py, built on first use).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving.py [--hidden 1024 --layers 8 --batch 8 --tokens 64 --rounds 6 --sessions 3]
+    .venv/bin/python benchmarks/bench_serving.py [--hidden 1024 --layers 8 --batch 8 --tokens 64 --rounds 6 --sessions 3]
 
 The defaults are the goal's measurement in docs/serving.md (about 5 minutes on 2 cores); `--hidden 256 --layers 4`
 is the small, dispatch-bound model also reported there.

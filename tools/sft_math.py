@@ -36,8 +36,7 @@ FEEDBACK_MIX = [0.75, 0.22, 0.03]
 
 
 def _env() -> dict:
-    return dict(os.environ, FBT_DEVICE=os.environ.get("FBT_DEVICE", "cpu"),
-                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return dict(os.environ, FBT_DEVICE=os.environ.get("FBT_DEVICE", "cpu"))
 
 
 def prepare_chat(work: Path, tokenizer: str, max_tokens: int) -> Path:
