@@ -46,7 +46,7 @@ def export(tmp_path_factory):
     from fbt_megatron import runtime
     from fbt_megatron.hf.export import export_checkpoint
     from fbt_megatron.hf.importer import import_hf
-    from test_hf_convert import _sp_tokenizer
+    from tests.integration.test_hf_convert import _sp_tokenizer
 
     root = tmp_path_factory.mktemp("first_use")
     _llama(root / "llama")

@@ -56,8 +56,8 @@ def vllm_python():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(run dir, feedback export, --standard export, reference tokens by mode)."""
-    from test_hf_convert import _sp_tokenizer
-    from test_hf_first_use import _llama
+    from tests.integration.test_hf_convert import _sp_tokenizer
+    from tests.integration.test_hf_first_use import _llama
 
     from fbt_megatron import runtime
     from fbt_megatron.generate.decoder import FeedbackDecoder
