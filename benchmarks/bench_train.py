@@ -3,7 +3,7 @@ PyTorch loop on Hugging Face's LlamaForCausalLM of about the same size, on CPU, 
 
     python benchmarks/bench_train.py [--sizes 1.8M,28M,100M] [--rounds 5] [--sessions 1]
                                      [--micro-batch 8] [--seq 128] [--accumulation 2] [--dp2-size 28M] [--skip-dp2]
-                                     [--skip-passes] [--megatron-rope] [--same-process] [--stages 0,1,2,3]
+                                     [--skip-passes] [--same-process] [--stages 0,1,2,3]
                                      [--fixed-malloc]
 
 Prints three tables:
@@ -125,23 +125,6 @@ def hf_step_fn(recipe):
     return step, sum(p.numel() for p in model.parameters())
 
 
-def with_megatron_rope(step_fn):
-    """``step_fn`` run with Megatron-Core's own RoPE, which the model replaces by model/rope.py's (cos/sin
-    once per forward): the RoPE change measured side by side (``--megatron-rope``)."""
-    from megatron.core.transformer import attention
-
-    from fbt_megatron.model import rope
-
-    def step(i, micro):
-        attention.apply_rotary_pos_emb = rope.MEGATRON_APPLY
-        try:
-            return step_fn(i, micro)
-        finally:
-            rope.install()
-
-    return step
-
-
 def batches(recipe, dp_rank, dp_size, steps):
     from fbt_megatron.data.loaders import build_train_loader
 
@@ -181,12 +164,11 @@ def interleaved_timed(variants: dict, rounds: int) -> dict:
 
 
 def build_variant(spec, a):
-    """``spec`` = (kind, size, ZeRO stage, passes) -> (step function, parameter count); kind "hf", "fbt",
-    or "fbt-megatron-rope"."""
+    """``spec`` = (kind, size, ZeRO stage, passes) -> (step function, parameter count); kind "hf" or "fbt"."""
     kind, size, zero, passes = spec
     recipe = recipe_for(size, zero, a)
     fn, params = hf_step_fn(recipe) if kind == "hf" else fbt_step_fn(recipe, passes)
-    return (with_megatron_rope(fn) if kind == "fbt-megatron-rope" else fn), params
+    return fn, params
 
 
 def start_variant(spec, a_dict, threads, steps: int):
@@ -283,8 +265,6 @@ def dp1_table(a):
     rows = {}
     for size in a.sizes:
         specs = {f"zero{zero}": ("fbt", size, zero, 1) for zero in a.stages}
-        if a.megatron_rope:
-            specs["zero0-megatron-rope"] = ("fbt-megatron-rope", size, 0, 1)
         specs["hf"] = ("hf", size, 0, 1)
         times, cpu, by_session = {name: [] for name in specs}, {name: [] for name in specs}, []
         for _ in range(a.sessions):  # fresh processes each session: what one process's placement costs averages out
@@ -332,8 +312,6 @@ def main(argv=None) -> int:
     ap.add_argument("--passes-size", default="1.8M")
     ap.add_argument("--skip-dp2", action="store_true")
     ap.add_argument("--skip-passes", action="store_true")
-    ap.add_argument("--megatron-rope", action="store_true",
-                    help="table 1 gets a ZeRO-0 column with Megatron-Core's own RoPE (before model/rope.py)")
     ap.add_argument("--stages", default="0,1,2,3", help="table 1's ZeRO stages (e.g. 0 for the goal's pair alone)")
     ap.add_argument("--same-process", action="store_true",
                     help="tables 1 and 3: every variant in this process (the placement before 2026-12-02)")
@@ -385,7 +363,7 @@ def main(argv=None) -> int:
         dp2 = run_distributed(dp2_worker, 2, a.dp2_size, vars(a), layout=ParallelLayout(), timeout=3600)[0]
 
     print("\n1. DP=1: fbt tokens/s / HF LlamaForCausalLM loop tokens/s (goal >= 1.0)")
-    columns = [f"zero{z}" for z in a.stages] + (["zero0-megatron-rope"] if a.megatron_rope else [])
+    columns = [f"zero{z}" for z in a.stages]
     print(f"{'size':>6s} {'fbt params':>11s} {'HF params':>10s} "
           + " ".join(f"{c.replace('zero', 'ZeRO-'):>{max(7, len(c) + 1)}s}" for c in columns))
     for size, (p_fbt, p_hf, med, _, _, _) in rows.items():

@@ -30,8 +30,8 @@ from fbt_megatron import runtime
 from fbt_megatron.engine.deepspeed_config import deepspeed_config, import_deepspeed
 from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
-from fbt_megatron.engine.patches import (SkippableStep, keep_flat_grad_partition, replace_zero0_clipping,
-                                        skip_one_rank_all_reduce)
+from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping
+from fbt_megatron.model import cpu_fastpaths
 from fbt_megatron.engine.sequence_parallel_grads import reduce_sequence_parallel_grads, sequence_parallel_params
 
 
@@ -126,14 +126,8 @@ class Engine:
         self._zero_fill_only = self.dp_size == 1 and self._own_grad_norm
         if self._zero_fill_only:
             self.ds.enable_backward_allreduce = False
-        # ZeRO-1/2 over one data-parallel rank: the same identity inside DeepSpeed's ZeRO optimiser, whose
-        # bookkeeping (gradient partitions, the zero-fill) stays DeepSpeed's (patches.py, 3.; fp32 buckets
-        # without contiguous gradients, i.e. CPU runs).
-        self._one_rank_all_reduce_patched = self.dp_size == 1 and self.zero_stage in (1, 2) and \
-            skip_one_rank_all_reduce(self.ds.optimizer)
-        # ZeRO-1/2 on CPU: the flat fp32 gradient partition each step builds goes into a kept buffer instead
-        # of a fresh mapping faulted in page by page (patches.py, 4.).
-        self._flat_grad_partition_kept = self.zero_stage in (1, 2) and keep_flat_grad_partition(self.ds.optimizer)
+        # ZeRO-1/2 on CPU: the room's DeepSpeed shortcuts, when installed (model/cpu_fastpaths.py).
+        self.cpu_fastpaths = cpu_fastpaths.install_zero(self.ds.optimizer)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(
             self.ds.optimizer, "immediate_grad_update", False)

@@ -50,6 +50,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from fbt_megatron.model import cpu_fastpaths
 from fbt_megatron.model.tensor_memo import LastTensorMemo
 
 ATTENTION_MASKS = ("document_causal", "causal")
@@ -209,10 +210,9 @@ class SDPADotProductAttention(DotProductAttention):
             return out.reshape(out.shape[0], -1)
         sq, batch = query.shape[:2]
         sk = key.shape[0]
-        # On CPU, [b, s, heads, d] in memory, the layout of SDPA's own output: in the 1.8M benchmark step its
-        # kernels took ~1.2x (forward) and ~1.3x (backward) as long on Megatron's [s, b] order. Measured on
-        # CPU only: on GPU the backend is chosen from the mask and layouts, so there SDPA gets what it got.
-        cpu = query.device.type == "cpu"
+        # The room's CPU layout (model/cpu_fastpaths.py, "sdpa_layout"): [b, s, heads, d] in memory, the
+        # layout of SDPA's own output, and the mask in SDPA's additive form once per mask.
+        cpu = query.device.type == "cpu" and cpu_fastpaths.active("sdpa_layout")
         q, k, v = (t.transpose(0, 1).contiguous() if cpu else t.transpose(0, 1) for t in (query, key, value))
         kw = {}
         if mask is not None:
@@ -229,7 +229,7 @@ class SDPADotProductAttention(DotProductAttention):
 def adapt_layer_spec(spec, attention_mask: str, num_layers: int, packed: bool = False):
     """The layer spec with SDPA for Megatron's local core attention, attention honouring an arbitrary
     mask (``document_causal``, unless packed) and, in place of Megatron's torch norms (no apex/TE),
-    ``norms.TorchNorm`` (marked for sequence parallelism; RMSNorm's CPU backward in a few passes).
+    ``norms.TorchNorm`` (marked for sequence parallelism).
     Returns a ModuleSpec, or TransformerBlockSubmodules when the block's final norm changes too; then
     ``num_layers`` is the number of layers this pipeline stage builds (Megatron's
     ``get_num_layers_to_build``), as Megatron's own block submodules would say. ``packed``: the model

@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.hf import feedback_rule as rule
-from fbt_megatron.model import cross_entropy, one_rank_linear, rope, swiglu, vocab
+from fbt_megatron.model import cpu_fastpaths, vocab
 from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
                                           document_positions, from_packed, packed_rotary_length, packed_seq_params,
                                           rotary_for_positions, spec_backend, to_packed)
@@ -112,20 +112,6 @@ def layer_spec(model: ModelConfig):
     return specs.get_gpt_layer_local_spec(normalization=model.normalization)
 
 
-def install_cpu_replacements() -> None:
-    """On the CPU path only, put the CPU replacements where Megatron looks its functions up: RoPE's cos/sin
-    once per forward (``model/rope.py``), the loss's row maximum by ``amax`` and its one-rank collectives
-    skipped (``model/cross_entropy.py``), SwiGLU without a compiler (``model/swiglu.py``), one-rank linear
-    layers as a plain product (``model/one_rank_linear.py``). On any other device nothing is replaced: the GPU
-    runs Megatron's and Transformer Engine's own functions (these were measured on CPU only)."""
-    if runtime.use_cuda():
-        return
-    rope.install()
-    cross_entropy.install()
-    swiglu.install()
-    one_rank_linear.install()
-
-
 def _seeded_layer_spec(spec, base_seed: int):
     """``spec`` whose layers draw their (CPU) initial weights from a generator seeded by the layer's
     *global* number: a pipeline stage that builds only layers 5..8 gets the same values as the
@@ -205,7 +191,7 @@ class FBTGPTModel(MegatronModule):
         config.apply_rope_fusion = self.attention_backend == "packed"
         spec = adapt_layer_spec(spec, model.attention_mask, get_num_layers_to_build(config),
                                 packed=packed)  # this stage's layers
-        install_cpu_replacements()
+        cpu_fastpaths.install(runtime.device())  # a no-op off the CPU (model/cpu_fastpaths.py)
         with runtime.cuda_calls_stay_on_cpu():  # megatron moves the tied last-stage copy with .cuda()
             self.gpt = GPTModel(
                 config=config,
@@ -292,7 +278,20 @@ class FBTGPTModel(MegatronModule):
             logits[..., self._padding_start:].fill_(float("-inf"))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        return self.gpt.compute_language_model_loss(labels, logits)
+        return self.language_model_loss(labels, logits)
+
+    def language_model_loss(self, labels, logits):
+        """Per-token cross entropy [B, S] of the head's logits [S, B, V_pad/TP] against ``labels`` [B, S]:
+        Megatron's ``GPTModel.compute_language_model_loss``, whose unfused loss is
+        ``tensor_parallel.vocab_parallel_cross_entropy`` as Megatron ships it (no label smoothing), or over
+        a one-rank CPU group the room's ``one_rank_loss`` when installed (``model/cpu_fastpaths.py``)."""
+        if self.config.cross_entropy_loss_fusion:
+            return self.gpt.compute_language_model_loss(labels, logits)
+        labels = labels.transpose(0, 1).contiguous()  # [B, S] -> [S, B]
+        loss = cpu_fastpaths.one_rank_cross_entropy(logits, labels)
+        if loss is None:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        return loss.transpose(0, 1).contiguous()
 
     def rotary(self, positions: torch.Tensor):
         """RoPE frequencies for positions [B, S] (None without RoPE): per token [S, B, 1, D] on the dense

@@ -6,10 +6,9 @@ names a kernel that is not installed (``persist_layer_norm`` with the torch norm
 switch needs:
 
 - ``bias_dropout_fusion``: Megatron's own ``jit_fuser`` (torch), any GPU.
-- ``bias_activation_fusion``: only for SwiGLU (``bias_swiglu``: exact SiLU), on every device: on GPU
-  Megatron's ``jit_fuser`` kernel, on CPU ``model/swiglu.py`` without a compiler (the unfused path's values,
-  one copy fewer each way; dense MLP only, no MoE here).
-  Megatron's fused GELU
+- ``bias_activation_fusion``: only for SwiGLU (``bias_swiglu``: exact SiLU) on GPU, Megatron's
+  ``jit_fuser`` (``torch.compile``d) kernel; on CPU that would need a C++ compiler and a compile in every
+  process, so the CPU runs Megatron's unfused SwiGLU. Megatron's fused GELU
   (``bias_gelu``/``bias_geglu``) is the tanh approximation, while the CPU path, the HF export and
   generation compute exact (erf) GELU — a GELU model trains with exact GELU on GPU too, so what the
   GPU trains is what ``model.activation: gelu`` says and the export computes;
@@ -40,7 +39,7 @@ def fused_switches(normalization: str, on_gpu: bool, available=module_available,
     apex_persist_norm = available("apex.contrib.layer_norm.layer_norm") and available("apex.normalization")
     return dict(
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=activation == "swiglu",
+        bias_activation_fusion=on_gpu and activation == "swiglu",
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu and apex_softmax,
         persist_layer_norm=on_gpu and apex_persist_norm and normalization == "LayerNorm",

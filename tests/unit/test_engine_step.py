@@ -133,7 +133,7 @@ def _zero_steps(tmp_path, zero: int, deepspeeds_reduction: bool, monkeypatch):
     from deepspeed import comm as dist
 
     recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
-    assert engine._one_rank_all_reduce_patched
+    assert "zero_one_rank_reduce" in engine.cpu_fastpaths
     if deepspeeds_reduction:
         del engine.ds.optimizer.allreduce_and_copy  # the class's method again
     calls = []
@@ -158,13 +158,26 @@ def test_one_rank_zero12_skip_the_bucket_all_reduce_and_update_alike(single_proc
     _assert_same_update(ours, theirs)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero12_is_deepspeeds_own_with_the_cpu_fastpaths_off(single_process, tmp_path, monkeypatch, zero):
+    """FBT_CPU_FASTPATHS=0: the engine leaves DeepSpeed's ZeRO optimiser its own methods (model/cpu_fastpaths.py)."""
+    from torch._utils import _flatten_dense_tensors
+
+    monkeypatch.setenv("FBT_CPU_FASTPATHS", "0")
+    _, engine = _engine(tmp_path, parallel={"zero_stage": zero})
+    assert engine.cpu_fastpaths == []
+    held = vars(engine.ds.optimizer)
+    assert "allreduce_and_copy" not in held and "flatten_dense_tensors_aligned" not in held
+    assert held["flatten"] is _flatten_dense_tensors  # what DeepSpeed's __init__ sets
+
+
 def _kept_partition_steps(tmp_path, zero: int, deepspeeds_flatten: bool):
     """Three clipped steps at DP=1 and ZeRO-``zero`` (as :func:`_zero_steps`), with the flat gradient
     partition in the kept buffer or DeepSpeed's fresh one; the model, flat partitions and moments, norms,
     and the addresses of the gradient each inner-optimiser call saw."""
     recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
     zero_optimizer = engine.ds.optimizer
-    assert engine._flat_grad_partition_kept
+    assert "zero_kept_grad_partition" in engine.cpu_fastpaths
     if deepspeeds_flatten:
         del zero_optimizer.flatten_dense_tensors_aligned  # the class's method again
         from torch._utils import _flatten_dense_tensors
@@ -199,7 +212,7 @@ def test_zero12_flat_gradient_partition_is_kept_and_updates_alike(single_process
 
 def test_flat_gradient_partition_buffer_only_for_cpu_partitions_without_offload():
     from fbt_megatron.engine import import_deepspeed
-    from fbt_megatron.engine.patches import keep_flat_grad_partition
+    from fbt_megatron.model import cpu_fastpaths as room
 
     import_deepspeed()
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -212,11 +225,12 @@ def test_flat_gradient_partition_buffer_only_for_cpu_partitions_without_offload(
         opt.flatten = _flatten_dense_tensors
         return opt
 
-    assert not keep_flat_grad_partition(optimizer("meta", False))  # an accelerator's partitions
-    assert not keep_flat_grad_partition(optimizer("cpu", True))  # offload: DeepSpeed's CPU-Adam path
-    assert not keep_flat_grad_partition(object())
+    assert room._kept_grad_partition(optimizer("meta", False)) is None  # an accelerator's partitions
+    assert room._kept_grad_partition(optimizer("cpu", True)) is None  # offload: DeepSpeed's CPU-Adam path
+    assert room.install_zero(object()) == []
     opt = optimizer("cpu", False)
-    assert keep_flat_grad_partition(opt)
+    for attribute, function in room._kept_grad_partition(opt).items():
+        setattr(opt, attribute, function)
     # only the list that is averaged_gradients[i] goes to the kept buffer, padded with zeros as DeepSpeed pads
     grads, other = [torch.arange(3.0), torch.ones(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
     opt.averaged_gradients = {0: grads, 1: None}

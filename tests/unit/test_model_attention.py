@@ -68,8 +68,8 @@ def test_fused_switches_only_with_their_kernels(single_process):
     assert every["persist_layer_norm"] and every["masked_softmax_fusion"]
     assert not fused_switches("RMSNorm", on_gpu=True, available=lambda name: True)["persist_layer_norm"]
     assert not any(fused_switches("LayerNorm", on_gpu=False, available=lambda name: True).values())
-    cpu_swiglu = fused_switches("RMSNorm", on_gpu=False, available=lambda name: True, activation="swiglu")
-    assert [k for k, on in cpu_swiglu.items() if on] == ["bias_activation_fusion"]  # model/swiglu.py on CPU
+    # no compiler on CPU: Megatron's unfused SwiGLU there
+    assert not any(fused_switches("RMSNorm", on_gpu=False, available=lambda name: True, activation="swiglu").values())
 
     config = build_model(tiny_model_config(), feedback()).config
     WrappedTorchNorm(dataclasses.replace(config, **none), 32)  # the local spec's norm accepts it

@@ -1,4 +1,5 @@
-"""Megatron's linear layers over one TP rank on CPU, as a plain product (fbt_megatron/model/one_rank_linear.py).
+"""Megatron's linear layers over one TP rank on CPU as a plain product: the ``one_rank_linear`` CPU fast path
+(fbt_megatron/model/cpu_fastpaths.py).
 
 The reference is the product written out in float64 (``y = x W^T + b``; ``dx = g W``, ``dW = g^T x``,
 ``db = Σ g``); then Megatron's own function and mappings: output and gradients bitwise, in the layers and
@@ -13,7 +14,7 @@ from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer import TransformerConfig
 
-from fbt_megatron.model import one_rank_linear
+from fbt_megatron.model import cpu_fastpaths as room
 from fbt_megatron.model.fbt_gpt import build_model
 from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
@@ -45,9 +46,9 @@ def run(col, row, x, grad):
 
 
 # the names Megatron's layers look up, and Megatron's own functions under them
-MEGATRONS = {"linear_with_grad_accumulation_and_async_allreduce": one_rank_linear.MEGATRON_LINEAR,
-             "copy_to_tensor_model_parallel_region": one_rank_linear.MEGATRON_COPY_TO,
-             "reduce_from_tensor_model_parallel_region": one_rank_linear.MEGATRON_REDUCE_FROM}
+MEGATRONS = {"linear_with_grad_accumulation_and_async_allreduce": room.MEGATRON_LINEAR,
+             "copy_to_tensor_model_parallel_region": room.MEGATRON_COPY_TO,
+             "reduce_from_tensor_model_parallel_region": room.MEGATRON_REDUCE_FROM}
 
 
 def inputs(dtype, seed=1):
@@ -73,7 +74,7 @@ def megatrons_own():
 
 
 def test_equals_the_product_in_float64(single_process):
-    one_rank_linear.install()
+    room.install("cpu")
     col, row = column_then_row(torch.float64)
     x, g = inputs(torch.float64)
     out, dx, dw1, db1, dw2, db2 = run(col, row, x, g)
@@ -90,7 +91,7 @@ def test_equals_the_product_in_float64(single_process):
 
 
 def test_agrees_with_megatrons_function(single_process, megatrons_own):
-    one_rank_linear.install()
+    room.install("cpu")
     col, row = column_then_row(torch.float32)
     x, g = inputs(torch.float32)
     ours = run(col, row, x, g)
@@ -120,7 +121,7 @@ def refuse_megatron_nodes(monkeypatch):
 
 
 def test_no_megatron_node_over_one_rank(single_process, monkeypatch):
-    one_rank_linear.install()
+    room.install("cpu")
     col, row = column_then_row(torch.float32)
     refuse_megatron_nodes(monkeypatch)
     run(col, row, *inputs(torch.float32))
@@ -149,36 +150,43 @@ class TwoRanks:
 
 
 @pytest.mark.parametrize("case", ["fusion", "sequence_parallel", "allreduce_dgrad", "buffer", "two_ranks", "meta",
-                                  "async_grad_allreduce"])
+                                  "async_grad_allreduce", "unknown_argument", "positional"])
 def test_everything_else_is_megatrons_function(single_process, monkeypatch, case):
     calls = []
-    monkeypatch.setattr(one_rank_linear, "MEGATRON_LINEAR", lambda *args: calls.append(args) or "megatron")
+    monkeypatch.setattr(room, "MEGATRON_LINEAR", lambda *args, **kwargs: calls.append((args, kwargs)) or "megatron")
     x = torch.randn(2, 3, 4, device="meta" if case == "meta" else "cpu")
     w = torch.randn(5, 4, device=x.device)
-    kwargs = dict(gradient_accumulation_fusion=case == "fusion", allreduce_dgrad=case == "allreduce_dgrad",
-                  sequence_parallel=case == "sequence_parallel", grad_output_buffer=[] if case == "buffer" else None,
+    kwargs = dict(input=x, weight=w, bias=None, gradient_accumulation_fusion=case == "fusion",
+                  allreduce_dgrad=case == "allreduce_dgrad", sequence_parallel=case == "sequence_parallel",
+                  grad_output_buffer=[] if case == "buffer" else None,
                   tp_group=TwoRanks() if case == "two_ranks" else None,
                   async_grad_allreduce=True if case == "async_grad_allreduce" else None)
-    assert one_rank_linear.linear_with_grad_accumulation_and_async_allreduce(x, w, None, **kwargs) == "megatron"
-    assert len(calls) == 1 and calls[0][0] is x and calls[0][-1] is kwargs["tp_group"]
+    if case == "unknown_argument":  # an argument a later Megatron adds: its function decides
+        kwargs["new_option"] = True
+    if case == "positional":  # after input and weight the wrapper reads arguments by name; by position they pass
+        args = (kwargs.pop("input"), kwargs.pop("weight"), kwargs.pop("bias"))
+    else:
+        args = (kwargs.pop("input"), kwargs.pop("weight"))  # as Megatron's layers pass them
+    assert room.linear_with_grad_accumulation_and_async_allreduce(*args, **kwargs) == "megatron"
+    assert calls == [(args, kwargs)]
 
 
 @pytest.mark.parametrize("case", ["two_ranks", "meta"])
 def test_mappings_elsewhere_are_megatrons(single_process, monkeypatch, case):
     seen = []
-    monkeypatch.setattr(one_rank_linear, "MEGATRON_COPY_TO", lambda x, group: seen.append(("copy", group)) or "copy")
-    monkeypatch.setattr(one_rank_linear, "MEGATRON_REDUCE_FROM", lambda x, group: seen.append(("reduce", group)) or "reduce")
+    monkeypatch.setattr(room, "MEGATRON_COPY_TO", lambda x, group: seen.append(("copy", group)) or "copy")
+    monkeypatch.setattr(room, "MEGATRON_REDUCE_FROM", lambda x, group: seen.append(("reduce", group)) or "reduce")
     x = torch.randn(2, 3, device="meta" if case == "meta" else "cpu")
     group = TwoRanks() if case == "two_ranks" else None
-    assert one_rank_linear.copy_to_tensor_model_parallel_region(x, group=group) == "copy"
-    assert one_rank_linear.reduce_from_tensor_model_parallel_region(x, group=group) == "reduce"
+    assert room.copy_to_tensor_model_parallel_region(x, group=group) == "copy"
+    assert room.reduce_from_tensor_model_parallel_region(x, group=group) == "reduce"
     assert seen == [("copy", group), ("reduce", group)]
 
 
 def test_megatrons_function_still_runs_through_the_installed_name(single_process):
     """Megatron's function reads its warning flag through the module's global name, which is ours after
-    install(): the fallback must run (here: an input-gradient all-reduce asked for over one CPU rank)."""
-    one_rank_linear.install()
+    install: the fallback must run (here: an input-gradient all-reduce asked for over one CPU rank)."""
+    room.install("cpu")
     x, w = torch.randn(3, 2, 4), torch.randn(5, 4, requires_grad=True)
     out = megatron_layers.linear_with_grad_accumulation_and_async_allreduce(
         x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=True, sequence_parallel=False)
@@ -187,5 +195,5 @@ def test_megatrons_function_still_runs_through_the_installed_name(single_process
 
 def test_no_parallel_state_is_not_one_rank():
     """Without Megatron's parallel state the default group is unknown: Megatron's function decides."""
-    assert not one_rank_linear.one_rank(None)
-    assert one_rank_linear.one_rank(TwoRanks()) is False
+    assert not room.one_rank(None)
+    assert room.one_rank(TwoRanks()) is False

@@ -1,18 +1,14 @@
-"""RoPE with cos/sin computed once per forward (fbt_megatron/model/rope.py).
+"""RoPE with cos/sin computed once per forward: the ``rope`` CPU fast path (fbt_megatron/model/cpu_fastpaths.py).
 
 The reference is RoPE's definition (each pair (x_i, x_{i+D/2}) rotated by the angle of its frequency),
 then Megatron-Core's own function: the cached path must give its values and gradients bitwise, in the
 layer and in the whole model, and hand every case it does not take to it."""
 
-import inspect
-
-import megatron.core
 import pytest
 import torch
-from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer import attention as megatron_attention
 
-from fbt_megatron.model import rope
+from fbt_megatron.model import cpu_fastpaths as room
 from fbt_megatron.model.fbt_gpt import build_model, transformer_config
 from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
@@ -42,7 +38,7 @@ def test_equals_the_definition_and_megatron_bitwise(config):
     freqs = frequencies(s, b, d)
     base = torch.randn(s, b, 3 * heads, d)
     outs, grads = [], []
-    for fn in (rope.apply_rotary_pos_emb, rope.MEGATRON_APPLY):
+    for fn in (room.apply_rotary_pos_emb, room.MEGATRON_APPLY_ROPE):
         mixed = base.clone().requires_grad_()
         q = mixed[:, :, :heads]  # a strided view, as Megatron's split of the fused QKV projection gives
         out = fn(q, freqs, config=config)
@@ -51,6 +47,7 @@ def test_equals_the_definition_and_megatron_bitwise(config):
         grads.append(mixed.grad)
     torch.testing.assert_close(outs[0], rope_from_definition(base[:, :, :heads], freqs), rtol=0, atol=1e-6)
     assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert type(outs[0].grad_fn).__name__ == "_RotateBackward"  # the short way, called as Megatron's attention does
 
 
 def test_rotation_equals_megatrons_expression_for_any_cos_sin():
@@ -62,7 +59,7 @@ def test_rotation_equals_megatrons_expression_for_any_cos_sin():
     cos, sin = torch.randn(6, 2, 1, 8, generator=g), torch.randn(6, 2, 1, 8, generator=g)
     grad = torch.randn(6, 2, 3, 8, generator=g)
     results = []
-    for fn in (lambda t: rope._Rotate.apply(t, cos, sin),
+    for fn in (lambda t: room._Rotate.apply(t, cos, sin),
                lambda t: t * cos + torch.cat((-t[..., 4:], t[..., :4]), dim=-1) * sin):
         mixed = base.clone().requires_grad_()
         out = fn(mixed[:, :, 3:6])
@@ -74,14 +71,14 @@ def test_rotation_equals_megatrons_expression_for_any_cos_sin():
 def test_a_new_frequency_tensor_is_not_served_from_the_cache(config):
     t = torch.randn(5, 2, 2, 8)
     first, second = frequencies(5, 2, 8, seed=1), frequencies(5, 2, 8, seed=2)
-    assert torch.equal(rope.apply_rotary_pos_emb(t, first, config), rope_from_definition(t, first))
-    assert torch.equal(rope.apply_rotary_pos_emb(t, second, config), rope_from_definition(t, second))
+    assert torch.equal(room.apply_rotary_pos_emb(t, first, config=config), rope_from_definition(t, first))
+    assert torch.equal(room.apply_rotary_pos_emb(t, second, config=config), rope_from_definition(t, second))
     second.mul_(0.5)  # changed in place: a new version of the same tensor
-    torch.testing.assert_close(rope.apply_rotary_pos_emb(t, second, config), rope_from_definition(t, second),
+    torch.testing.assert_close(room.apply_rotary_pos_emb(t, second, config=config), rope_from_definition(t, second),
                                rtol=0, atol=1e-6)
     # a fresh tensor each call, freed after it: the allocator hands out the same address (and id) again
     for seed in range(20):
-        out = rope.apply_rotary_pos_emb(t, frequencies(5, 2, 8, seed=100 + seed), config)
+        out = room.apply_rotary_pos_emb(t, frequencies(5, 2, 8, seed=100 + seed), config=config)
         torch.testing.assert_close(out, rope_from_definition(t, frequencies(5, 2, 8, seed=100 + seed)),
                                    rtol=0, atol=1e-6)
 
@@ -93,16 +90,16 @@ def test_each_dtype_gets_its_own_cos_sin(config):
     t = torch.randn(5, 2, 2, 8, dtype=torch.float64)
     for dtype in (torch.float64, torch.bfloat16, torch.float32):
         x = t.to(dtype)
-        out = rope.apply_rotary_pos_emb(x, freqs, config)
+        out = room.apply_rotary_pos_emb(x, freqs, config=config)
         assert out.dtype == dtype
-        assert torch.equal(out, rope.MEGATRON_APPLY(x, freqs, config=config))
+        assert torch.equal(out, room.MEGATRON_APPLY_ROPE(x, freqs, config=config))
 
 
 def test_inference_mode_tensors(config):
     """Tensors made under torch.inference_mode have no version counter: computed, not cached."""
     with torch.inference_mode():
         t, freqs = torch.randn(5, 2, 2, 8), frequencies(5, 2, 8, seed=4)
-        assert torch.equal(rope.apply_rotary_pos_emb(t, freqs, config), rope.MEGATRON_APPLY(t, freqs, config=config))
+        assert torch.equal(room.apply_rotary_pos_emb(t, freqs, config=config), room.MEGATRON_APPLY_ROPE(t, freqs, config=config))
 
 
 def test_inference_mode_leaves_nothing_for_training(config):
@@ -111,13 +108,13 @@ def test_inference_mode_leaves_nothing_for_training(config):
     freqs = frequencies(5, 2, 8, seed=5)
     t = torch.randn(5, 2, 2, 8)
     with torch.inference_mode():
-        rope.apply_rotary_pos_emb(t, freqs, config)
+        room.apply_rotary_pos_emb(t, freqs, config=config)
     x = t.clone().requires_grad_()
-    out = rope.apply_rotary_pos_emb(x, freqs, config)
+    out = room.apply_rotary_pos_emb(x, freqs, config=config)
     out.sum().backward()
     ref = t.clone().requires_grad_()
-    rope.MEGATRON_APPLY(ref, freqs, config=config).sum().backward()
-    assert torch.equal(out, rope.MEGATRON_APPLY(t, freqs, config=config)) and torch.equal(x.grad, ref.grad)
+    room.MEGATRON_APPLY_ROPE(ref, freqs, config=config).sum().backward()
+    assert torch.equal(out, room.MEGATRON_APPLY_ROPE(t, freqs, config=config)) and torch.equal(x.grad, ref.grad)
 
 
 @pytest.mark.parametrize("case", ["cu_seqlens", "interleaved", "mscale", "partial", "fusion", "mla", "freqs_grad"])
@@ -128,7 +125,7 @@ def test_other_cases_go_to_megatron(config, case, monkeypatch):
         calls.append(kwargs)
         return "megatron"
 
-    monkeypatch.setattr(rope, "MEGATRON_APPLY", megatron_apply)
+    monkeypatch.setattr(room, "MEGATRON_APPLY_ROPE", megatron_apply)
     t, freqs, kwargs = torch.randn(6, 1, 2, 8), frequencies(6, 1, 8), {}
     if case == "cu_seqlens":
         kwargs["cu_seqlens"] = torch.tensor([0, 3, 6], dtype=torch.int32)
@@ -144,7 +141,7 @@ def test_other_cases_go_to_megatron(config, case, monkeypatch):
         config.multi_latent_attention = True
     else:
         freqs.requires_grad_()  # its gradient is Megatron's to compute
-    assert rope.apply_rotary_pos_emb(t, freqs, config, **kwargs) == "megatron" and len(calls) == 1
+    assert room.apply_rotary_pos_emb(t, freqs, config=config, **kwargs) == "megatron" and len(calls) == 1
 
 
 @pytest.mark.parametrize("num_passes,recompute", [(1, "none"), (3, "none"), (3, "full")])
@@ -154,13 +151,13 @@ def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkey
     forward and backward instead of twice per layer and pass (and again in recompute)."""
     torch.manual_seed(0)
     model = build_model(tiny_model_config(**LLAMA, recompute=recompute), feedback(fusion="glu"))
-    assert megatron_attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb  # installed by the model
+    assert megatron_attention.apply_rotary_pos_emb is room.apply_rotary_pos_emb  # installed by the model
     cos_calls = []
     real_cos = torch.cos
     monkeypatch.setattr(torch, "cos", lambda x: cos_calls.append(1) or real_cos(x))
     ours = loss_and_grads(model, num_passes)
     assert len(cos_calls) == 1
-    monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb", rope.MEGATRON_APPLY)
+    monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb", room.MEGATRON_APPLY_ROPE)
     cos_calls.clear()
     theirs = loss_and_grads(model, num_passes)
     recomputed = 2 if recompute == "full" else 1  # the forward, then again in backward
@@ -169,12 +166,3 @@ def test_model_equals_megatron_rope_and_computes_cos_once(single_process, monkey
     assert ours[1].keys() == theirs[1].keys()
     for name in ours[1]:
         assert torch.equal(ours[1][name], theirs[1][name]), name
-
-
-def test_written_for_this_megatron_core():
-    """The replacement takes Megatron's place by name and signature: an upgrade that changes either must
-    be checked again (pyproject pins megatron-core 0.16.x)."""
-    assert megatron.core.__version__.startswith("0.16."), megatron.core.__version__
-    assert hasattr(megatron_attention, "apply_rotary_pos_emb")
-    ours = list(inspect.signature(rope.apply_rotary_pos_emb).parameters)
-    assert list(inspect.signature(rope_utils.apply_rotary_pos_emb).parameters) == ours
