@@ -30,9 +30,9 @@ How attention runs (``attention_backend``, chosen from the layers, the mask and 
 - ``sdpa`` (Megatron's local layers: CPU, or a GPU without TE): Megatron's core attention is replaced by
   :class:`SDPADotProductAttention`, which computes the same thing with ``torch.nn.functional.
   scaled_dot_product_attention`` (fused kernels on CPU and GPU, no stored S x S probabilities) from a
-  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention); on CPU converted to
-  SDPA's additive form once per mask (:func:`additive_mask`), with query, key, value and the output's
-  gradient laid out ``[B, S, heads, d]``, the layout SDPA's CPU kernels run fastest on. For
+  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention); on CPU, with the
+  ``sdpa_layout`` fast path (``model/cpu_fastpaths.py``), converted to SDPA's additive form once per mask,
+  with query, key, value and the output's gradient laid out ``[B, S, heads, d]``. For
   ``document_causal`` the spec's self-attention is switched to ``AttnMaskType.arbitrary`` so the mask
   is honoured.
 
@@ -51,7 +51,6 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from fbt_megatron.model import cpu_fastpaths
-from fbt_megatron.model.tensor_memo import LastTensorMemo
 
 ATTENTION_MASKS = ("document_causal", "causal")
 
@@ -70,22 +69,6 @@ def document_causal_mask(reset: torch.Tensor) -> torch.Tensor:
     later = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=reset.device), diagonal=1)
     other_doc = doc.unsqueeze(2) != doc.unsqueeze(1)  # [B, Sq, Sk]
     return (later.unsqueeze(0) | other_doc).unsqueeze(1)
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
-
-
-_ADDITIVE = LastTensorMemo(_additive)
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Megatron's boolean mask (True = masked out) as SDPA's additive one (0 / -inf) in ``dtype``. Every
-    layer and pass of a forward gets the same mask and SDPA would convert a boolean one in every call, so
-    the conversion is kept for the last mask seen, per dtype (``model/tensor_memo.py``). Megatron's selective
-    recompute detaches the mask per layer: a conversion per recomputed layer, as before. A mask that lives
-    on (the model's causal one) keeps its conversion alive with it."""
-    return _ADDITIVE.get(mask, dtype)
 
 
 def rotary_for_positions(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -153,21 +136,6 @@ def spec_backend(spec, attention_mask: str, dtype: torch.dtype) -> str:
     return attention_backend(_uses_te_attention(spec), attention_mask, dtype)
 
 
-class _SequenceFirst(torch.autograd.Function):
-    """``[b, s, heads, d]`` -> Megatron's ``[s, b, heads*d]``, contiguous, whose gradient goes back contiguous
-    in ``[b, s, heads, d]``: autograd's own reshape would hand SDPA a gradient in ``[s, b]`` order, on which
-    its CPU backward took ~1.3x as long (1.8M benchmark step)."""
-
-    @staticmethod
-    def forward(ctx, out):
-        ctx.heads_shape = out.shape[2:]
-        return out.transpose(0, 1).contiguous().view(out.shape[1], out.shape[0], -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.transpose(0, 1).contiguous().view(grad.shape[1], grad.shape[0], *ctx.heads_shape)
-
-
 class SDPADotProductAttention(DotProductAttention):
     """Megatron's local core attention computed by ``torch.nn.functional.scaled_dot_product_attention``
     (same inputs, outputs and dropout RNG): ``[sq, b, np, hn]`` query, ``[sk, b, ng, hn]`` key/value,
@@ -216,14 +184,14 @@ class SDPADotProductAttention(DotProductAttention):
         q, k, v = (t.transpose(0, 1).contiguous() if cpu else t.transpose(0, 1) for t in (query, key, value))
         kw = {}
         if mask is not None:
-            kw["attn_mask"] = additive_mask(mask, q.dtype) if cpu else ~mask
+            kw["attn_mask"] = cpu_fastpaths.additive_mask(mask, q.dtype) if cpu else ~mask
         elif (mask_type or self.attn_mask_type) == AttnMaskType.causal:
             if sq == sk:
                 kw["is_causal"] = True
             else:  # queries are the last sq of the sk positions
                 kw["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
         out = sdpa(q, k, v, **kw)  # [b, sq, np, hn]
-        return _SequenceFirst.apply(out) if cpu else out.transpose(0, 1).reshape(sq, batch, -1)
+        return cpu_fastpaths.SequenceFirst.apply(out) if cpu else out.transpose(0, 1).reshape(sq, batch, -1)
 
 
 def adapt_layer_spec(spec, attention_mask: str, num_layers: int, packed: bool = False):

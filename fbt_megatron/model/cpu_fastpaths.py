@@ -10,9 +10,9 @@ only in the case it was written for (CPU tensors, one tensor-parallel or data-pa
 handing every other call to the library's own function, with its arguments passed through by name.
 :func:`uninstall` (or :func:`disabled`) puts the libraries' own objects back.
 
-Why: on the 2-core CPU machine where the research runs train, each gains at least 2 % of a training
-step at the research sizes (measured side by side, ``benchmarks/bench_cpu_fastpaths.py``; figures in
-``docs/results/benchmarks.md``). The shortcuts, by name:
+Why: speed on the 2-core CPU machine where the research runs train. A shortcut stays here only while it
+gains >= 2 % of a training step at the research sizes, measured side by side by
+``benchmarks/bench_cpu_fastpaths.py`` (figures in ``docs/results/benchmarks.md``). The shortcuts, by name:
 
 - ``rope``: Megatron's unfused RoPE with cos/sin once per frequency tensor (not twice per layer and pass)
   and the rotation written half by half into one tensor (no negated copy, concatenation or final copy).
@@ -21,8 +21,9 @@ step at the research sizes (measured side by side, ``benchmarks/bench_cpu_fastpa
   and the row maximum by ``torch.amax``, which does not compute the argmax ``torch.max`` throws away).
 - ``one_rank_linear``: Megatron's tensor-parallel linear layers and region mappings over a one-rank group
   as a plain ``matmul`` and the tensor itself (Megatron's Python autograd nodes are identities there).
-- ``sdpa_layout``: the model's SDPA attention with query, key, value and the output's gradient laid out
-  ``[B, S, heads, d]`` and the mask in SDPA's additive form once per mask.
+- ``sdpa_layout``: the model's SDPA attention (``model/attention.py``, which asks :func:`active`) with query,
+  key, value and the output's gradient laid out ``[B, S, heads, d]`` (:class:`SequenceFirst`) and the mask
+  in SDPA's additive form once per mask (:func:`additive_mask`).
 - ``zero_one_rank_reduce``: ZeRO-1/2's gradient-bucket reduction over a one-rank data-parallel group
   without the flatten, the division by 1 and the all-reduce over one rank.
 - ``zero_kept_grad_partition``: ZeRO-1/2's flat fp32 gradient partition written into a buffer kept
@@ -198,6 +199,36 @@ def reduce_from_tensor_model_parallel_region(input_, *args, **kwargs):
     if not args and kwargs.keys() <= {"group"} and input_.device.type == "cpu" and one_rank(kwargs.get("group")):
         return input_
     return MEGATRON_REDUCE_FROM(input_, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- sdpa layout
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+_ADDITIVE = LastTensorMemo(_additive)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Megatron's boolean mask (True = masked out) as SDPA's additive one (0 / -inf) in ``dtype``, kept for the
+    last mask seen, per dtype (``model/tensor_memo.py``): every layer and pass of a forward gets the same
+    mask, which SDPA would convert in every call. A mask that lives on keeps its conversion alive with it."""
+    return _ADDITIVE.get(mask, dtype)
+
+
+class SequenceFirst(torch.autograd.Function):
+    """``[b, s, heads, d]`` -> Megatron's ``[s, b, heads*d]``, contiguous, whose gradient goes back contiguous
+    in ``[b, s, heads, d]`` (autograd's own reshape would hand SDPA's CPU backward a gradient in ``[s, b]``
+    order, the slower layout for its kernels)."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.heads_shape = out.shape[2:]
+        return out.transpose(0, 1).contiguous().view(out.shape[1], out.shape[0], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(0, 1).contiguous().view(grad.shape[1], grad.shape[0], *ctx.heads_shape)
 
 
 # ------------------------------------------------------------------------------ ZeRO-1/2 (DeepSpeed)

@@ -194,7 +194,7 @@ def test_additive_mask_is_the_boolean_one_converted_once_per_mask():
     another dtype."""
     import gc
 
-    from fbt_megatron.model import attention
+    from fbt_megatron.model import cpu_fastpaths
 
     def expected(mask, dtype):  # from the definition
         return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask, float("-inf"))
@@ -202,44 +202,46 @@ def test_additive_mask_is_the_boolean_one_converted_once_per_mask():
     g = torch.Generator().manual_seed(2)
     full_row = torch.zeros(2, 1, 6, 6, dtype=torch.bool).index_fill(2, torch.tensor([3]), True)
     first = (torch.rand(2, 1, 6, 6, generator=g) < 0.5) | full_row  # a fully masked query row
-    converted = attention.additive_mask(first, torch.float32)
+    converted = cpu_fastpaths.additive_mask(first, torch.float32)
     assert torch.equal(converted, expected(first, torch.float32))
-    assert attention.additive_mask(first, torch.float32) is converted  # the same mask: converted once
-    first_entry = attention._ADDITIVE._entry  # held (as a reader in another thread may): its callback stays armed
+    assert cpu_fastpaths.additive_mask(first, torch.float32) is converted  # the same mask: converted once
+    first_entry = cpu_fastpaths._ADDITIVE._entry  # held (as a reader in another thread may): its callback stays armed
     second = ~first  # same shape and version, other content
-    assert torch.equal(attention.additive_mask(second, torch.float32), expected(second, torch.float32))
-    assert attention.additive_mask(second, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(cpu_fastpaths.additive_mask(second, torch.float32), expected(second, torch.float32))
+    assert cpu_fastpaths.additive_mask(second, torch.bfloat16).dtype == torch.bfloat16
     second[1, 0, 2, 4] = ~second[1, 0, 2, 4]  # changed in place
-    kept = attention.additive_mask(second, torch.bfloat16)
+    kept = cpu_fastpaths.additive_mask(second, torch.bfloat16)
     assert torch.equal(kept, expected(second, torch.bfloat16))
     del first, converted
     gc.collect()
-    assert attention.additive_mask(second, torch.bfloat16) is kept  # an older mask's death leaves it
+    assert cpu_fastpaths.additive_mask(second, torch.bfloat16) is kept  # an older mask's death leaves it
     del first_entry
     with torch.inference_mode():  # converted, not kept: an inference tensor cannot be saved for backward
-        assert torch.equal(attention.additive_mask(second, torch.float32), expected(second, torch.float32))
+        assert torch.equal(cpu_fastpaths.additive_mask(second, torch.float32), expected(second, torch.float32))
         made_inside = torch.ones(1, 1, 2, 2, dtype=torch.bool).triu(1)
-        assert torch.equal(attention.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
-    assert torch.float32 not in attention._ADDITIVE._entry[2]
-    entry = attention._ADDITIVE._entry
+        assert torch.equal(cpu_fastpaths.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
+    assert torch.float32 not in cpu_fastpaths._ADDITIVE._entry[2]
+    entry = cpu_fastpaths._ADDITIVE._entry
     # an inference tensor used outside the mode (a mask the model kept from an inference forward)
-    assert torch.equal(attention.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
-    assert attention._ADDITIVE._entry is entry
+    assert torch.equal(cpu_fastpaths.additive_mask(made_inside, torch.float32), expected(made_inside, torch.float32))
+    assert cpu_fastpaths._ADDITIVE._entry is entry
     del entry
-    assert attention.additive_mask(second, torch.bfloat16) is kept
+    assert cpu_fastpaths.additive_mask(second, torch.bfloat16) is kept
     del second, kept
     gc.collect()
-    assert attention._ADDITIVE._entry is None  # nothing kept once its mask is gone
+    assert cpu_fastpaths._ADDITIVE._entry is None  # nothing kept once its mask is gone
 
 
 def test_sdpa_runs_batch_first_both_ways(single_process, monkeypatch):
-    """SDPA's CPU kernels run slower on Megatron's [s, b] order (~1.2x forward, ~1.3x backward):
-    the core attention hands them query, key, value and the output's gradient laid out [b, s, heads, d]
-    (the output itself was checked against Megatron's above)."""
+    """With the ``sdpa_layout`` CPU fast path the core attention hands SDPA's CPU kernels query, key, value
+    and the output's gradient laid out [b, s, heads, d], and the mask in its additive form (the output
+    itself was checked against Megatron's above)."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from fbt_megatron.model import attention
+    from fbt_megatron.model import attention, cpu_fastpaths
     from fbt_megatron.model.fbt_gpt import transformer_config
+
+    cpu_fastpaths.install("cpu")
 
     real, seen = attention.F.scaled_dot_product_attention, {}
 
