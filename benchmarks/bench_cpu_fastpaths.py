@@ -11,7 +11,8 @@ others on), one with all on again; the block's ratio is off over on (> 1: the sh
 is the median of the blocks' ratios, with their quartiles. The two sides of a ratio run within a second of
 each other: on a shared machine whose load comes in bursts (a step taking several times its quiet time for
 seconds at a time) a burst mostly slows a whole block, where per-variant medians over rounds moved with
-the bursts. ``all off`` is the same against every shortcut off. ``--write`` replaces the section of
+the bursts; the table adds the median over the quiet blocks alone (``QUIET``). ``all off`` is the same
+against every shortcut off. ``--write`` replaces the section of
 ``docs/results/benchmarks.md`` with the table, date, commit and load.
 """
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("FBT_DEVICE", "cpu")
 
+QUIET = 1.3  # a quiet block: its slowest step within 30 % of its fastest (no burst of load inside it)
 SIZES = {"tiny": [], "medium": ["model.num_layers=8", "model.hidden_size=384", "model.num_attention_heads=6"]}
 DOC = ROOT / "docs" / "results" / "benchmarks.md"
 BEGIN, END = "<!-- bench_cpu_fastpaths: begin -->", "<!-- bench_cpu_fastpaths: end -->"
@@ -43,10 +45,10 @@ def research_recipe(size: str):
         "data.source=synthetic", "data.synthetic.vocab_size=4096", "schedule.feedback_start_step=1000000000"])
 
 
-def measure(size: str, blocks: int, only=None, raw: bool = False) -> dict[str, list[float]]:
+def measure(size: str, blocks: int, only=None, raw: bool = False) -> dict[str, list[tuple[float, bool]]]:
     """Per shortcut (and ``all off``), ``blocks`` ratios: step time with it off over step time with all on,
     each from one ABBA block (on, off, off, on: one step each, the same batch), so that the two sides of a
-    ratio run within a second of each other (module doc)."""
+    ratio run within a second of each other (module doc); with each, whether the block was quiet."""
     from bench_train import batches, fbt_step_fn
 
     from fbt_megatron.model import cpu_fastpaths as room
@@ -73,8 +75,8 @@ def measure(size: str, blocks: int, only=None, raw: bool = False) -> dict[str, l
     ratios = {name: [] for name in variants}
     for b in range(blocks):
         for name, off in variants.items():
-            on_1, off_1, off_2, on_2 = timed(()), timed(off), timed(off), timed(())
-            ratios[name].append((off_1 + off_2) / (on_1 + on_2))
+            on_1, off_1, off_2, on_2 = block = timed(()), timed(off), timed(off), timed(())
+            ratios[name].append(((off_1 + off_2) / (on_1 + on_2), max(block) < QUIET * min(block)))
             if raw:
                 print(size, b, name, f"on {on_1 * 1e3:.0f} {on_2 * 1e3:.0f} off {off_1 * 1e3:.0f} {off_2 * 1e3:.0f}",
                       flush=True)
@@ -82,16 +84,20 @@ def measure(size: str, blocks: int, only=None, raw: bool = False) -> dict[str, l
     return ratios
 
 
-def table(results: dict[str, dict[str, list[float]]]) -> list[str]:
-    """Per shortcut and size: the median of the blocks' off / on ratios, and their quartiles."""
+def table(results: dict[str, dict[str, list[tuple[float, bool]]]]) -> list[str]:
+    """Per shortcut and size: the median of the blocks' off / on ratios, their quartiles, and the median over
+    the quiet blocks alone (with their number)."""
     sizes = list(results)
-    lines = ["| shortcut | " + " | ".join(f"{s}: off / on, median (quartiles)" for s in sizes) + " |",
+    lines = ["| shortcut | " + " | ".join(f"{s}: off / on, median (quartiles); quiet blocks" for s in sizes) + " |",
              "|---|" + "---|" * len(sizes)]
     for name in next(iter(results.values())):
         cells = []
         for s in sizes:
-            q1, q2, q3 = statistics.quantiles(results[s][name], n=4)
-            cells.append(f"{statistics.median(results[s][name]):.3f} ({q1:.3f}-{q3:.3f})")
+            ratios = [r for r, _ in results[s][name]]
+            quiet = [r for r, q in results[s][name] if q]
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            cells.append(f"{statistics.median(ratios):.3f} ({q1:.3f}-{q3:.3f}); "
+                         + (f"{statistics.median(quiet):.3f} ({len(quiet)})" if quiet else "none"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("| (blocks) | " + " | ".join(str(len(next(iter(results[s].values())))) for s in sizes) + " |")
     return lines
@@ -142,7 +148,7 @@ def main() -> None:
     for size in a.sizes.split(","):
         blocks = a.medium_blocks if size == "medium" and a.medium_blocks else a.blocks
         results[size] = measure(size, blocks, a.only.split(",") if a.only else None, a.raw)
-        print(size, {k: round(statistics.median(v), 3) for k, v in results[size].items()}, flush=True)
+        print(size, {k: round(statistics.median(r for r, _ in v), 3) for k, v in results[size].items()}, flush=True)
     lines = table(results)
     print("\n".join(lines))
     if a.write:
