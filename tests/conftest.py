@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -17,13 +16,6 @@ def pytest_configure(config):
                             "skips with the reason elsewhere")
     os.environ.update(session_env(config.option.markexpr or "", os.environ, torch.cuda.is_available()))
     runtime.quiet_known_warnings()  # again, now that the device is decided (the package's import ran it)
-    # Transitional: six model tests that another branch is editing (test_rope, test_swiglu,
-    # test_cross_entropy, test_norms, test_model_one_rank_linear, test_cpu_replacements_off_gpu) still say
-    # `from model_helpers import ...`, the name from before tests/ was a package. Remove these lines once
-    # they import tests.support.model_helpers like the others.
-    from tests.support import model_helpers
-
-    sys.modules.setdefault("model_helpers", model_helpers)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from megatron.core.transformer import TransformerConfig
 
 from fbt_megatron.model import cpu_fastpaths as room
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 
 def column_then_row(dtype, seed=0):

@@ -14,7 +14,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from fbt_megatron.model import cpu_fastpaths as room
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 MEGATRON_CROSS_ENTROPY = tensor_parallel.vocab_parallel_cross_entropy
 

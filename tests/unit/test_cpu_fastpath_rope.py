@@ -10,7 +10,7 @@ from megatron.core.transformer import attention as megatron_attention
 
 from fbt_megatron.model import cpu_fastpaths as room
 from fbt_megatron.model.fbt_gpt import build_model, transformer_config
-from model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, loss_and_grads, tiny_model_config
 
 
 def rope_from_definition(t, angles):

@@ -20,9 +20,9 @@ import torch
 from fbt_megatron import runtime
 from fbt_megatron.model import cpu_fastpaths as room
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import feedback, tiny_model_config
+from tests.support.model_helpers import feedback, tiny_model_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # tests/unit/ -> the repository root
 LIBRARIES = ("megatron", "deepspeed", "transformer_engine")
 ROOM = ROOT / "fbt_megatron" / "model" / "cpu_fastpaths.py"
 
@@ -115,8 +115,10 @@ ALLOWED = {
 
 
 def test_only_the_room_replaces_library_attributes():
+    paths = sorted((ROOT / "fbt_megatron").rglob("*.py"))
+    assert ROOM in paths, f"the scan must see the package's source (looked under {ROOT / 'fbt_megatron'})"
     found = []
-    for path in sorted((ROOT / "fbt_megatron").rglob("*.py")):
+    for path in paths:
         if path == ROOM:
             continue
         name = str(path.relative_to(ROOT))
@@ -194,7 +196,7 @@ def test_sdpa_layout_equals_the_stock_layout(single_process, room_state):
     """The ``sdpa_layout`` fast path (batch-first SDPA, additive mask) against the model's stock SDPA call
     (Megatron's [s, b] order, boolean mask): the same loss and gradients to rounding (document-causal
     mask, 2 passes)."""
-    from model_helpers import loss_and_grads
+    from tests.support.model_helpers import loss_and_grads
 
     torch.manual_seed(0)
     model = build_model(tiny_model_config(), feedback(fusion="glu"))

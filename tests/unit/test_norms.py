@@ -6,7 +6,7 @@ import torch
 
 from fbt_megatron.model import norms
 from fbt_megatron.model.fbt_gpt import build_model
-from model_helpers import LLAMA, feedback, tiny_model_config
+from tests.support.model_helpers import LLAMA, feedback, tiny_model_config
 
 
 def test_model_uses_torchs_rmsnorm(single_process):
