@@ -23,13 +23,10 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("FBT_DEVICE", "cpu")
 
 QUIET = 1.3  # a quiet block: its slowest step within 30 % of its fastest (no burst of load inside it)

@@ -34,10 +34,7 @@ import statistics
 import sys
 import time
 from importlib.metadata import version
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("FBT_DEVICE", "cpu")
 
 SIZES = {  # name -> (layers, hidden, heads); vocab 4096 (the embedded tokenizer), seq from --seq
@@ -357,7 +354,7 @@ def main(argv=None) -> int:
     dp2 = None
     if not a.skip_dp2:
         from fbt_megatron.runtime import ParallelLayout
-        from fbt_megatron.testing.distributed import run_distributed
+        from harness import run_distributed
 
         a.dp = 2
         dp2 = run_distributed(dp2_worker, 2, a.dp2_size, vars(a), layout=ParallelLayout(), timeout=3600)[0]
