@@ -1,5 +1,5 @@
 """The two places where the engine replaces a DeepSpeed method for correctness, and the DeepSpeed versions
-they were written against (``tests/test_engine_patches.py`` fails on any other version, so an upgrade is a
+they were written against (``tests/unit/test_engine_patches.py`` fails on any other version, so an upgrade is a
 deliberate re-check of both):
 
 1. :class:`SkippableStep` replaces the inner torch optimiser's ``step`` so a step can be skipped

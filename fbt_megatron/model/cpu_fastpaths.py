@@ -5,8 +5,8 @@ shortcuts below only when the device is the CPU, ``FBT_CPU_FASTPATHS`` is not ``
 megatron-core, deepspeed and torch are the versions in :data:`CHECKED_VERSIONS` (on a mismatch it warns
 once, naming both, and installs nothing: the stock path is always correct). Every other device runs
 Megatron's, Transformer Engine's and DeepSpeed's own functions with no replaced global. Each shortcut
-gives the library's values and gradients bitwise (``sdpa_layout``: to rounding; ``tests/test_cpu_fastpath*.py``,
-``tests/test_engine_step.py``) and takes the short way
+gives the library's values and gradients bitwise (``sdpa_layout``: to rounding; ``tests/unit/test_cpu_fastpath*.py``,
+``tests/unit/test_engine_step.py``) and takes the short way
 only in the case it was written for (CPU tensors, one tensor-parallel or data-parallel rank, ...),
 handing every other call to the library's own function, with its arguments passed through by name.
 :func:`uninstall` (or :func:`disabled`) puts the libraries' own objects back.

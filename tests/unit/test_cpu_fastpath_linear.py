@@ -6,7 +6,7 @@ The reference is the product written out in float64 (``y = x W^T + b``; ``dx = g
 in the whole model. Over one rank no Megatron autograd node is left in the graph, nor DeepSpeed's
 replacement of ``F.linear`` (which a ZeRO-3 engine installs process-wide); what the short way does not
 cover (gradient accumulation fusion, sequence parallelism, deferred embedding gradients, a group of two,
-other devices) is Megatron's function. TP=2 against TP=1 is ``tests/test_model_tp.py``."""
+other devices) is Megatron's function. TP=2 against TP=1 is ``tests/integration/test_model_tp.py``."""
 
 import pytest
 import torch
