@@ -31,8 +31,8 @@ from fbt_megatron.engine.deepspeed_config import deepspeed_config, import_deepsp
 from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
 from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping
-from fbt_megatron.model import cpu_fastpaths
 from fbt_megatron.engine.sequence_parallel_grads import reduce_sequence_parallel_grads, sequence_parallel_params
+from fbt_megatron.model import cpu_fastpaths
 
 
 NORM_CHUNK_ELEMENTS = 1 << 16  # 512 KiB in float64: a piece's copy stays in cache, its memory is reused

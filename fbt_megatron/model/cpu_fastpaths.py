@@ -232,7 +232,8 @@ class SequenceFirst(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ ZeRO-1/2 (DeepSpeed)
-def _zero_optimizer_class():
+def _zero_stage_1_and_2():
+    """DeepSpeed's ZeRO-1/2 module, imported when a ZeRO shortcut is first needed (not at model import)."""
     from deepspeed.runtime.zero import stage_1_and_2
 
     return stage_1_and_2
@@ -244,7 +245,7 @@ def _one_rank_reduce(zero_optimizer) -> dict | None:
     DeepSpeed's bucket does; any other group, overlap or sequence parallelism is DeepSpeed's own."""
     from deepspeed import comm as dist
 
-    stage_1_and_2 = _zero_optimizer_class()
+    stage_1_and_2 = _zero_stage_1_and_2()
     original = zero_optimizer.allreduce_and_copy
 
     def allreduce_and_copy(small_bucket, communication_data_type, *args, **kwargs):
@@ -412,7 +413,7 @@ def install_zero(zero_optimizer) -> list[str]:
     the room is not installed); returns the names that apply to it. The engine calls it once."""
     if not any(name in _active for name in ZERO_PATCHES):
         return []
-    if not isinstance(zero_optimizer, _zero_optimizer_class().DeepSpeedZeroOptimizer):
+    if not isinstance(zero_optimizer, _zero_stage_1_and_2().DeepSpeedZeroOptimizer):
         return []
     patched = _zero_optimizers.setdefault(zero_optimizer, {})
     for name in ZERO_PATCHES:
