@@ -139,3 +139,47 @@ def test_the_first_training_forward_of_a_process_is_already_bounded(single_proce
     w = fb.value.weight.detach()
     want = (s @ (w / torch.linalg.matrix_norm(w, ord=2)).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
     torch.testing.assert_close(fb(s, e).detach(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_eval_sigma_is_solved_once_per_weight_version(single_process, monkeypatch):
+    """In eval mode (validation, decoding: a forward per token) sigma is a constant of the weights: the
+    eigenproblem is solved on the first forward and again only after W_U changes (an optimiser step bumps
+    its version) or after training, not once per forward."""
+    fb = fusion("bounded").feedback.eval()
+    solved = []
+    eigvalsh = torch.linalg.eigvalsh
+
+    def counting(*args, **kwargs):
+        solved.append(1)
+        return eigvalsh(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", counting)
+    s, e = torch.randn(4, 1, D), torch.randn(4, 1, D)
+    with torch.no_grad():
+        first = fb(s, e)
+        for _ in range(5):  # five decoding steps on the same weights
+            assert torch.equal(fb(s, e), first)
+        assert len(solved) == 1, len(solved)
+        fb.value.weight.mul_(2.0)  # an update in place: a new version of the weight
+        fb(s, e)
+        fb(s, e)
+    assert len(solved) == 2, len(solved)
+
+
+def test_the_training_estimate_follows_w_u_as_training_moves_it(single_process):
+    """In training sigma is a power-iteration estimate warm from forward to forward (one iteration each):
+    when the optimiser moves W_U (here step by step to an unrelated matrix of twice the scale), the
+    estimate follows, and the fusion divides by the new weight's sigma, not by its norm along the old
+    weight's top direction."""
+    fb = fusion("bounded").feedback.train()
+    s, e = torch.randn(6, 2, D), torch.randn(6, 2, D)
+    fb(s, e)  # the first forward converges the estimate on the initial W_U
+    start = fb.value.weight.detach().clone()
+    target = torch.randn(D, D, generator=torch.Generator().manual_seed(11)) * 10.0 / D ** 0.5
+    for step in range(1, 61):  # 20 steps from one weight to the other, then 40 at the new one
+        with torch.no_grad():
+            fb.value.weight.copy_(start + min(step / 20, 1.0) * (target - start))
+        out = fb(s, e)
+    w = fb.value.weight.detach()
+    want = (s @ (w / torch.linalg.matrix_norm(w, ord=2)).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
+    torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
