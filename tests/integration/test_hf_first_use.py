@@ -457,6 +457,80 @@ def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_proce
     assert [p.name for p in target.iterdir()] == ["mine.txt"]
 
 
+def test_a_failed_export_reports_its_own_error_when_its_directory_is_gone(export, tmp_path, single_process,
+                                                                         monkeypatch):
+    """The clean-up after a failure does not replace the failure: an export whose temporary directory is
+    already gone when it fails (removed from outside, e.g. by a user clearing a stuck export's
+    `.OUT_DIR.partial-PID`) raises its own error, not the clean-up's, and leaves no OUT_DIR."""
+    import shutil
+
+    from fbt_megatron.hf import export as export_mod
+
+    run, _, _ = export
+
+    def write_then_fail(path, state, recipe, rows, reader, out, **kwargs):
+        shutil.rmtree(out)
+        raise ConversionError("the export's own failure (injected)")
+
+    monkeypatch.setattr(export_mod, "_write_export", write_then_fail)
+    with pytest.raises(ConversionError, match="own failure"):
+        export_mod.export_checkpoint(run, tmp_path / "hf", log=lambda *a: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sharded_export_names_its_shards_and_loads_with_transformers(export, tmp_path, single_process):
+    """A max_shard_bytes below the model's size (the library called by keyword): the weights go to
+    model-00001-of-0000N.safetensors ... model-0000N-of-0000N.safetensors (transformers' names, numbered
+    from 1), each within the limit, with model.safetensors.index.json mapping every tensor to its file and
+    giving the total size; the tensors are the single-file export's (which has no index). transformers
+    loads a sharded --standard export through its index to the single-file export's weights."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, hf, _ = export
+    single = load_file(hf / "model.safetensors")
+    assert not (hf / "model.safetensors.index.json").exists()
+    out = export_checkpoint(checkpoint=run, out_dir=tmp_path / "sharded", max_shard_bytes=100_000,
+                            log=lambda *a: None)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    n = len(files)
+    assert n > 1 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)], files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    tensors = {}
+    for name in files:
+        part = load_file(out / name)
+        assert {index["weight_map"][k] for k in part} == {name}, name
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 100_000 or len(part) == 1, name
+        tensors.update(part)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert set(index["weight_map"]) == set(tensors) == set(single)
+    assert all(torch.equal(tensors[k], single[k]) for k in single)
+
+    export_checkpoint(run, tmp_path / "std_sharded", standard=True, max_shard_bytes=100_000, log=lambda *a: None)
+    export_checkpoint(run, tmp_path / "std_one", standard=True, log=lambda *a: None)
+    assert (tmp_path / "std_sharded" / "model.safetensors.index.json").is_file()
+    sharded = LlamaForCausalLM.from_pretrained(tmp_path / "std_sharded").state_dict()
+    one = LlamaForCausalLM.from_pretrained(tmp_path / "std_one").state_dict()
+    assert sharded.keys() == one.keys() and all(torch.equal(sharded[k], one[k]) for k in one)
+
+
+def test_export_config_names_the_tokenizers_special_ids(export):
+    """config.json and generation_config.json give the exported tokenizer's BOS, EOS and pad ids (its pad is
+    its EOS: the sentencepiece model has no pad token), which generate reads to pad a batch and to stop."""
+    from transformers import PreTrainedTokenizerFast
+
+    _, hf, _ = export
+    tok = PreTrainedTokenizerFast.from_pretrained(str(hf))
+    want = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    assert None not in want.values() and want["pad_token_id"] == want["eos_token_id"], want
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((hf / name).read_text())
+        assert {k: cfg[k] for k in want} == want, (name, cfg)
+
+
 def test_to_hf_shows_progress_over_the_weight_bytes(export, tmp_path, single_process, capsys):
     """`fbt convert to-hf` writes a progress bar (stderr) that counts every weight byte written."""
     from safetensors import safe_open

@@ -1,0 +1,130 @@
+"""`fbt convert to-hf`'s pieces that need no trained checkpoint (fbt_megatron/hf/export.py), each against
+what the export promises: shards filled up to ``max_shard_bytes`` in reading order, the provenance of a
+checkpoint that records no training, the tokenizer a run's recipe names, an HF tokenizer folder without a
+sentencepiece model and the special token ids it gives the config, and the bounded mixin's W_U written
+inside the unit ball so that an import applies the bound again without a change. The whole export, loaded
+by transformers: tests/integration/test_hf_first_use.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fbt_megatron.hf import export
+from fbt_megatron.hf.mapping import ConversionError
+
+VOCAB = 300
+TEXTS = ["def add(a, b):\n\treturn a + b\n", "  two  spaces and 12345 digits", "x = 'mixed' + \"quotes\"\n"]
+
+
+# ---------------------------------------------------------------------- shards
+def _check_shards(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """The shard plan of ``entries`` against its definition: the tensors in reading order, a shard written
+    as soon as the next tensor would take it past ``limit`` (never sooner), and none over ``limit`` unless
+    it holds one tensor that is larger by itself."""
+    shards = export.plan_shards(entries, limit)
+    size = dict(entries)
+    assert [n for shard in shards for n in shard] == [n for n, _ in entries]
+    assert all(shards)
+    for shard in shards:
+        assert sum(size[n] for n in shard) <= limit or len(shard) == 1, (shard, limit)
+    for shard, following in zip(shards, shards[1:]):
+        assert sum(size[n] for n in shard) + size[following[0]] > limit, (shard, following[0], limit)
+    return shards
+
+
+def test_shards_fill_up_to_the_limit_in_reading_order():
+    entries = [("a", 60), ("b", 40), ("c", 50), ("d", 50), ("e", 100), ("f", 30), ("g", 200), ("h", 10)]
+    # each of the first two shards exactly full (100 of 100 bytes); a tensor larger than the limit alone
+    assert _check_shards(entries, 100) == [["a", "b"], ["c", "d"], ["e"], ["f"], ["g"], ["h"]]
+    assert _check_shards(entries, 10**9) == [[n for n, _ in entries]]  # all in one: model.safetensors
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [(f"t{i}", rng.choice([4, 8, 16, 64, 100, 128])) for i in range(rng.randint(1, 30))]
+        _check_shards(sizes, rng.choice([64, 100, 128, 256, 1000]))
+
+
+# ---------------------------------------------------------------------- provenance
+def test_provenance_of_a_checkpoint_that_records_no_training(tmp_path):
+    """A checkpoint whose state records no training counters (no train_state) has trained 0 steps on 0
+    tokens; continued from an import, it adds nothing to the source's history and names no continuation."""
+    from fbt_megatron.recipe import load_recipe
+    from tests.support.training import tiny_recipe
+
+    recipe = load_recipe(data=tiny_recipe(tmp_path / "run", name="fresh"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0"
+    got = export.provenance(ckpt, {}, recipe)
+    assert (got["recipe_name"], got["steps"], got["tokens_seen"], got["pass_counts"]) == ("fresh", 0, 0, {}), got
+    assert got["seq_length"] == recipe.data.seq_length
+
+    (tmp_path / "run" / "hf_import").mkdir(parents=True)
+    source = {"recipe_name": "base", "steps": 100, "tokens_seen": 5000, "pass_counts": {"1": 60, "2": 40}}
+    (tmp_path / "run" / "hf_import" / "provenance.json").write_text(json.dumps(source))
+    assert export.provenance(ckpt, {}, recipe) == source
+
+
+# ---------------------------------------------------------------------- tokenizer
+def test_a_pipeline_run_exports_the_tokenizer_its_recipe_names(tmp_path):
+    """A checkpoint without a copy of its tokenizer (saved before checkpoints kept one): a run on the data
+    pipeline exports the tokenizer its recipe names (data.pipeline.tokenizer), and a missing one is named;
+    a run on synthetic tokens has no tokenizer, whatever pipeline section its recipe keeps."""
+    from fbt_megatron.recipe import DataSection
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    sp = tmp_path / "tok" / "tokenizer.model"
+    sp.parent.mkdir()
+    sp.write_bytes(b"sp")
+    pipeline = SimpleNamespace(data=DataSection(source="pipeline", pipeline={"tokenizer": str(sp)}))
+    assert export.tokenizer_source(ckpt, pipeline) == ("sp", sp)
+    synthetic = SimpleNamespace(data=DataSection(source="synthetic", pipeline={"tokenizer": str(sp)}))
+    assert export.tokenizer_source(ckpt, synthetic) is None
+    sp.unlink()
+    with pytest.raises(ConversionError, match="tokenizer .*missing; pass --tokenizer"):
+        export.tokenizer_source(ckpt, pipeline)
+
+
+def test_an_hf_tokenizer_without_a_sentencepiece_model_exports_and_names_its_special_ids(tmp_path):
+    """A Hugging Face tokenizer folder with tokenizer.json and its config only (a byte-level BPE, Llama 3's
+    layout: no tokenizer.model) exports those files unchanged and no tokenizer.model; the ids it gives the
+    config are its BOS and EOS, and as pad (it has none of its own) its EOS, which the exported
+    tokenizer pads with."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.support.data_fixtures import train_hf_bpe
+
+    src = train_hf_bpe([t * (1 + i % 3) for i, t in enumerate(TEXTS * 8)], tmp_path / "bpe", vocab_size=VOCAB)
+    out = tmp_path / "out"
+    out.mkdir()
+    ids = export.write_tokenizer(("hf", src), out, VOCAB, max_length=64)
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert not (out / "tokenizer.model").exists()
+    vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+    bos, eos = vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"]
+    assert ids == {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}, ids
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+    assert (tok.pad_token, tok.pad_token_id, tok.padding_side) == ("<|end_of_text|>", eos, "left")
+
+
+# ---------------------------------------------------------------------- the bounded mixin's W_U
+def test_a_bounded_w_u_exports_inside_the_unit_ball_and_reimports_bit_for_bit():
+    """Under ``mixin: bounded`` the model applies W_U / max(1, sigma_max(W_U)): the export writes W_U so
+    applied (the trained model's map, to float32 rounding), its spectral norm at most 1, so that an import,
+    which applies the bound again, leaves it bit for bit; a W_U already inside the unit ball is written as
+    it is. At width 128 (test_feedback_rule checks 64): rounding grows with the width."""
+    bounded = SimpleNamespace(mixin="bounded")
+    for seed in range(40):
+        w = torch.randn(128, 128, generator=torch.Generator().manual_seed(seed)) * (1.0 + seed / 10)
+        sigma = torch.linalg.matrix_norm(w, ord=2)  # sigma_max about 23-100
+        exported = export.as_applied("feedback.value.weight", w, bounded)
+        torch.testing.assert_close(exported, w / sigma, rtol=4e-6, atol=0)
+        again = torch.linalg.matrix_norm(exported.float(), ord=2)
+        assert again <= 1.0, (seed, float(again) - 1)
+        assert torch.equal(exported / again.clamp_min(1.0), exported), seed  # what an import applies
+    inside = torch.randn(128, 128, generator=torch.Generator().manual_seed(99)) * 0.01
+    assert torch.equal(export.as_applied("feedback.value.weight", inside, bounded), inside)
+    assert torch.equal(export.as_applied("feedback.value.weight", w, SimpleNamespace(mixin="affine")), w)
