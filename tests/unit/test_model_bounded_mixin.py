@@ -183,3 +183,30 @@ def test_the_training_estimate_follows_w_u_as_training_moves_it(single_process):
     w = fb.value.weight.detach()
     want = (s @ (w / torch.linalg.matrix_norm(w, ord=2)).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
     torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_w_u_that_grows_out_of_the_unit_ball_in_training_is_bounded_once_it_does(single_process):
+    """W_U starts well inside the unit ball (its depth-scaled init: sigma ~0.1, where the bound leaves it as
+    it is) and training grows it past sigma 1 (here step by step to sigma ~10): from then on the fusion
+    divides by its sigma, however long it stayed inside first."""
+    torch.manual_seed(0)
+    fb = build_model(tiny_model_config(), feedback(mixin="bounded", prefix_mixin=0.3)).feedback.train()
+    s, e = torch.randn(6, 2, D), torch.randn(6, 2, D)
+    start = fb.value.weight.detach().clone()
+    assert torch.linalg.matrix_norm(start, ord=2) < 0.5
+
+    def formula(w):
+        sigma = torch.linalg.matrix_norm(w, ord=2)
+        return (s @ (w / max(1.0, float(sigma))).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
+
+    for _ in range(30):  # steps inside the unit ball: W_U applied as it is
+        out = fb(s, e)
+    torch.testing.assert_close(out.detach(), formula(start), rtol=1e-5, atol=1e-6)
+    target = torch.randn(D, D, generator=torch.Generator().manual_seed(11)) * 5.0 / D ** 0.5
+    for step in range(1, 61):  # 20 steps out of the ball, then 40 at the new weight
+        with torch.no_grad():
+            fb.value.weight.copy_(start + min(step / 20, 1.0) * (target - start))
+        out = fb(s, e)
+    w = fb.value.weight.detach()
+    assert torch.linalg.matrix_norm(w, ord=2) > 5
+    torch.testing.assert_close(out.detach(), formula(w), rtol=1e-4, atol=1e-5)
