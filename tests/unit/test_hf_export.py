@@ -69,6 +69,20 @@ def test_provenance_of_a_checkpoint_that_records_no_training(tmp_path):
     assert export.provenance(ckpt, {}, recipe) == source
 
 
+def test_provenance_of_a_run_continued_from_an_import_that_recorded_no_history(tmp_path):
+    """`from-hf` of an FBT export whose config.json has no `fbt` section writes an empty provenance.json:
+    the source's history is then nothing, and the continued run exports its own steps, tokens and pass
+    counts (and the recipe it continued as)."""
+    from types import SimpleNamespace as NS
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_7"
+    (tmp_path / "run" / "hf_import").mkdir(parents=True)
+    (tmp_path / "run" / "hf_import" / "provenance.json").write_text("{}")
+    state = {"train_state": {"step": 7, "tokens_seen": 300, "pass_counts": {1: 5, 2: 2}}}
+    assert export.provenance(ckpt, state, NS(name="continued")) == {
+        "steps": 7, "tokens_seen": 300, "pass_counts": {"1": 5, "2": 2}, "continued_as": "continued"}
+
+
 # ---------------------------------------------------------------------- tokenizer
 def test_a_pipeline_run_exports_the_tokenizer_its_recipe_names(tmp_path):
     """A checkpoint without a copy of its tokenizer (saved before checkpoints kept one): a run on the data
@@ -110,14 +124,31 @@ def test_an_hf_tokenizer_without_a_sentencepiece_model_exports_and_names_its_spe
     assert ids == {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}, ids
     tok = PreTrainedTokenizerFast.from_pretrained(str(out))
     assert (tok.pad_token, tok.pad_token_id, tok.padding_side) == ("<|end_of_text|>", eos, "left")
+    # no vocabulary size to check against (None): the same export
+    unchecked = tmp_path / "unchecked"
+    unchecked.mkdir()
+    assert export.write_tokenizer(("hf", src), unchecked, None, max_length=64) == ids
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(tmp_path):
+    """A tokenizer whose ids reach past the model's vocab_size would index past the embedding: refused,
+    naming both sizes."""
+    from tests.support.data_fixtures import train_hf_bpe
+
+    src = train_hf_bpe([t * (1 + i % 3) for i, t in enumerate(TEXTS * 8)], tmp_path / "bpe", vocab_size=VOCAB)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ConversionError, match=r"has \d+ tokens, more than the model's vocab_size=100"):
+        export.write_tokenizer(("hf", src), out, 100, max_length=64)
 
 
 # ---------------------------------------------------------------------- the bounded mixin's W_U
 def test_a_bounded_w_u_exports_inside_the_unit_ball_and_reimports_bit_for_bit():
     """Under ``mixin: bounded`` the model applies W_U / max(1, sigma_max(W_U)): the export writes W_U so
     applied (the trained model's map, to float32 rounding), its spectral norm at most 1, so that an import,
-    which applies the bound again, leaves it bit for bit; a W_U already inside the unit ball is written as
-    it is. At width 128 (test_feedback_rule checks 64): rounding grows with the width."""
+    which applies the bound again, leaves it bit for bit, and so does a second export of that import; a W_U
+    inside the unit ball or on its edge is written as it is. At width 128 (test_feedback_rule checks 64):
+    rounding grows with the width."""
     bounded = SimpleNamespace(mixin="bounded")
     for seed in range(40):
         w = torch.randn(128, 128, generator=torch.Generator().manual_seed(seed)) * (1.0 + seed / 10)
@@ -127,6 +158,11 @@ def test_a_bounded_w_u_exports_inside_the_unit_ball_and_reimports_bit_for_bit():
         again = torch.linalg.matrix_norm(exported.float(), ord=2)
         assert again <= 1.0, (seed, float(again) - 1)
         assert torch.equal(exported / again.clamp_min(1.0), exported), seed  # what an import applies
+        if seed % 4 == 0:  # export -> from-hf -> to-hf: the second export writes the same W_U
+            assert torch.equal(export.as_applied("feedback.value.weight", exported, bounded), exported), seed
     inside = torch.randn(128, 128, generator=torch.Generator().manual_seed(99)) * 0.01
     assert torch.equal(export.as_applied("feedback.value.weight", inside, bounded), inside)
+    # on the bound itself (sigma exactly 1: an identity init at scale 1, value_init_scale: 1.0): as it is
+    identity = torch.eye(128)
+    assert torch.equal(export.as_applied("feedback.value.weight", identity, bounded), identity)
     assert torch.equal(export.as_applied("feedback.value.weight", w, SimpleNamespace(mixin="affine")), w)
