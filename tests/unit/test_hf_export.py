@@ -130,6 +130,31 @@ def test_an_hf_tokenizer_without_a_sentencepiece_model_exports_and_names_its_spe
     assert export.write_tokenizer(("hf", src), unchecked, None, max_length=64) == ids
 
 
+
+def test_a_tokenizer_saved_by_transformers_5_keeps_its_added_special_tokens(tmp_path):
+    """A tokenizer with added special tokens (a chat template's <|im_start|>, <|im_end|>) saved by
+    transformers 5 lists them under `extra_special_tokens`, a list where 4.x expects a dict: the export
+    names them `additional_special_tokens` (4.x's key) instead, and the exported tokenizer treats them as
+    special (decoding with skip_special_tokens drops them)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.support.data_fixtures import train_hf_bpe
+
+    src = train_hf_bpe([t * (1 + i % 3) for i, t in enumerate(TEXTS * 8)], tmp_path / "bpe", vocab_size=VOCAB)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(src))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.save_pretrained(str(tmp_path / "chat"))
+    out = tmp_path / "out"
+    out.mkdir()
+    export.write_tokenizer(("hf", tmp_path / "chat"), out, VOCAB + 2, max_length=64)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["additional_special_tokens"] == ["<|im_start|>", "<|im_end|>"], cfg
+    assert "extra_special_tokens" not in cfg, cfg
+    exported = PreTrainedTokenizerFast.from_pretrained(str(out))
+    ids = exported.encode("<|im_start|>def add<|im_end|>")
+    assert exported.decode(ids, skip_special_tokens=True) == "def add", exported.decode(ids)
+
+
 def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(tmp_path):
     """A tokenizer whose ids reach past the model's vocab_size would index past the embedding: refused,
     naming both sizes."""
