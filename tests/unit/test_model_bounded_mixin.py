@@ -210,3 +210,16 @@ def test_a_w_u_that_grows_out_of_the_unit_ball_in_training_is_bounded_once_it_do
     w = fb.value.weight.detach()
     assert torch.linalg.matrix_norm(w, ord=2) > 5
     torch.testing.assert_close(out.detach(), formula(w), rtol=1e-4, atol=1e-5)
+
+
+def test_the_power_iteration_vector_is_not_saved_with_the_model(single_process):
+    """The power iteration's vector is process state (a start or a resume converges it afresh on its first
+    training forward), not a weight: a bounded model's state dict holds what an affine model's does, so
+    its checkpoints and exports carry the same tensors, and each model loads the other's state."""
+    torch.manual_seed(0)
+    bounded = build_model(tiny_model_config(), feedback(mixin="bounded"))
+    affine = build_model(tiny_model_config(), feedback(mixin="affine"))
+    bounded.feedback.train()(torch.randn(4, 1, D), torch.randn(4, 1, D))  # the vector exists and is warm
+    assert bounded.state_dict().keys() == affine.state_dict().keys()
+    bounded.load_state_dict(affine.state_dict())
+    affine.load_state_dict(bounded.state_dict())
