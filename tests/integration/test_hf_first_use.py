@@ -239,6 +239,12 @@ def test_standard_export_config_and_tied_embeddings(export, tmp_path, single_pro
     assert config["rope_theta"] == 500000.0 and config["rope_parameters"]["rope_theta"] == 500000.0
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is True
     assert config["use_cache"] is True  # transformers' generate reads it: False would decode without the KV cache
+    # a plain Llama config: every field is one of transformers' LlamaConfig (or a 4.x name of one, above),
+    # but the provenance (`fbt`); none of the fusion's or the FBT model's own
+    from transformers import LlamaConfig
+
+    foreign = set(config) - set(LlamaConfig().to_dict()) - {"architectures", "rope_theta", "torch_dtype"}
+    assert foreign == {"fbt"}, foreign
     plain = LlamaForCausalLM.from_pretrained(tmp_path / "std").eval()
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # tied
     model = load_framework_model(run)
@@ -529,6 +535,28 @@ def test_export_config_names_the_tokenizers_special_ids(export):
     for name in ("config.json", "generation_config.json"):
         cfg = json.loads((hf / name).read_text())
         assert {k: cfg[k] for k in want} == want, (name, cfg)
+
+
+def test_only_the_standard_export_needs_a_llama_class_recipe(export, tmp_path, single_process):
+    """The same checkpoint under the `state` first-pass rule (pass 1 fuses h_init: its standard decoding is
+    not a plain Llama): the FBT export writes it, with its rule in config.json; --standard refuses it by
+    name before writing anything."""
+    import shutil
+
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _, _ = export
+    ablation = tmp_path / "state_run"
+    shutil.copytree(run, ablation, symlinks=True)
+    for state_file in (ablation / "checkpoints").glob("step_*/state.json"):
+        state = json.loads(state_file.read_text())
+        state["recipe"]["feedback"]["first_input"] = "state"
+        state_file.write_text(json.dumps(state))
+    export_checkpoint(ablation, tmp_path / "fbt", log=lambda *a: None)
+    assert json.loads((tmp_path / "fbt" / "config.json").read_text())["feedback_first_input"] == "state"
+    with pytest.raises(ConversionError, match=r"not Llama-class: feedback.first_input='state'"):
+        export_checkpoint(ablation, tmp_path / "std", standard=True, log=lambda *a: None)
+    assert not (tmp_path / "std").exists()
 
 
 def test_to_hf_shows_progress_over_the_weight_bytes(export, tmp_path, single_process, capsys):

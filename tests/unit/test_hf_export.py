@@ -155,6 +155,29 @@ def test_a_tokenizer_saved_by_transformers_5_keeps_its_added_special_tokens(tmp_
     assert exported.decode(ids, skip_special_tokens=True) == "def add", exported.decode(ids)
 
 
+
+def test_a_bare_tokenizer_json_exports_the_eos_the_run_ended_documents_with(tmp_path):
+    """A Hugging Face tokenizer.json alone (no tokenizer_config.json: it names no EOS): the export names
+    the data pipeline's EOS, the token the run was trained to end documents with, as the tokenizer's EOS
+    (generation stops on it) and pads with it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data_pipeline.tokenizer import load_tokenizer
+    from tests.support.data_fixtures import train_hf_bpe
+
+    src = train_hf_bpe([t * (1 + i % 3) for i, t in enumerate(TEXTS * 8)], tmp_path / "bare", vocab_size=VOCAB,
+                       config=False)
+    assert not (src / "tokenizer_config.json").exists()
+    pipeline = load_tokenizer(src)
+    eos = pipeline.eos_id()
+    out = tmp_path / "out"
+    out.mkdir()
+    ids = export.write_tokenizer(("hf", src), out, VOCAB, max_length=64)
+    assert (ids["eos_token_id"], ids["pad_token_id"]) == (eos, eos), (ids, eos)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == (pipeline.id_to_piece(eos), eos, eos)
+
+
 def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(tmp_path):
     """A tokenizer whose ids reach past the model's vocab_size would index past the embedding: refused,
     naming both sizes."""
@@ -190,4 +213,11 @@ def test_a_bounded_w_u_exports_inside_the_unit_ball_and_reimports_bit_for_bit():
     # on the bound itself (sigma exactly 1: an identity init at scale 1, value_init_scale: 1.0): as it is
     identity = torch.eye(128)
     assert torch.equal(export.as_applied("feedback.value.weight", identity, bounded), identity)
+    # just past it: divided by sigma all the same
+    q = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(5)))[0]
+    for sigma in (1.001, 1.5, 2.0, 3.0):
+        w = q @ torch.diag(torch.linspace(0.1, sigma, 128)) @ q.T
+        exported = export.as_applied("feedback.value.weight", w, bounded)
+        torch.testing.assert_close(exported, w / sigma, rtol=4e-6, atol=1e-7)
+        assert torch.linalg.matrix_norm(exported, ord=2) <= 1.0, sigma
     assert torch.equal(export.as_applied("feedback.value.weight", w, SimpleNamespace(mixin="affine")), w)
