@@ -135,7 +135,7 @@ def test_a_tokenizer_saved_by_transformers_5_keeps_its_added_special_tokens(tmp_
     """A tokenizer with added special tokens (a chat template's <|im_start|>, <|im_end|>) saved by
     transformers 5 lists them under `extra_special_tokens`, a list where 4.x expects a dict: the export
     names them `additional_special_tokens` (4.x's key) instead, and the exported tokenizer treats them as
-    special (decoding with skip_special_tokens drops them)."""
+    special (decoding with skip_special_tokens drops them); the save's machine-local flags are dropped."""
     from transformers import PreTrainedTokenizerFast
 
     from tests.support.data_fixtures import train_hf_bpe
@@ -150,6 +150,11 @@ def test_a_tokenizer_saved_by_transformers_5_keeps_its_added_special_tokens(tmp_
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert cfg["additional_special_tokens"] == ["<|im_start|>", "<|im_end|>"], cfg
     assert "extra_special_tokens" not in cfg, cfg
+    # the flags transformers 5 records about this machine's copy (is_local: true, ...) stay behind: an
+    # export is meant to be loaded elsewhere, from the Hub too
+    written = json.loads((tmp_path / "chat" / "tokenizer_config.json").read_text())
+    local = {"is_local", "local_files_only", "backend"}
+    assert local & set(written) and not local & set(cfg), (set(written), set(cfg))
     exported = PreTrainedTokenizerFast.from_pretrained(str(out))
     ids = exported.encode("<|im_start|>def add<|im_end|>")
     assert exported.decode(ids, skip_special_tokens=True) == "def add", exported.decode(ids)
