@@ -485,7 +485,8 @@ def test_a_failed_export_reports_its_own_error_when_its_directory_is_gone(export
 
 
 def test_a_sharded_export_names_its_shards_and_loads_with_transformers(export, tmp_path, single_process):
-    """A max_shard_bytes below the model's size (the library called by keyword): the weights go to
+    """A max_shard_bytes below the model's size (the library called by keyword, into an OUT_DIR whose
+    parent folders do not exist yet): the weights go to
     model-00001-of-0000N.safetensors ... model-0000N-of-0000N.safetensors (transformers' names, numbered
     from 1), each within the limit, with model.safetensors.index.json mapping every tensor to its file and
     giving the total size; the tensors are the single-file export's (which has no index). transformers
@@ -498,8 +499,8 @@ def test_a_sharded_export_names_its_shards_and_loads_with_transformers(export, t
     run, hf, _ = export
     single = load_file(hf / "model.safetensors")
     assert not (hf / "model.safetensors.index.json").exists()
-    out = export_checkpoint(checkpoint=run, out_dir=tmp_path / "sharded", max_shard_bytes=100_000,
-                            log=lambda *a: None)
+    out = export_checkpoint(checkpoint=run, out_dir=tmp_path / "exports" / "v1" / "sharded", max_shard_bytes=100_000,
+                            log=lambda *a: None)  # (folders that do not exist yet are made)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     n = len(files)
     assert n > 1 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)], files
@@ -525,7 +526,9 @@ def test_a_sharded_export_names_its_shards_and_loads_with_transformers(export, t
 
 def test_export_config_names_the_tokenizers_special_ids(export):
     """config.json and generation_config.json give the exported tokenizer's BOS, EOS and pad ids (its pad is
-    its EOS: the sentencepiece model has no pad token), which generate reads to pad a batch and to stop."""
+    its EOS: the sentencepiece model has no pad token), which generate reads to pad a batch and to stop;
+    generate decodes greedily by default (do_sample false: the same tokens as `fbt generate`, run to run)
+    and with the KV cache (use_cache true: false would recompute every prefix)."""
     from transformers import PreTrainedTokenizerFast
 
     _, hf, _ = export
@@ -535,6 +538,8 @@ def test_export_config_names_the_tokenizers_special_ids(export):
     for name in ("config.json", "generation_config.json"):
         cfg = json.loads((hf / name).read_text())
         assert {k: cfg[k] for k in want} == want, (name, cfg)
+    assert json.loads((hf / "generation_config.json").read_text())["do_sample"] is False
+    assert json.loads((hf / "config.json").read_text())["use_cache"] is True
 
 
 def test_only_the_standard_export_needs_a_llama_class_recipe(export, tmp_path, single_process):
