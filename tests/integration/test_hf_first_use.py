@@ -516,6 +516,13 @@ def test_a_sharded_export_names_its_shards_and_loads_with_transformers(export, t
     assert set(index["weight_map"]) == set(tensors) == set(single)
     assert all(torch.equal(tensors[k], single[k]) for k in single)
 
+    # just over half the weights' bytes: exactly two shards, which need their index too
+    two = export_checkpoint(run, tmp_path / "two", max_shard_bytes=int(0.6 * index["metadata"]["total_size"]),
+                            log=lambda *a: None)
+    index_two = json.loads((two / "model.safetensors.index.json").read_text())
+    assert sorted(set(index_two["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                            "model-00002-of-00002.safetensors"]
+
     export_checkpoint(run, tmp_path / "std_sharded", standard=True, max_shard_bytes=100_000, log=lambda *a: None)
     export_checkpoint(run, tmp_path / "std_one", standard=True, log=lambda *a: None)
     assert (tmp_path / "std_sharded" / "model.safetensors.index.json").is_file()
@@ -562,6 +569,21 @@ def test_only_the_standard_export_needs_a_llama_class_recipe(export, tmp_path, s
     with pytest.raises(ConversionError, match=r"not Llama-class: feedback.first_input='state'"):
         export_checkpoint(ablation, tmp_path / "std", standard=True, log=lambda *a: None)
     assert not (tmp_path / "std").exists()
+
+
+def test_an_existing_empty_out_dir_is_used_and_a_file_there_refused(export, tmp_path, single_process):
+    """OUT_DIR may exist if it is empty (a folder made for the export): the export fills it. A file in its
+    place is refused, naming it, and kept."""
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _, _ = export
+    (tmp_path / "made").mkdir()
+    export_checkpoint(run, tmp_path / "made", log=lambda *a: None)
+    assert (tmp_path / "made" / "config.json").is_file() and (tmp_path / "made" / "model.safetensors").is_file()
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(ConversionError, match="file already exists and is not an empty directory"):
+        export_checkpoint(run, tmp_path / "file", log=lambda *a: None)
+    assert (tmp_path / "file").read_text() == "keep"
 
 
 def test_to_hf_shows_progress_over_the_weight_bytes(export, tmp_path, single_process, capsys):

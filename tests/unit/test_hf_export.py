@@ -195,6 +195,28 @@ def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(tmp_path):
         export.write_tokenizer(("hf", src), out, 100, max_length=64)
 
 
+
+# ---------------------------------------------------------------------- the --standard config
+def test_the_standard_config_keeps_the_biases_its_family_does_not_imply(tmp_path):
+    """--standard of a Llama-class recipe with a bias in every linear layer is a Llama with attention_bias
+    and mlp_bias (LlamaForCausalLM builds those biases only when told); with q/k/v biases alone it is a
+    Qwen2, whose modelling code has exactly those biases, so its config names neither field."""
+    from transformers import LlamaConfig
+
+    from fbt_megatron.recipe import load_recipe
+    from tests.support.training import tiny_recipe
+
+    llama = dict(activation="swiglu", normalization="RMSNorm", num_query_groups=2)
+    biased = load_recipe(data=tiny_recipe(tmp_path, model=dict(llama, add_bias_linear=True)))
+    cfg = export.standard_hf_config(biased, {}, {}, "fp32")
+    assert (cfg["model_type"], cfg["attention_bias"], cfg["mlp_bias"]) == ("llama", True, True), cfg
+    built = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    assert built.attention_bias and built.mlp_bias
+    qkv = load_recipe(data=tiny_recipe(tmp_path, model=dict(llama, add_bias_linear=False, add_qkv_bias=True)))
+    cfg = export.standard_hf_config(qkv, {}, {}, "fp32")
+    assert cfg["model_type"] == "qwen2" and not {"attention_bias", "mlp_bias"} & set(cfg), cfg
+
+
 # ---------------------------------------------------------------------- the bounded mixin's W_U
 def test_a_bounded_w_u_exports_inside_the_unit_ball_and_reimports_bit_for_bit():
     """Under ``mixin: bounded`` the model applies W_U / max(1, sigma_max(W_U)): the export writes W_U so
