@@ -57,9 +57,11 @@ MAP: dict[str, dict] = {
                                        "k": "not second_live_run and not reaches_every_rank"},
     # (the packed-attention test checks the loader and the model, ~20 s of a single-process model set-up)
     "data_pipeline/chat.py": {"tests": ["tests/unit/test_data_chat.py"], "k": "not packed_conversations"},
-    # (test_hf_convert.py's parity tests first train four models at TP=2: give --tests for that deeper run;
-    # the older transformers versions each build a venv)
-    "fbt_megatron/hf/export.py": {"tests": ["tests/integration/test_hf_first_use.py"], "k": "not other_transformers"},
+    # (the export's pieces without a checkpoint first: they fail in seconds; test_hf_convert.py's parity tests
+    # first train four models at TP=2: give --tests for that deeper run; the older transformers versions each
+    # build a venv)
+    "fbt_megatron/hf/export.py": {"tests": ["tests/unit/test_hf_export.py", "tests/integration/test_hf_first_use.py"],
+                                  "k": "not other_transformers"},
     "fbt_megatron/hf/importer.py": {"tests": ["tests/integration/test_hf_first_use.py", "tests/integration/test_hf_convert.py"],
                                     "k": "not other_transformers and (not test_hf_convert or stock_llama)"},
     # (test_first_input_checkpoints.py trains three runs first, minutes under load: give --tests for it; the

@@ -239,6 +239,12 @@ def test_standard_export_config_and_tied_embeddings(export, tmp_path, single_pro
     assert config["rope_theta"] == 500000.0 and config["rope_parameters"]["rope_theta"] == 500000.0
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is True
     assert config["use_cache"] is True  # transformers' generate reads it: False would decode without the KV cache
+    # a plain Llama config: every field is one of transformers' LlamaConfig (or a 4.x name of one, above),
+    # but the provenance (`fbt`); none of the fusion's or the FBT model's own
+    from transformers import LlamaConfig
+
+    foreign = set(config) - set(LlamaConfig().to_dict()) - {"architectures", "rope_theta", "torch_dtype"}
+    assert foreign == {"fbt"}, foreign
     plain = LlamaForCausalLM.from_pretrained(tmp_path / "std").eval()
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # tied
     model = load_framework_model(run)
@@ -455,6 +461,129 @@ def test_export_is_atomic_and_checks_inputs_first(export, tmp_path, single_proce
     with pytest.raises(ConversionError, match="already exists and is not an empty directory"):
         export_mod.export_checkpoint(run, target, log=lambda *a: None)
     assert [p.name for p in target.iterdir()] == ["mine.txt"]
+
+
+def test_a_failed_export_reports_its_own_error_when_its_directory_is_gone(export, tmp_path, single_process,
+                                                                         monkeypatch):
+    """The clean-up after a failure does not replace the failure: an export whose temporary directory is
+    already gone when it fails (removed from outside, e.g. by a user clearing a stuck export's
+    `.OUT_DIR.partial-PID`) raises its own error, not the clean-up's, and leaves no OUT_DIR."""
+    import shutil
+
+    from fbt_megatron.hf import export as export_mod
+
+    run, _, _ = export
+
+    def write_then_fail(path, state, recipe, rows, reader, out, **kwargs):
+        shutil.rmtree(out)
+        raise ConversionError("the export's own failure (injected)")
+
+    monkeypatch.setattr(export_mod, "_write_export", write_then_fail)
+    with pytest.raises(ConversionError, match="own failure"):
+        export_mod.export_checkpoint(run, tmp_path / "hf", log=lambda *a: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sharded_export_names_its_shards_and_loads_with_transformers(export, tmp_path, single_process):
+    """A max_shard_bytes below the model's size (the library called by keyword, into an OUT_DIR whose
+    parent folders do not exist yet): the weights go to
+    model-00001-of-0000N.safetensors ... model-0000N-of-0000N.safetensors (transformers' names, numbered
+    from 1), each within the limit, with model.safetensors.index.json mapping every tensor to its file and
+    giving the total size; the tensors are the single-file export's (which has no index). transformers
+    loads a sharded --standard export through its index to the single-file export's weights."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, hf, _ = export
+    single = load_file(hf / "model.safetensors")
+    assert not (hf / "model.safetensors.index.json").exists()
+    out = export_checkpoint(checkpoint=run, out_dir=tmp_path / "exports" / "v1" / "sharded", max_shard_bytes=100_000,
+                            log=lambda *a: None)  # (folders that do not exist yet are made)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    n = len(files)
+    assert n > 1 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)], files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    tensors = {}
+    for name in files:
+        part = load_file(out / name)
+        assert {index["weight_map"][k] for k in part} == {name}, name
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 100_000 or len(part) == 1, name
+        tensors.update(part)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert set(index["weight_map"]) == set(tensors) == set(single)
+    assert all(torch.equal(tensors[k], single[k]) for k in single)
+
+    # just over half the weights' bytes: exactly two shards, which need their index too
+    two = export_checkpoint(run, tmp_path / "two", max_shard_bytes=int(0.6 * index["metadata"]["total_size"]),
+                            log=lambda *a: None)
+    index_two = json.loads((two / "model.safetensors.index.json").read_text())
+    assert sorted(set(index_two["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                            "model-00002-of-00002.safetensors"]
+
+    export_checkpoint(run, tmp_path / "std_sharded", standard=True, max_shard_bytes=100_000, log=lambda *a: None)
+    export_checkpoint(run, tmp_path / "std_one", standard=True, log=lambda *a: None)
+    assert (tmp_path / "std_sharded" / "model.safetensors.index.json").is_file()
+    sharded = LlamaForCausalLM.from_pretrained(tmp_path / "std_sharded").state_dict()
+    one = LlamaForCausalLM.from_pretrained(tmp_path / "std_one").state_dict()
+    assert sharded.keys() == one.keys() and all(torch.equal(sharded[k], one[k]) for k in one)
+
+
+def test_export_config_names_the_tokenizers_special_ids(export):
+    """config.json and generation_config.json give the exported tokenizer's BOS, EOS and pad ids (its pad is
+    its EOS: the sentencepiece model has no pad token), which generate reads to pad a batch and to stop;
+    generate decodes greedily by default (do_sample false: the same tokens as `fbt generate`, run to run)
+    and with the KV cache (use_cache true: false would recompute every prefix)."""
+    from transformers import PreTrainedTokenizerFast
+
+    _, hf, _ = export
+    tok = PreTrainedTokenizerFast.from_pretrained(str(hf))
+    want = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    assert None not in want.values() and want["pad_token_id"] == want["eos_token_id"], want
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((hf / name).read_text())
+        assert {k: cfg[k] for k in want} == want, (name, cfg)
+    assert json.loads((hf / "generation_config.json").read_text())["do_sample"] is False
+    assert json.loads((hf / "config.json").read_text())["use_cache"] is True
+
+
+def test_only_the_standard_export_needs_a_llama_class_recipe(export, tmp_path, single_process):
+    """The same checkpoint under the `state` first-pass rule (pass 1 fuses h_init: its standard decoding is
+    not a plain Llama): the FBT export writes it, with its rule in config.json; --standard refuses it by
+    name before writing anything."""
+    import shutil
+
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _, _ = export
+    ablation = tmp_path / "state_run"
+    shutil.copytree(run, ablation, symlinks=True)
+    for state_file in (ablation / "checkpoints").glob("step_*/state.json"):
+        state = json.loads(state_file.read_text())
+        state["recipe"]["feedback"]["first_input"] = "state"
+        state_file.write_text(json.dumps(state))
+    export_checkpoint(ablation, tmp_path / "fbt", log=lambda *a: None)
+    assert json.loads((tmp_path / "fbt" / "config.json").read_text())["feedback_first_input"] == "state"
+    with pytest.raises(ConversionError, match=r"not Llama-class: feedback.first_input='state'"):
+        export_checkpoint(ablation, tmp_path / "std", standard=True, log=lambda *a: None)
+    assert not (tmp_path / "std").exists()
+
+
+def test_an_existing_empty_out_dir_is_used_and_a_file_there_refused(export, tmp_path, single_process):
+    """OUT_DIR may exist if it is empty (a folder made for the export): the export fills it. A file in its
+    place is refused, naming it, and kept."""
+    from fbt_megatron.hf.export import export_checkpoint
+
+    run, _, _ = export
+    (tmp_path / "made").mkdir()
+    export_checkpoint(run, tmp_path / "made", log=lambda *a: None)
+    assert (tmp_path / "made" / "config.json").is_file() and (tmp_path / "made" / "model.safetensors").is_file()
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(ConversionError, match="file already exists and is not an empty directory"):
+        export_checkpoint(run, tmp_path / "file", log=lambda *a: None)
+    assert (tmp_path / "file").read_text() == "keep"
 
 
 def test_to_hf_shows_progress_over_the_weight_bytes(export, tmp_path, single_process, capsys):

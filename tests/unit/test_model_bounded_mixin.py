@@ -139,3 +139,87 @@ def test_the_first_training_forward_of_a_process_is_already_bounded(single_proce
     w = fb.value.weight.detach()
     want = (s @ (w / torch.linalg.matrix_norm(w, ord=2)).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
     torch.testing.assert_close(fb(s, e).detach(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_eval_sigma_is_solved_once_per_weight_version(single_process, monkeypatch):
+    """In eval mode (validation, decoding: a forward per token) sigma is a constant of the weights: the
+    eigenproblem is solved on the first forward and again only after W_U changes (an optimiser step bumps
+    its version) or after training, not once per forward."""
+    fb = fusion("bounded").feedback.eval()
+    solved = []
+    eigvalsh = torch.linalg.eigvalsh
+
+    def counting(*args, **kwargs):
+        solved.append(1)
+        return eigvalsh(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", counting)
+    s, e = torch.randn(4, 1, D), torch.randn(4, 1, D)
+    with torch.no_grad():
+        first = fb(s, e)
+        for _ in range(5):  # five decoding steps on the same weights
+            assert torch.equal(fb(s, e), first)
+        assert len(solved) == 1, len(solved)
+        fb.value.weight.mul_(2.0)  # an update in place: a new version of the weight
+        fb(s, e)
+        fb(s, e)
+    assert len(solved) == 2, len(solved)
+
+
+def test_the_training_estimate_follows_w_u_as_training_moves_it(single_process):
+    """In training sigma is a power-iteration estimate warm from forward to forward (one iteration each):
+    when the optimiser moves W_U (here step by step to an unrelated matrix of twice the scale), the
+    estimate follows, and the fusion divides by the new weight's sigma, not by its norm along the old
+    weight's top direction."""
+    fb = fusion("bounded").feedback.train()
+    s, e = torch.randn(6, 2, D), torch.randn(6, 2, D)
+    fb(s, e)  # the first forward converges the estimate on the initial W_U
+    start = fb.value.weight.detach().clone()
+    target = torch.randn(D, D, generator=torch.Generator().manual_seed(11)) * 10.0 / D ** 0.5
+    for step in range(1, 61):  # 20 steps from one weight to the other, then 40 at the new one
+        with torch.no_grad():
+            fb.value.weight.copy_(start + min(step / 20, 1.0) * (target - start))
+        out = fb(s, e)
+    w = fb.value.weight.detach()
+    want = (s @ (w / torch.linalg.matrix_norm(w, ord=2)).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
+    torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_w_u_that_grows_out_of_the_unit_ball_in_training_is_bounded_once_it_does(single_process):
+    """W_U starts well inside the unit ball (its depth-scaled init: sigma ~0.1, where the bound leaves it as
+    it is) and training grows it past sigma 1 (here step by step to sigma ~10): from then on the fusion
+    divides by its sigma, however long it stayed inside first."""
+    torch.manual_seed(0)
+    fb = build_model(tiny_model_config(), feedback(mixin="bounded", prefix_mixin=0.3)).feedback.train()
+    s, e = torch.randn(6, 2, D), torch.randn(6, 2, D)
+    start = fb.value.weight.detach().clone()
+    assert torch.linalg.matrix_norm(start, ord=2) < 0.5
+
+    def formula(w):
+        sigma = torch.linalg.matrix_norm(w, ord=2)
+        return (s @ (w / max(1.0, float(sigma))).T) * torch.sigmoid(e @ fb.gate.weight.detach().T)
+
+    for _ in range(30):  # steps inside the unit ball: W_U applied as it is
+        out = fb(s, e)
+    torch.testing.assert_close(out.detach(), formula(start), rtol=1e-5, atol=1e-6)
+    target = torch.randn(D, D, generator=torch.Generator().manual_seed(11)) * 5.0 / D ** 0.5
+    for step in range(1, 61):  # 20 steps out of the ball, then 40 at the new weight
+        with torch.no_grad():
+            fb.value.weight.copy_(start + min(step / 20, 1.0) * (target - start))
+        out = fb(s, e)
+    w = fb.value.weight.detach()
+    assert torch.linalg.matrix_norm(w, ord=2) > 5
+    torch.testing.assert_close(out.detach(), formula(w), rtol=1e-4, atol=1e-5)
+
+
+def test_the_power_iteration_vector_is_not_saved_with_the_model(single_process):
+    """The power iteration's vector is process state (a start or a resume converges it afresh on its first
+    training forward), not a weight: a bounded model's state dict holds what an affine model's does, so
+    its checkpoints and exports carry the same tensors, and each model loads the other's state."""
+    torch.manual_seed(0)
+    bounded = build_model(tiny_model_config(), feedback(mixin="bounded"))
+    affine = build_model(tiny_model_config(), feedback(mixin="affine"))
+    bounded.feedback.train()(torch.randn(4, 1, D), torch.randn(4, 1, D))  # the vector exists and is warm
+    assert bounded.state_dict().keys() == affine.state_dict().keys()
+    bounded.load_state_dict(affine.state_dict())
+    affine.load_state_dict(bounded.state_dict())

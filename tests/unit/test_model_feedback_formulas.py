@@ -45,6 +45,23 @@ def test_fed_back_jitter_is_gaussian_from_the_callers_generator(single_process):
     assert (other - want).abs().max() > 0.1  # another seed, other noise
 
 
+def test_no_jitter_at_std_zero_draws_no_random_numbers(single_process):
+    """jitter_std 0 (the default) is jitter off: in training the fed-back state is the prefix mixin alone,
+    and nothing is drawn, neither from the caller's generator nor from torch's global one (which the model
+    passes when no jitter is on, and which the stack's dropout then draws from): a run without jitter keeps
+    the random stream it would have without the feedback layer's noise code."""
+    fb = fusion(prefix_mixin=0.3, jitter_std=0.0).train()
+    h = state()
+    want = 0.7 * h + 0.3 * fb.initial_state.detach()
+    gen = torch.Generator().manual_seed(7)
+    before = gen.get_state()
+    torch.testing.assert_close(fb.fed_back(h, gen), want, rtol=0, atol=1e-6)
+    assert torch.equal(gen.get_state(), before)  # the caller's generator: not advanced
+    global_before = torch.get_rng_state()
+    torch.testing.assert_close(fb.fed_back(h), want, rtol=0, atol=1e-6)
+    assert torch.equal(torch.get_rng_state(), global_before)  # torch's global generator: not advanced either
+
+
 @pytest.mark.parametrize("mode", ["glu", "additive"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fusion_is_the_formula(single_process, mode, bias):
@@ -111,3 +128,41 @@ def test_normal_init_scales(single_process, depth_scaling):
         # D * D = 1024 draws: the sample std is within ~2 % (one standard error) of the true one
         assert abs(float(fb.value.weight.std()) / value_std - 1) < 0.1, (float(fb.value.weight.std()), value_std)
         assert abs(float(fb.gate.weight.std()) / gate_std - 1) < 0.1, (gate_init, float(fb.gate.weight.std()))
+        # and both are centred: the mean of D * D = 1024 zero-mean draws is within 4 standard errors of 0
+        assert abs(float(fb.value.weight.mean())) < 4 * value_std / D, float(fb.value.weight.mean())
+        assert abs(float(fb.gate.weight.mean())) < 4 * gate_std / D, (gate_init, float(fb.gate.weight.mean()))
+
+
+
+def test_the_fusion_matrices_form_the_optimisers_fusion_group(single_process):
+    """W_U and W_G, and no other parameter, go to AdamW's fusion group (engine/param_groups.py): undecayed
+    until the first step that may run feedback (a 1-pass step leaves them out of the forward, so decay alone
+    would shrink them unused) and stepped at fusion_lr_multiplier. Their biases are vectors: never decayed."""
+    from fbt_megatron.engine.param_groups import param_groups
+
+    for bias in (False, True):
+        fb_model = build_model(tiny_model_config(), feedback(bias=bias))
+        groups = {g["group"]: g for g in param_groups(fb_model, 0.1, False, fusion_decay_from=50,
+                                                         fusion_lr_multiplier=10.0)}
+        fusion = groups["fusion"]
+        assert {id(p) for p in fusion["params"]} == {id(fb_model.feedback.value.weight),
+                                                     id(fb_model.feedback.gate.weight)}, bias
+        assert (fusion["weight_decay"], fusion["decay_from_step"], fusion["lr_multiplier"]) == (0.0, 50, 10.0)
+        decayed = {id(p) for p in groups["decay"]["params"]}
+        assert decayed and not decayed & {id(p) for p in fb_model.feedback.parameters()}, bias
+
+
+def test_h_init_starts_as_a_unit_normal_draw(single_process):
+    """h_init (the prefix mixin's anchor, and the state fed where none exists under first_input=state)
+    starts at the scale of the state it stands in for, a final-layernorm output: entries N(0, 1), so mean
+    about 0 and root mean square about 1. Four models (4 * D = 128 draws): within 4 standard errors."""
+    draws = []
+    for seed in range(4):
+        torch.manual_seed(seed)  # build_model draws its init seed from torch's global generator
+        model = build_model(tiny_model_config(), feedback(prefix_mixin=0.3))
+        draws.append(model.feedback.initial_state.detach())
+    h0 = torch.cat(draws)
+    n = h0.numel()
+    assert abs(float(h0.mean())) < 4 / n ** 0.5, float(h0.mean())
+    rms = float(h0.square().mean().sqrt())
+    assert abs(rms - 1) < 4 / (2 * n) ** 0.5, rms  # the sample RMS of n unit normals: standard error 1/sqrt(2n)

@@ -196,12 +196,17 @@ def test_scaled_identity_value_init_is_tensor_parallel_invariant(single_process)
 
 
 def test_scaled_identity_on_a_gpu_partition(monkeypatch):
-    """Megatron's GPU init calls the init method on this rank's [D/TP, D] rows: rank 1 of 2 gets rows
-    16..31 of the identity (the CPU path above initialises the whole master weight)."""
+    """Megatron's GPU init calls the init method on this rank's [D/TP, D] rows: rank r of TP gets rows
+    r * D/TP .. (r + 1) * D/TP - 1 of the identity, at TP 2 and 4 (the CPU path above initialises the whole
+    master weight)."""
     from megatron.core import parallel_state
 
     from fbt_megatron.model.feedback import scaled_identity_init
 
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
-    local = scaled_identity_init(0.5)(torch.full((16, 32), 9.0))
-    torch.testing.assert_close(local, 0.5 * torch.eye(32)[16:], rtol=0, atol=0)
+    for tp in (2, 4):
+        rows = 32 // tp
+        for rank in range(tp):
+            monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
+            local = scaled_identity_init(0.5)(torch.full((rows, 32), 9.0))
+            torch.testing.assert_close(local, 0.5 * torch.eye(32)[rank * rows:(rank + 1) * rows], rtol=0, atol=0,
+                                       msg=f"rank {rank} of {tp}")
