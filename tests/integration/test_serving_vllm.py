@@ -37,6 +37,7 @@ pytestmark = pytest.mark.timeout(vllm_env.build_timeout() + 900)
 
 SIDE = SIDE_SCRIPTS / "vllm_side.py"
 GATE_SIDE = SIDE_SCRIPTS / "vllm_gate_side.py"
+BUILD_SIDE = SIDE_SCRIPTS / "vllm_build_side.py"
 CLIENT = SIDE_SCRIPTS / "vllm_openai_client.py"
 VOCAB = 320  # = the sentencepiece tokenizer's pieces: the framework and vLLM choose among the same ids
 PROMPTS = [[5, 17, 30, 44, 9], [100, 7], [3, 200, 250, 12, 40, 41, 42, 60, 61, 70, 80], [77]]
@@ -200,6 +201,57 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
     assert all(errors.pop("rule").values())
     for mode, e in errors.items():
         assert e["per_token"] < 1e-5 and e["table"] < 1e-5 and e["stack_input"] < 1e-5 and e["reads_table"], (mode, e)
+
+
+def test_plugin_built_without_an_engine(vllm_python, tmp_path):
+    """The plugin's model built as vLLM's model runner builds it, without an engine (tests/support/side/vllm_build_side.py:
+    the export's config, a stack of no layers). The export's Llama-class config is served; a field vLLM's Llama stack
+    cannot serve is refused naming it, and so is a ``prefill_passes`` that is not an integer >= 1 or "exact"; a
+    pipeline-parallel size above 1 is refused naming ``--pipeline-parallel-size 1`` (1 is served); ``--enable-lora``
+    is refused on a feedback export and served without a fusion. Built in a model runner's ``load_model`` the
+    plugin finds the runner (the prompt lengths of a K-pass prefill) and warns of nothing; built elsewhere with K
+    passes it warns, with exact prefill or no fusion it does not; a config naming no ``prefill_passes`` gets the
+    export's default, 2 passes. Loading the weights builds the gate table from them (``feedback_gate_table: false``:
+    none), which is not saved in ``state_dict``. The state cache grows to hold every slot, keeping the states it
+    holds, doubling (a cache grown slot by slot is reallocated a logarithmic number of times), and keeps them when
+    the step's dtype changes."""
+    proc = subprocess.run([str(vllm_python), str(BUILD_SIDE), str(tmp_path / "result.json")], cwd=tmp_path,
+                          env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    res = json.loads((tmp_path / "result.json").read_text())
+    refused = "ValueError: the fbt_megatron vLLM plugin serves Llama-class FBT exports only; this one has "
+    assert res["servable"] == "ok"
+    for field, outcome in res["unservable"].items():
+        if field == "qkv_bias with attention_bias":  # biases on q/k/v and o_proj: vLLM's Llama serves them
+            assert outcome == "ok", outcome
+        else:
+            assert outcome.startswith(refused) and f"{field}=" in outcome, (field, outcome)
+    for value, outcome in res["prefill_passes"].items():
+        if value in ("1", "2", "7", "'exact'"):
+            assert outcome == "ok", (value, outcome)
+        else:
+            assert outcome.startswith(refused) and f"prefill_passes={value} (served: an integer >= 1 or 'exact')" \
+                in outcome, (value, outcome)
+    assert res["pipeline parallel 2"].startswith("NotImplementedError: the fbt_megatron vLLM plugin does not run "
+                                                 "pipeline parallelism") and "--pipeline-parallel-size 1" in res["pipeline parallel 2"]
+    lora = res["lora"]
+    assert lora.pop("off") == "ok", lora
+    assert all(o.startswith("NotImplementedError: the fbt_megatron vLLM plugin does not serve LoRA adapters")
+               for o in lora.values()), lora
+    built = res["built"]
+    assert all(b["outcome"] == "ok" for b in built.values()), built
+    assert built["K passes in a model runner"] == {"outcome": "ok", "prefill_passes": 2, "runner found": True,
+                                                   "warned": False}
+    assert built["K passes"]["warned"] and not built["K passes"]["runner found"]
+    assert not built["exact"]["warned"] and built["exact"]["prefill_passes"] == "exact"
+    assert not built["fusion off"]["warned"]
+    assert built["a Llama config naming no prefill_passes"]["prefill_passes"] == 2
+    table = res["gate table"]
+    assert table["default"] is not None and table["default"] < 1e-5 and table["off"] is None, table
+    assert table["default in state_dict"] == [] and table["off in state_dict"] == [], table
+    cache = res["state cache"]
+    assert cache["rows enough"] and cache["states kept"] and cache["dtype change keeps the states"], cache
+    assert cache["reallocations"] <= 12, cache  # 1000 slots one by one: log2(1000) + 1 doublings
 
 
 def test_plugin_forward_against_the_recurrence(vllm_python, tmp_path):
