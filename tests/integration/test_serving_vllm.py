@@ -258,19 +258,28 @@ def test_plugin_forward_against_the_recurrence(vllm_python, tmp_path):
     """The plugin's forward without an engine (tests/support/side/vllm_forward_side.py): a scheduler written in the test drives it
     step by step on a position-wise stand-in for the stack, giving blocks out of order and reusing freed ones, and
     every top state is compared with the recurrence written from its formula (or the prompt's K Jacobi passes):
-    exact prefill then decode (one step with padded rows), a 1-token prompt decoded beside running requests in a
-    reused slot that holds another request's state, a chunked prompt, 2-pass prefill then decode, the same request
-    recomputed as one prefill after a preemption, standard decoding, a warm-up run, a block table that does not
-    give the step's slots."""
+    exact prefill then decode (one step with padded rows; the gate read from the vocabulary's table), a 1-token
+    prompt decoded beside running requests in a reused block that holds another request's states (its first
+    two tokens), a chunked prompt, decode steps of more requests than the block table has columns, a prompt whose
+    second chunk starts at position 1 in a step with an empty request row, 2-pass prefill then decode, the same
+    request recomputed as one prefill after a preemption, an input batch that does not say how many requests it
+    holds (not read), a prompt longer than the hidden size, inputs given as embeddings, standard decoding, an
+    export without a fusion, a warm-up run, a block table that does not give the step's slots. Exact prefill
+    makes at most as many passes as the longest prompt has tokens; the decode steps take the decode layout and
+    check the block table once; standard decoding computes no gate."""
     forward_side = SIDE_SCRIPTS / "vllm_forward_side.py"
     proc = subprocess.run([str(vllm_python), str(forward_side), str(tmp_path / "result.json")], cwd=tmp_path,
                           env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     result = json.loads((tmp_path / "result.json").read_text())
     assert "does not give the step's slot mapping" in result.pop("wrong block table")
-    kinds = result.pop("exact kinds")
-    assert kinds["general"] == 1 and kinds["decode"] == 3, kinds  # prefill on the general path, then decode steps
-    assert len(result) == 7 and all(e < 1e-5 for e in result.values()), result
+    assert result.pop("exact prefill passes") == 5  # prompts of 5 and 3 tokens in one step
+    # prefill on the general path, then decode steps (the block-table check ran with the prefill), the table's gates
+    assert result.pop("exact kinds") == {"general": 1, "decode": 3, "step_layout": 1, "gate table": 4}
+    assert result.pop("short kinds") == {"decode": 2, "gate matmul": 2}
+    assert result.pop("embeddings kinds") == {"general": 1, "decode": 1, "gate matmul": 2}
+    assert result.pop("standard kinds") == {}  # the stack on the token ids, as vLLM's Llama
+    assert len(result) == 12 and all(e < 1e-5 for e in result.values()), result
 
 
 def test_plugin_preemption(vllm_python, model, tmp_path):
