@@ -77,18 +77,20 @@ class Scheduler:
     metadata as vLLM's CPU backend lays it out (rows in the order scheduled)."""
 
     def __init__(self, model):
-        self.model, self.free = model, [9, 3, 14, 6, 1, 11, 7, 12, 2, 15, 5, 10, 8, 4, 13]
+        # (never block 0: vLLM's block pool keeps it as its null block)
+        self.model, self.free = model, [9, 3, 14, 6, 1, 11, 7, 12, 2, 15, 5, 10, 8, 4, 13] + list(range(16, 48))
         self.blocks, self.done, self.tops = {}, {}, {}
 
     def release(self, name):
         self.free = self.blocks.pop(name) + self.free  # reused first: its slots hold stale states
         self.done[name] = 0
 
-    def step(self, work, tokens, pad=0, slot_shift=0, empty_rows=0, embeds=False):
+    def step(self, work, tokens, pad=0, slot_shift=0, empty_rows=0, embeds=False, warm_up=False):
         """``work``: [(name, n)] schedules the next n tokens of each request; returns the step's tops by request.
         ``pad`` rows of padding tokens (slot -1); ``empty_rows`` request rows without tokens after the real ones
         (vLLM pads the request count so, ``query_start_loc`` repeating its last value); ``embeds``: the tokens
-        given as embeddings (``inputs_embeds``, no token ids)."""
+        given as embeddings (``inputs_embeds``, no token ids); ``warm_up``: every slot -1, as vLLM's dummy runs
+        (warm-up, profiling) lay them out."""
         ids, pos, slots, rows, lengths = [], [], [], [], []
         for name, n in work:
             start = self.done.setdefault(name, 0)
@@ -110,6 +112,8 @@ class Scheduler:
         qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         meta = SimpleNamespace(num_actual_tokens=n, query_start_loc=qsl, max_query_len=max(lengths), block_table=table,
                                slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.long) + slot_shift)
+        if warm_up:
+            meta.slot_mapping.fill_(-1)
         vllm_model.get_forward_context = lambda: SimpleNamespace(attn_metadata={"layer.0": meta})
         ids = torch.tensor(ids + [0] * pad)
         top = self.model.forward(None, torch.tensor(pos + [0] * pad), inputs_embeds=E[ids]) if embeds else \
@@ -176,8 +180,8 @@ def counting_step_layout():
 
 def main(out):
     tok = {"a": [5, 17, 30, 4, 9, 22, 8, 31, 2, 36, 21], "b": [1, 7, 33, 12, 3, 3, 25, 18], "c": [11, 23], "d": [6, 19, 24, 38, 0, 14, 27],
-           "old": [2, 4, 6, 8, 10, 12], "p": [13, 1], "q": [29, 2], "r": [35, 3], "e": [16, 3, 39, 20, 10],
-           "long": [(7 * i + 3) % VOCAB for i in range(D + 4)]}
+           "old": [2, 4, 6, 8, 10, 12], "e": [16, 3, 39], "long": [(7 * i + 3) % VOCAB for i in range(D + 4)],
+           **{f"s{i}": [(5 * i + 1) % VOCAB, (3 * i + 2) % VOCAB] for i in range(D)}}
     result = {}
     layouts = counting_step_layout()
     with torch.no_grad():
@@ -205,17 +209,21 @@ def main(out):
         s.step([("d", 3)], tok)
         result["chunked exact prefill"] = err(s.states("d"), reference(tok["d"], w))
 
-        # decode steps of more requests than the block table has columns (1-token prompts, a block each): the
-        # decode layout; a prompt whose second chunk starts at position 1, in a step with an empty request row
+        # decode steps of more requests than the block table has columns (D 1-token prompts, a block each): the
+        # decode layout, also with a padded row; a prompt whose first chunk is one token in a step with an empty
+        # request row (one pass), its second chunk from position 1 in another such step
         m, w = build("exact")
         s = Scheduler(m)
-        for _ in range(2):
-            s.step([("p", 1), ("q", 1), ("r", 1)], tok)
+        short = [f"s{i}" for i in range(D)]
+        s.step([(n, 1) for n in short], tok)
+        s.step([(n, 1) for n in short], tok, pad=1)
         result["short kinds"] = dict(m.step_kinds)
-        s.step([("e", 1)], tok)
-        s.step([("e", 4)], tok, empty_rows=1)
+        calls = m.model.calls
+        s.step([("e", 1)], tok, empty_rows=1)
+        result["one-token chunk passes"] = m.model.calls - calls
+        s.step([("e", 2)], tok, empty_rows=1)
         result["short requests, a chunk from position 1"] = max(err(s.states(n), reference(tok[n][: s.done[n]], w))
-                                                                for n in "pqre")
+                                                                for n in short + ["e"])
 
         # the paper's FUSED prefill (2 passes), decode, then a preemption: recomputed as one prefill
         runner = Runner()
@@ -223,6 +231,7 @@ def main(out):
         s = Scheduler(m)
         runner.input_batch = SimpleNamespace(num_prompt_tokens=[5, 3], num_reqs=2)
         s.step([("a", 5), ("b", 3)], tok)
+        result["2-pass prefill passes"] = m.model.calls
         runner.input_batch = SimpleNamespace(num_prompt_tokens=[5, 3], num_reqs=2)
         for _ in range(3):
             s.step([("a", 1), ("b", 1)], tok)
@@ -232,8 +241,10 @@ def main(out):
         s.release("a")
         s.tops.pop("a")
         runner.input_batch = SimpleNamespace(num_prompt_tokens=[5], num_reqs=1)
+        calls = m.model.calls
         s.step([("a", 8)], tok)
         result["recompute after preemption"] = err(s.states("a"), before)
+        result["recompute passes"] = m.model.calls - calls
         # an input batch that does not say how many request rows it holds is not read: the passes run over all
         runner.input_batch = SimpleNamespace(num_prompt_tokens=[5])
         s.release("a")
@@ -269,11 +280,18 @@ def main(out):
         s.step([("a", 1)], tok)
         result["no fusion"] = err(s.states("a"), f(E[torch.tensor(tok["a"][:6])], torch.arange(6)))
 
-        # a warm-up run (no real slots) is stateless; a block table that does not give the slots is refused
+        # a warm-up run (no real slots) is stateless, and so is a step without tokens (padding only); a block
+        # table that does not give the slots is refused
         m, w = build("exact")
         s = Scheduler(m)
-        top = s.step([("a", 3)], tok, slot_shift=-100)["a"]
+        top = s.step([("a", 3)], tok, warm_up=True)["a"]
         result["warm-up"] = err(top, f(E[torch.tensor(tok["a"][:3])], torch.arange(3)))
+        result["warm-up kinds"] = dict(m.step_kinds)
+        meta = SimpleNamespace(num_actual_tokens=0, query_start_loc=torch.zeros(1, dtype=torch.int32), max_query_len=0,
+                               block_table=torch.zeros(0, 1, dtype=torch.int32), slot_mapping=torch.full((2,), -1))
+        vllm_model.get_forward_context = lambda: SimpleNamespace(attn_metadata={"layer.0": meta})
+        top = m.forward(torch.tensor([3, 4]), torch.tensor([0, 0]))
+        result["a step without tokens"] = err(top, f(E[torch.tensor([3, 4])], torch.tensor([0, 0])))
         try:
             Scheduler(m).step([("b", 3)], tok, slot_shift=1)
             result["wrong block table"] = "not refused"
