@@ -268,7 +268,7 @@ def test_plugin_forward_against_the_recurrence(vllm_python, tmp_path):
     every top state is compared with the recurrence written from its formula (or the prompt's K Jacobi passes):
     exact prefill then decode (one step with padded rows; the gate read from the vocabulary's table), a 1-token
     prompt decoded beside running requests in a reused block that holds another request's states (its first
-    two tokens), a chunked prompt, decode steps of more requests than the block table has columns (as many as
+    two tokens), a chunked prompt (beside a decoding request), decode steps of more requests than the block table has columns (as many as
     the hidden size, one step padded), a prompt whose 1-token first chunk and second chunk (from position 1)
     come in steps with an empty request row, 2-pass prefill then decode, the same request recomputed as one
     prefill after a preemption, an input batch that does not say how many requests it holds (not read), a

@@ -204,10 +204,11 @@ def main(out):
         s.step([("a", 1), ("c", 1), ("b", 1)], tok)
         result["one-token prompt among decodes"] = max(err(s.states(n), reference(tok[n][: s.done[n]], w))
                                                        for n in "abc")
-        # chunked prefill: a prompt in two chunks, the second starting from a carried state
+        # chunked prefill: a prompt in two chunks, the second starting from a carried state; the first chunk's
+        # step also decodes a (a one-token request row in a step on the general path)
         s.step([("d", 4), ("a", 1)], tok)
         s.step([("d", 3)], tok)
-        result["chunked exact prefill"] = err(s.states("d"), reference(tok["d"], w))
+        result["chunked exact prefill"] = max(err(s.states(n), reference(tok[n][: s.done[n]], w)) for n in "da")
 
         # decode steps of more requests than the block table has columns (D 1-token prompts, a block each): the
         # decode layout, also with a padded row; a prompt whose first chunk is one token in a step with an empty
