@@ -85,10 +85,12 @@ MAP: dict[str, dict] = {
                                           "tests/unit/test_data_bad_input.py", "tests/unit/test_data_split.py",
                                           "tests/unit/test_data_chat.py"],
                                 "k": "not test_data_chat or loader_puts_the_mask"},
-    # (the tests without an engine: the forward against the recurrence under a scheduler written in the test,
-    # and the fusion's formula; the engine tests, 1-2 minutes each, fit a few mutants: give --tests for them)
+    # (the tests without an engine: the model built as vLLM builds it, the forward against the recurrence under a
+    # scheduler written in the test, and the fusion's formula; the engine tests, 1-2 minutes each, fit a few
+    # mutants: give --tests for them)
     "fbt_megatron/serving/vllm_model.py": {"tests": ["tests/integration/test_serving_vllm.py"],
-                                           "k": "forward_against_the_recurrence or gate_table_formula"},
+                                           "k": "built_without_an_engine or forward_against_the_recurrence "
+                                                "or gate_table_formula"},
 }
 
 # cosmic-ray operators left out: replacements that repeat another mutant of the same expression.

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.timeout(vllm_env.build_timeout() + 900)
 
 SIDE = SIDE_SCRIPTS / "vllm_side.py"
 GATE_SIDE = SIDE_SCRIPTS / "vllm_gate_side.py"
+BUILD_SIDE = SIDE_SCRIPTS / "vllm_build_side.py"
 CLIENT = SIDE_SCRIPTS / "vllm_openai_client.py"
 VOCAB = 320  # = the sentencepiece tokenizer's pieces: the framework and vLLM choose among the same ids
 PROMPTS = [[5, 17, 30, 44, 9], [100, 7], [3, 200, 250, 12, 40, 41, 42, 60, 61, 70, 80], [77]]
@@ -202,23 +203,97 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
         assert e["per_token"] < 1e-5 and e["table"] < 1e-5 and e["stack_input"] < 1e-5 and e["reads_table"], (mode, e)
 
 
+def test_plugin_built_without_an_engine(vllm_python, tmp_path):
+    """The plugin's model built as vLLM's model runner builds it, without an engine (tests/support/side/vllm_build_side.py:
+    the export's config, a stack of no layers). The export's Llama-class config is served; a field vLLM's Llama stack
+    cannot serve is refused naming it, and so is a ``prefill_passes`` that is not an integer >= 1 or "exact"; a
+    pipeline-parallel size above 1 is refused naming ``--pipeline-parallel-size 1`` (1 is served); ``--enable-lora``
+    is refused on a feedback export and served without a fusion. Built in a model runner's ``load_model`` the
+    plugin finds the runner (the prompt lengths of a K-pass prefill; not the model loader in between) and warns of
+    nothing; built elsewhere with K passes it warns, with exact prefill or no fusion it does not; a config naming
+    no ``prefill_passes`` gets the export's default, 2 passes. The fusion's layers carry the checkpoint's names.
+    Loading the weights loads the fusion's, reports every weight loaded and builds the gate table from them (for a
+    vocabulary the embedding does not pad too; ``feedback_gate_table: false``: none), which is not saved in
+    ``state_dict``. The first step, a decode step, checks the block table against the step's slots. The state
+    cache grows to hold every slot, keeping the states it holds, to the slots a step needs or twice its rows
+    (a cache grown slot by slot is reallocated a logarithmic number of times, and holds at most twice the rows
+    used), not when a step uses every row, and keeps them when the step's dtype changes."""
+    proc = subprocess.run([str(vllm_python), str(BUILD_SIDE), str(tmp_path / "result.json")], cwd=tmp_path,
+                          env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    res = json.loads((tmp_path / "result.json").read_text())
+    refused = "ValueError: the fbt_megatron vLLM plugin serves Llama-class FBT exports only; this one has "
+    assert res["servable"] == "ok"
+    for field, outcome in res["unservable"].items():
+        if field == "qkv_bias with attention_bias":  # biases on q/k/v and o_proj: vLLM's Llama serves them
+            assert outcome == "ok", outcome
+        else:
+            assert outcome.startswith(refused) and f"{field}=" in outcome, (field, outcome)
+    for value, outcome in res["prefill_passes"].items():
+        if value in ("1", "2", "7", "'exact'"):
+            assert outcome == "ok", (value, outcome)
+        else:
+            assert outcome.startswith(refused) and f"prefill_passes={value} (served: an integer >= 1 or 'exact')" \
+                in outcome, (value, outcome)
+    assert res["pipeline parallel 2"].startswith("NotImplementedError: the fbt_megatron vLLM plugin does not run "
+                                                 "pipeline parallelism") and "--pipeline-parallel-size 1" in res["pipeline parallel 2"]
+    lora = res["lora"]
+    assert lora.pop("off") == "ok", lora
+    assert all(o.startswith("NotImplementedError: the fbt_megatron vLLM plugin does not serve LoRA adapters")
+               for o in lora.values()), lora
+    built = res["built"]
+    assert all(b["outcome"] == "ok" for b in built.values()), built
+    assert built["K passes in a model runner"] == {"outcome": "ok", "prefill_passes": 2, "runner found": True,
+                                                   "warned": False}
+    assert built["K passes"]["warned"] and not built["K passes"]["runner found"]
+    assert not built["exact"]["warned"] and built["exact"]["prefill_passes"] == "exact"
+    assert not built["fusion off"]["warned"]
+    assert built["a Llama config naming no prefill_passes"]["prefill_passes"] == 2
+    assert res["layer names"] == ["feedback.value_proj", "feedback.gate_proj"]
+    assert res["loaded"] and res["fusion weights"] == 0.0, res
+    first = res["first decode step"]
+    assert first["its slots"] == "ok" and first["a block table not giving the slots"].startswith(
+        "RuntimeError: the attention metadata's block table does not give the step's slot mapping"), first
+    table = res["gate table"]
+    assert table["default"] is not None and table["default"] < 1e-5 and table["off"] is None, table
+    assert table["default in state_dict"] == [] and table["off in state_dict"] == [], table
+    cache = res["state cache"]
+    assert cache.pop("sizes") == [2 ** i for i in range(11)], cache  # 1000 slots one by one: 1, 2, 4, ... 1024 rows
+    assert all(cache.values()), cache
+
+
 def test_plugin_forward_against_the_recurrence(vllm_python, tmp_path):
     """The plugin's forward without an engine (tests/support/side/vllm_forward_side.py): a scheduler written in the test drives it
     step by step on a position-wise stand-in for the stack, giving blocks out of order and reusing freed ones, and
     every top state is compared with the recurrence written from its formula (or the prompt's K Jacobi passes):
-    exact prefill then decode (one step with padded rows), a 1-token prompt decoded beside running requests in a
-    reused slot that holds another request's state, a chunked prompt, 2-pass prefill then decode, the same request
-    recomputed as one prefill after a preemption, standard decoding, a warm-up run, a block table that does not
-    give the step's slots."""
+    exact prefill then decode (one step with padded rows; the gate read from the vocabulary's table), a 1-token
+    prompt decoded beside running requests in a reused block that holds another request's states (its first
+    two tokens), a chunked prompt (beside a decoding request), decode steps of more requests than the block table has columns (as many as
+    the hidden size, one step padded), a prompt whose 1-token first chunk and second chunk (from position 1)
+    come in steps with an empty request row, 2-pass prefill then decode, the same request recomputed as one
+    prefill after a preemption, an input batch that does not say how many requests it holds (not read), a
+    prompt longer than the hidden size, inputs given as embeddings, standard decoding, an export without a
+    fusion, a warm-up run (slots -1), a step without tokens, a block table that does not give the step's slots.
+    The passes: exact prefill makes at most as many as the longest prompt has tokens, K-pass prefill K, the
+    recompute K then one per generated token and one that changes nothing, a step with no token whose previous
+    position is in it one. The decode steps take the decode layout and check the block table once; standard
+    decoding computes no gate."""
     forward_side = SIDE_SCRIPTS / "vllm_forward_side.py"
     proc = subprocess.run([str(vllm_python), str(forward_side), str(tmp_path / "result.json")], cwd=tmp_path,
                           env=side_env(tmp_path, plugin=False), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     result = json.loads((tmp_path / "result.json").read_text())
     assert "does not give the step's slot mapping" in result.pop("wrong block table")
-    kinds = result.pop("exact kinds")
-    assert kinds["general"] == 1 and kinds["decode"] == 3, kinds  # prefill on the general path, then decode steps
-    assert len(result) == 7 and all(e < 1e-5 for e in result.values()), result
+    assert result.pop("exact prefill passes") == 5  # prompts of 5 and 3 tokens in one step
+    assert result.pop("2-pass prefill passes") == 2 and result.pop("one-token chunk passes") == 1
+    assert result.pop("recompute passes") == 2 + 3 + 1  # a prompt of 5 and 3 generated tokens
+    # prefill on the general path, then decode steps (the block-table check ran with the prefill), the table's gates
+    assert result.pop("exact kinds") == {"general": 1, "decode": 3, "step_layout": 1, "gate table": 4}
+    assert result.pop("short kinds") == {"decode": 2, "gate matmul": 2}
+    assert result.pop("embeddings kinds") == {"general": 1, "decode": 1, "gate matmul": 2}
+    assert result.pop("standard kinds") == {}  # the stack on the token ids, as vLLM's Llama
+    assert result.pop("warm-up kinds") == {"stateless": 1, "gate matmul": 1}
+    assert len(result) == 13 and all(e < 1e-5 for e in result.values()), result
 
 
 def test_plugin_preemption(vllm_python, model, tmp_path):
