@@ -92,7 +92,7 @@ def table(results: dict[str, dict[str, list[tuple[float, bool]]]]) -> list[str]:
         for s in sizes:
             ratios = [r for r, _ in results[s][name]]
             quiet = [r for r, q in results[s][name] if q]
-            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
             cells.append(f"{statistics.median(ratios):.3f} ({q1:.3f}-{q3:.3f}); "
                          + (f"{statistics.median(quiet):.3f} ({len(quiet)})" if quiet else "none"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -30,9 +30,7 @@ How attention runs (``attention_backend``, chosen from the layers, the mask and 
 - ``sdpa`` (Megatron's local layers: CPU, or a GPU without TE): Megatron's core attention is replaced by
   :class:`SDPADotProductAttention`, which computes the same thing with ``torch.nn.functional.
   scaled_dot_product_attention`` (fused kernels on CPU and GPU, no stored S x S probabilities) from a
-  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention); on CPU, with the
-  ``sdpa_layout`` fast path (``model/cpu_fastpaths.py``), converted to SDPA's additive form once per mask,
-  with query, key, value and the output's gradient laid out ``[B, S, heads, d]``. For
+  dense ``[B, 1, S, S]`` boolean mask (True = masked out, Megatron's convention). For
   ``document_causal`` the spec's self-attention is switched to ``AttnMaskType.arbitrary`` so the mask
   is honoured.
 
@@ -49,8 +47,6 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-
-from fbt_megatron.model import cpu_fastpaths
 
 ATTENTION_MASKS = ("document_causal", "causal")
 
@@ -178,20 +174,17 @@ class SDPADotProductAttention(DotProductAttention):
             return out.reshape(out.shape[0], -1)
         sq, batch = query.shape[:2]
         sk = key.shape[0]
-        # The room's CPU layout (model/cpu_fastpaths.py, "sdpa_layout"): [b, s, heads, d] in memory, the
-        # layout of SDPA's own output, and the mask in SDPA's additive form once per mask.
-        cpu = query.device.type == "cpu" and cpu_fastpaths.active("sdpa_layout")
-        q, k, v = (t.transpose(0, 1).contiguous() if cpu else t.transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         kw = {}
         if mask is not None:
-            kw["attn_mask"] = cpu_fastpaths.additive_mask(mask, q.dtype) if cpu else ~mask
+            kw["attn_mask"] = ~mask
         elif (mask_type or self.attn_mask_type) == AttnMaskType.causal:
             if sq == sk:
                 kw["is_causal"] = True
             else:  # queries are the last sq of the sk positions
                 kw["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
         out = sdpa(q, k, v, **kw)  # [b, sq, np, hn]
-        return cpu_fastpaths.SequenceFirst.apply(out) if cpu else out.transpose(0, 1).reshape(sq, batch, -1)
+        return out.transpose(0, 1).reshape(sq, batch, -1)
 
 
 def adapt_layer_spec(spec, attention_mask: str, num_layers: int, packed: bool = False):
