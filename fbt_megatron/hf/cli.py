@@ -1,6 +1,6 @@
 """`fbt convert`: Hugging Face conversion in both directions.
 
-    fbt convert to-hf CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 2GB] [--tokenizer X.model]
+    fbt convert to-hf CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 2GiB] [--tokenizer X.model]
                                          [--standard]
     fbt convert from-hf HF_DIR CHECKPOINT_DIR [--fusion glu|additive|off]
 
@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     to.add_argument("checkpoint")
     to.add_argument("out_dir")
     to.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    to.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"))
+    to.add_argument("--max-shard-size", type=parse_size, default=None,
+                    help="largest safetensors shard, e.g. 2GB, 500MB (default: export.DEFAULT_SHARD_BYTES, 2 GiB)")
     to.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: the run's own)")
     to.add_argument("--standard", action="store_true",
                     help="a plain LlamaForCausalLM checkpoint (no remote code, no fusion): standard decoding; "
@@ -55,8 +56,9 @@ def main(argv=None) -> int:
         if a.direction == "to-hf":
             from fbt_megatron.hf.export import export_checkpoint
 
-            export_checkpoint(a.checkpoint, a.out_dir, dtype=a.dtype, max_shard_bytes=a.max_shard_size,
-                              tokenizer=a.tokenizer, standard=a.standard)
+            shard = {} if a.max_shard_size is None else {"max_shard_bytes": a.max_shard_size}
+            export_checkpoint(a.checkpoint, a.out_dir, dtype=a.dtype, tokenizer=a.tokenizer, standard=a.standard,
+                              **shard)
         else:
             from fbt_megatron.hf.importer import import_hf
 

@@ -130,7 +130,6 @@ def test_an_hf_tokenizer_without_a_sentencepiece_model_exports_and_names_its_spe
     assert export.write_tokenizer(("hf", src), unchecked, None, max_length=64) == ids
 
 
-
 def test_a_tokenizer_saved_by_transformers_5_keeps_its_added_special_tokens(tmp_path):
     """A tokenizer with added special tokens (a chat template's <|im_start|>, <|im_end|>) saved by
     transformers 5 lists them under `extra_special_tokens`, a list where 4.x expects a dict: the export
@@ -158,7 +157,6 @@ def test_a_tokenizer_saved_by_transformers_5_keeps_its_added_special_tokens(tmp_
     exported = PreTrainedTokenizerFast.from_pretrained(str(out))
     ids = exported.encode("<|im_start|>def add<|im_end|>")
     assert exported.decode(ids, skip_special_tokens=True) == "def add", exported.decode(ids)
-
 
 
 def test_a_bare_tokenizer_json_exports_the_eos_the_run_ended_documents_with(tmp_path):
@@ -248,3 +246,19 @@ def test_a_bounded_w_u_exports_inside_the_unit_ball_and_reimports_bit_for_bit():
         torch.testing.assert_close(exported, w / sigma, rtol=4e-6, atol=1e-7)
         assert torch.linalg.matrix_norm(exported, ord=2) <= 1.0, sigma
     assert torch.equal(export.as_applied("feedback.value.weight", w, SimpleNamespace(mixin="affine")), w)
+
+
+def test_cli_passes_the_shard_size_given_and_otherwise_the_librarys_default(monkeypatch):
+    """``fbt convert to-hf --max-shard-size 500MB`` exports with 500 * 10**6-byte shards; without the flag the
+    library's own default applies (one default, in export.py)."""
+    from fbt_megatron import runtime
+    from fbt_megatron.hf import cli
+
+    calls = []
+    monkeypatch.setattr(export, "export_checkpoint", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(runtime, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(runtime, "shutdown", lambda *a, **k: None)
+    assert cli.main(["to-hf", "ck", "out", "--max-shard-size", "500MB"]) == 0
+    assert cli.main(["to-hf", "ck", "out", "--max-shard-size", "1GiB"]) == 0
+    assert cli.main(["to-hf", "ck", "out"]) == 0
+    assert [c.get("max_shard_bytes") for c in calls] == [500 * 10**6, 2**30, None]

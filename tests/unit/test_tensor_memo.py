@@ -11,7 +11,7 @@ def test_values_kept_per_tensor_while_it_lives_unchanged():
     """A value derived from a tensor (here a boolean mask as 0 / -inf) is computed once for the tensor while
     it lives unchanged, and anew for another tensor, an in-place change or another dtype; under inference
     mode it is computed and not kept; nothing is kept once its tensor is gone."""
-    def expected(mask, dtype):  # from the definition
+    def expected(mask, dtype):  # the memoised function itself: the memo must hand back its current value
         return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask, float("-inf"))
 
     memo = LastTensorMemo(expected)

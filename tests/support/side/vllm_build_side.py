@@ -22,14 +22,13 @@ Writes {check: outcome} to argv[1], an outcome being "ok" or "ExceptionType: mes
 
 import json
 import logging
-import socket
 import sys
 from types import SimpleNamespace
 
 import torch
 from transformers import LlamaConfig
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_one_rank import one_rank_world
 
 from fbt_megatron.hf.feedback_rule import token_gate
 from fbt_megatron.hf.modeling_fbt import FBTConfig
@@ -205,11 +204,6 @@ def main(out):
 
 
 if __name__ == "__main__":
-    with socket.socket() as sock:  # a free loopback port for the world of one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+    with one_rank_world():
+        pass
     main(sys.argv[1])

@@ -8,15 +8,13 @@ The scheduler gives blocks out of order and reuses freed ones, so a state is onl
 table and a reused slot holds a stale state. Writes {scenario: max abs error, ...} to argv[1]."""
 
 import json
-import socket
 import sys
 import weakref
 from collections import Counter
 from types import SimpleNamespace
 
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_one_rank import one_rank_world
 
 from fbt_megatron.serving import vllm_model
 
@@ -302,11 +300,5 @@ def main(out):
 
 
 if __name__ == "__main__":
-    with socket.socket() as sock:  # a free loopback port for the world of one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+    with one_rank_world():
         main(sys.argv[1])

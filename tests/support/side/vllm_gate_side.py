@@ -6,31 +6,23 @@ max abs error, reads_table}} to argv[1], and under "rule" whether the plugin's f
 function are the export modelling file's and the shared rule's own objects."""
 
 import json
-import socket
 import sys
 from types import SimpleNamespace
 
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_one_rank import one_rank_world
 
 from fbt_megatron.hf import feedback_rule, modeling_fbt
 from fbt_megatron.serving import vllm_model
 from fbt_megatron.serving.vllm_model import LatentFeedback
 
-with socket.socket() as sock:  # a free loopback port for the world of one
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
 torch.manual_seed(0)
 d, vocab = 32, 50
 E = torch.randn(vocab, d)
 ids = torch.tensor([3, 0, 49, 3, 17])
 h = torch.randn(len(ids), d)
 errors = {}
-with set_current_vllm_config(VllmConfig()):
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=0, backend="gloo")
-    initialize_model_parallel(1, 1)
+with one_rank_world():
     for mode in ("glu", "additive"):
         fb = LatentFeedback(SimpleNamespace(hidden_size=d, feedback_fusion=mode, feedback_prefix_mixin=0.0,
                                             feedback_bias=True, feedback_first_input="state"))
