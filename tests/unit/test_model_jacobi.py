@@ -87,3 +87,37 @@ def test_gradient_modes_differ_only_in_earlier_passes(single_process):
     assert torch.equal(grads["all_loss"], grads["last_loss"])  # same forward
     differs = [n for n in grads["all"] if not torch.allclose(grads["all"][n], grads["last"][n])]
     assert "feedback.value.weight" in differs  # W_U gets gradient through earlier passes only in "all"
+
+
+def test_pass_residuals_are_the_relative_change_of_the_top_state(single_process):
+    """``pass_residuals[k-1]`` = ||h_{k+1} - h_k|| / ||h_k||, h_k the top state after k passes (the hidden
+    output of a k-pass forward, no jitter in eval): the convergence diagnostic the logs print."""
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(), feedback()).eval()
+    ids, _, doc_start = make_inputs(seq=SEQ)
+    with torch.no_grad():
+        tops = [model(ids, doc_start=doc_start, num_passes=k).hidden for k in (1, 2, 3)]
+        residuals = model(ids, doc_start=doc_start, num_passes=3).pass_residuals
+    expected = [(tops[k + 1] - tops[k]).norm() / tops[k].norm() for k in (0, 1)]
+    assert len(residuals) == 2 and expected[0] > 1e-3
+    for got, want in zip(residuals, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_loss_on_mean_averages_each_passs_loss(single_process):
+    """``loss_on: mean``: a K-pass forward's token loss is the mean over k = 1..K of the loss after k passes
+    (each the token loss of a k-pass forward of the same model, ``loss_on: last``), per token."""
+    torch.manual_seed(0)
+    state = build_model(tiny_model_config(), feedback()).state_dict()
+    models = {}
+    for loss_on in ("last", "mean"):
+        torch.manual_seed(0)
+        models[loss_on] = build_model(tiny_model_config(), feedback(loss_on=loss_on, grad_mode="all")).eval()
+        models[loss_on].load_state_dict(state)
+    ids, labels, doc_start = make_inputs(seq=SEQ)
+    with torch.no_grad():
+        per_pass = [models["last"](ids, doc_start=doc_start, labels=labels, num_passes=k).token_loss for k in (1, 2, 3)]
+        mean = models["mean"](ids, doc_start=doc_start, labels=labels, num_passes=3).token_loss
+    assert mean.shape == per_pass[0].shape == labels.shape
+    torch.testing.assert_close(mean, sum(per_pass) / 3, rtol=1e-5, atol=1e-6)
+    assert (per_pass[2] - per_pass[0]).abs().max() > 1e-3  # the passes differ: the mean is not any one of them

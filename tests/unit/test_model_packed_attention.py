@@ -202,3 +202,12 @@ def test_padded_vocabulary_columns_are_minus_infinity_in_place(single_process):
     labels = torch.randint(0, 64, (2, 5))
     model.head(top, labels).sum().backward()
     assert weight.grad[64:].abs().max() == 0 and weight.grad[:64].abs().max() > 0
+
+
+def test_the_model_reports_the_attention_path_it_runs(single_process):
+    """``FBTGPTModel.attention_backend`` (what docs/architecture.md's table and ``fbt plan`` name) on Megatron's
+    local layers: ``sdpa`` with the dense mask, ``packed-emulation`` for packed sequences; neither fuses RoPE."""
+    for packed, expected in ((False, "sdpa"), (True, "packed-emulation")):
+        model = build_model(tiny_model_config(), feedback(), packed=packed)
+        assert (model.attention_backend, model.packed) == (expected, packed)
+        assert model.config.apply_rope_fusion is False
