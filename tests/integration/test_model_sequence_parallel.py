@@ -92,7 +92,7 @@ def packed_model_outputs(full_state):
                 g = g.clone()
                 torch.distributed.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
             grads[name] = unshard(g, p, name, model)
-        with torch.no_grad():  # no labels (generation, evaluation): this rank's vocabulary share of the logits
+        with torch.no_grad():  # no labels (generation, evaluation): the logits
             logits = model.eval()(ids, doc_start=doc_start, num_passes=3).logits
         out[sp] = (result.token_loss.detach(), result.hidden.detach(), grads, logits)
     return out
@@ -111,10 +111,11 @@ def test_packed_attention_under_sequence_parallelism_matches_tensor_parallel(sin
     reference = build_model(ModelConfig(**LLAMA), feedback(), packed=True)
     full = {n: tp_layout.to_full(n, p.detach().clone(), p, reference) for n, p in reference.named_parameters()}
     ids_shape = (2, 10)  # packed_model_outputs' make_inputs(seq=10)
+    padded_vocab = reference.gpt.output_layer.weight.shape[0]  # one rank: the whole padded vocabulary
     for rank_out in run_distributed(packed_model_outputs, 2, full, layout=ParallelLayout(tensor=2)):
         (loss0, hidden0, grads0, logits0), (loss1, hidden1, grads1, logits1) = rank_out[False], rank_out[True]
         torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-5)
-        assert logits0.shape == (*ids_shape, logits0.shape[-1]) and logits0.shape[-1] > 1
+        assert logits0.shape == (*ids_shape, padded_vocab)  # gathered over TP: the whole padded vocabulary
         torch.testing.assert_close(logits1, logits0, rtol=0, atol=1e-5)
         torch.testing.assert_close(hidden1, hidden0, rtol=0, atol=1e-5)
         assert grads1.keys() == grads0.keys()

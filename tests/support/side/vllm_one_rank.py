@@ -11,7 +11,8 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 
 @contextlib.contextmanager
 def one_rank_world():
-    """Inside: vLLM's parallel state set up for one rank, under a default ``VllmConfig``."""
+    """vLLM's parallel state set up for one rank, under a default ``VllmConfig`` inside the block; the parallel
+    state stays after it (nothing tears it down), so a script may build its own configs after the block."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
