@@ -95,13 +95,18 @@ def packed_model_outputs(full_state):
         with torch.no_grad():  # no labels (generation, evaluation): the logits
             logits = model.eval()(ids, doc_start=doc_start, num_passes=3).logits
         out[sp] = (result.token_loss.detach(), result.hidden.detach(), grads, logits)
+        torch.manual_seed(0)  # the standard model (no fusion) through the same path: its loss
+        plain = build_model(ModelConfig(**LLAMA), feedback(fusion="off"), sequence_parallel=sp, packed=True)
+        load_full_weights(plain, full_state)  # the feedback model's weights, less the fusion's
+        out["standard", sp] = plain(ids, doc_start=doc_start, labels=labels, num_passes=1).token_loss.detach()
     return out
 
 
 def test_packed_attention_under_sequence_parallelism_matches_tensor_parallel(single_process):
     """Under sequence parallelism the packed (THD) path stays on (no dense S x S scores): the rows are
     laid end to end as one row so each rank's sequence chunk is a contiguous share of the packed tokens.
-    Loss, top states, gradients and (without labels) logits equal TP=2 without it."""
+    Loss, top states, gradients and (without labels) logits equal TP=2 without it; so does a standard model's
+    loss (no fusion) through the same path."""
     from fbt_megatron.config import ModelConfig
     from fbt_megatron.model import tp_layout
     from fbt_megatron.model.fbt_gpt import build_model
@@ -117,6 +122,7 @@ def test_packed_attention_under_sequence_parallelism_matches_tensor_parallel(sin
         torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-5)
         assert logits0.shape == (*ids_shape, padded_vocab)  # gathered over TP: the whole padded vocabulary
         torch.testing.assert_close(logits1, logits0, rtol=0, atol=1e-5)
+        torch.testing.assert_close(rank_out["standard", True], rank_out["standard", False], rtol=0, atol=1e-5)
         torch.testing.assert_close(hidden1, hidden0, rtol=0, atol=1e-5)
         assert grads1.keys() == grads0.keys()
         for name in grads0:

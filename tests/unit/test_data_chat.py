@@ -216,6 +216,20 @@ def test_the_chat_tokenizer_names_the_sentencepiece_special_tokens(fx):
         assert getattr(tok, f"{kind}_token_id") == sid, kind
 
 
+def test_the_chat_tokenizer_names_a_hugging_face_tokenizers_bos_and_eos(tmp_path):
+    """With a tokenizer.json the chat tokenizer names that tokenizer's BOS and EOS (a template may render
+    ``bos_token``), with their ids."""
+    from data_pipeline.chat import chat_tokenizer
+    from data_pipeline.tokenizer import load_tokenizer
+    from tests.support.data_fixtures import train_hf_bpe
+
+    tok_dir = train_hf_bpe(["one two three four"] * 20, tmp_path / "tok", vocab_size=300)
+    hf = load_tokenizer(tok_dir)
+    tok = chat_tokenizer(hf)
+    assert (tok.bos_token, tok.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")  # the fixture's specials
+    assert (tok.bos_token_id, tok.eos_token_id) == (hf.bos_id(), hf.eos_id())
+
+
 def test_a_sentencepiece_model_without_bos_renders_chat(tmp_path):
     """A sentencepiece model trained without a BOS piece (bos_id -1; the data pipeline adds none) gives
     a chat tokenizer with no BOS token, and conversations render with it."""
