@@ -4,7 +4,7 @@
 * :mod:`.mpu` - Megatron's parallel groups under DeepSpeed's ``mpu`` names.
 * :mod:`.param_groups` - AdamW's parameter groups (decay, no decay, the fusion decayed from the feedback start).
 * :mod:`.patches` - the two DeepSpeed methods the engine replaces for correctness, pinned to the DeepSpeed
-  versions checked (no speed shortcut: ZeRO runs DeepSpeed's own code on every device).
+  versions checked (ZeRO-1/2's CPU speed shortcuts are ``model/cpu_fastpaths.py``'s).
 * :mod:`.sequence_parallel_grads` - the TP sum of sequence-parallel gradients, one fp32 all-reduce a step.
 * :mod:`.engine` - :class:`Engine`: DeepSpeed initialised over the model, the step protocol (lr, skip, norm).
 * :mod:`.zero_state` - where this rank's fp32 masters and AdamW moments live inside DeepSpeed (ZeRO 0-3).

@@ -32,6 +32,8 @@ from fbt_megatron.engine.mpu import MegatronMPU
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
 from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping
 from fbt_megatron.engine.sequence_parallel_grads import reduce_sequence_parallel_grads, sequence_parallel_params
+from fbt_megatron.model import cpu_fastpaths
+
 
 NORM_CHUNK_ELEMENTS = 1 << 16  # 512 KiB in float64: a piece's copy stays in cache, its memory is reused
 
@@ -124,6 +126,8 @@ class Engine:
         self._zero_fill_only = self.dp_size == 1 and self._own_grad_norm
         if self._zero_fill_only:
             self.ds.enable_backward_allreduce = False
+        # ZeRO-1/2 on CPU: the room's DeepSpeed shortcuts, when installed (model/cpu_fastpaths.py).
+        self.cpu_fastpaths = cpu_fastpaths.install_zero(self.ds.optimizer)
         self.torch_optimizer = _inner_optimizer(self.ds.optimizer)
         self._bf16_lp_grads_kept = type(self.ds.optimizer).__name__ == "BF16_Optimizer" and not getattr(
             self.ds.optimizer, "immediate_grad_update", False)

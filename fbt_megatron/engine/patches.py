@@ -9,8 +9,8 @@ deliberate re-check of both):
    ZeRO-0 in fp32, from ``_take_model_step``) with clipping that counts every parameter once over TP
    and PP (see :meth:`Engine._clip_fp32_gradients`).
 
-ZeRO-1/2 run DeepSpeed's own code on every device: their CPU shortcuts were deleted when they measured
-below 2 % of a step (``docs/results/benchmarks.md``).
+ZeRO-1/2's CPU shortcuts (the one-rank bucket reduction, the kept flat gradient partition) are not here:
+they are speed, not correctness, and live with the other CPU fast paths in ``model/cpu_fastpaths.py``.
 """
 
 from __future__ import annotations

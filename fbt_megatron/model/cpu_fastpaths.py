@@ -1,18 +1,21 @@
-"""The CPU fast paths: the one module that replaces a Megatron-Core function for speed.
+"""The CPU fast paths: the one module that replaces a Megatron-Core or DeepSpeed function for speed.
 
 Contract. :func:`install` (called where the model is built, with the model's device) installs the
 shortcuts below only when the device is the CPU, ``FBT_CPU_FASTPATHS`` is not ``"0"`` and the installed
-megatron-core and torch are the versions in :data:`CHECKED_VERSIONS` (on a mismatch it warns once, naming
-both, and installs nothing: the stock path is always correct). Every other device runs Megatron's,
+megatron-core, deepspeed and torch are the versions in :data:`CHECKED_VERSIONS` (on a mismatch it warns
+once, naming both, and installs nothing: the stock path is always correct). Every other device runs Megatron's,
 Transformer Engine's and DeepSpeed's own functions with no replaced global. Each shortcut gives the
-library's values and gradients bitwise (``tests/unit/test_cpu_fastpath*.py``) and takes the short way only
-in the case it was written for (CPU tensors, one tensor-parallel rank), handing every other call to the
+library's values and gradients bitwise (``tests/unit/test_cpu_fastpath*.py``, ``tests/unit/test_engine_step.py``)
+and takes the short way only in the case it was written for (CPU tensors, one tensor-parallel or data-parallel
+rank), handing every other call to the
 library's own function, with its arguments passed through by name. :func:`uninstall` (or :func:`disabled`)
 puts the libraries' own objects back.
 
 Why: speed on the 2-core CPU machine where the research runs train. A shortcut stays here only while it
 gains >= 2 % of a training step at a research size, measured side by side by
-``benchmarks/bench_cpu_fastpaths.py`` (figures, and the shortcuts deleted by that rule, in
+``benchmarks/bench_cpu_fastpaths.py``, or, for the ZeRO ones, whose gain is the fresh memory a training
+process faults in every step (which one process alternating variants does not see), by
+``benchmarks/bench_train.py``'s process per variant (figures, and the shortcuts deleted by that rule, in
 ``docs/results/benchmarks.md``). The shortcuts, by name:
 
 - ``rope``: Megatron's unfused RoPE with cos/sin once per frequency tensor (not twice per layer and pass)
@@ -22,6 +25,10 @@ gains >= 2 % of a training step at a research size, measured side by side by
   and the row maximum by ``torch.amax``, which does not compute the argmax ``torch.max`` throws away).
 - ``one_rank_linear``: Megatron's tensor-parallel linear layers and region mappings over a one-rank group
   as a plain ``matmul`` and the tensor itself (Megatron's Python autograd nodes are identities there).
+- ``zero_one_rank_reduce``: ZeRO-1/2's gradient-bucket reduction over a one-rank data-parallel group
+  without the flatten, the division by 1 and the all-reduce over one rank.
+- ``zero_kept_grad_partition``: ZeRO-1/2's flat fp32 gradient partition written into a buffer kept
+  between steps instead of a fresh allocation the kernel faults in page by page every step.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -43,7 +51,7 @@ ENV = "FBT_CPU_FASTPATHS"  # "0": the stock path on CPU too
 
 # The library versions every shortcut below was checked against (their internals: argument names, call
 # sites, the steps they repeat). Any other version runs the stock path until re-checked and added here.
-CHECKED_VERSIONS = {"megatron-core": "0.16.1", "torch": "2.13.0"}
+CHECKED_VERSIONS = {"megatron-core": "0.16.1", "deepspeed": "0.19.8", "torch": "2.13.0"}
 
 # The libraries' own objects at the lookup points the shortcuts replace, read at import (before any install).
 MEGATRON_APPLY_ROPE = megatron_attention.apply_rotary_pos_emb
@@ -193,6 +201,78 @@ def reduce_from_tensor_model_parallel_region(input_, *args, **kwargs):
     return MEGATRON_REDUCE_FROM(input_, *args, **kwargs)
 
 
+# ------------------------------------------------------------------------------ ZeRO-1/2 (DeepSpeed)
+def _zero_stage_1_and_2():
+    """DeepSpeed's ZeRO-1/2 module, imported when a ZeRO shortcut is first needed (not at model import)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    return stage_1_and_2
+
+
+def _one_rank_reduce(zero_optimizer) -> dict | None:
+    """ZeRO-1/2's ``allreduce_and_copy`` over a one-rank data-parallel group: each gradient cast to the
+    communication dtype (and back) and added to ZeRO's gradient-partition buffer where one is given, as
+    DeepSpeed's bucket does; any other group, overlap or sequence parallelism is DeepSpeed's own."""
+    from deepspeed import comm as dist
+
+    stage_1_and_2 = _zero_stage_1_and_2()
+    original = zero_optimizer.allreduce_and_copy
+
+    def allreduce_and_copy(small_bucket, communication_data_type, *args, **kwargs):
+        group = kwargs.get("process_group")
+        group = zero_optimizer.dp_process_group if group is None else group
+        if (args or not kwargs.keys() <= {"rank", "log", "divide", "process_group", "output_bucket"}
+                or dist.get_world_size(group=group) != 1 or zero_optimizer.overlap_comm
+                or stage_1_and_2.pg_correctness_test or zero_optimizer.sequence_parallel_size != 1):
+            return original(small_bucket, communication_data_type, *args, **kwargs)
+        output_bucket = kwargs.get("output_bucket")
+        outputs = output_bucket if output_bucket is not None else [None] * len(small_bucket)
+        for grad, output in zip(small_bucket, outputs):
+            synced = grad.to(communication_data_type)  # divided by a world size of one and summed over one rank
+            zero_optimizer._add_to_grad_partition_buffer(output, synced)
+            if synced is not grad:
+                grad.copy_(synced)
+
+    return {"allreduce_and_copy": allreduce_and_copy}
+
+
+def _kept_grad_partition(zero_optimizer) -> dict | None:
+    """ZeRO-1/2's flatten of ``averaged_gradients[i]`` (the list object itself) into a buffer kept per size;
+    every other flatten (parameters at start-up, checkpoint loading, buckets) is DeepSpeed's. The step hands
+    the partition to the inner optimiser as ``.grad`` and drops it after that group's update, before the next
+    group's flatten, so one buffer per size serves every group. Not with CPU offload."""
+    if zero_optimizer.cpu_offload or any(p.device.type != "cpu" for p in zero_optimizer.single_partition_of_fp32_groups):
+        return None
+    kept: dict[tuple, torch.Tensor] = {}
+    original_flatten, original_aligned = zero_optimizer.flatten, zero_optimizer.flatten_dense_tensors_aligned
+
+    def is_grad_partition(tensors) -> bool:
+        # one tensor flattens to a view of itself (no copy, no fresh memory): DeepSpeed's
+        return len(tensors) > 1 and any(tensors is grads for grads in zero_optimizer.averaged_gradients.values())
+
+    def into_kept(tensors, alignment: int = 1) -> torch.Tensor:
+        total = sum(t.numel() for t in tensors)
+        size = -(-total // alignment) * alignment  # align_dense_tensors pads with zeros to a multiple
+        key = (size, tensors[0].dtype, tensors[0].device)
+        if key not in kept:
+            kept[key] = torch.empty(size, dtype=tensors[0].dtype, device=tensors[0].device)
+        flat = kept[key]
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[:total])
+        flat[total:].zero_()
+        return flat
+
+    def flatten(tensors):
+        return into_kept(tensors) if is_grad_partition(tensors) else original_flatten(tensors)
+
+    def flatten_dense_tensors_aligned(tensor_list, alignment, *args, **kwargs):
+        if (not args and kwargs.keys() <= {"use_cpu_data", "param_padding"} and not kwargs.get("use_cpu_data")
+                and kwargs.get("param_padding") is None and is_grad_partition(tensor_list)):
+            return into_kept(tensor_list, alignment)
+        return original_aligned(tensor_list, alignment, *args, **kwargs)
+
+    return {"flatten": flatten, "flatten_dense_tensors_aligned": flatten_dense_tensors_aligned}
+
+
 # ------------------------------------------------------------------------------------------- registry
 # Library lookup points: name -> [(module, attribute, the library's own object, ours)]
 LOOKUPS = {
@@ -205,12 +285,17 @@ LOOKUPS = {
          reduce_from_tensor_model_parallel_region),
     ],
 }
+# Per ZeRO-1/2 optimiser: name -> function returning the instance attributes to set (None: does not apply)
+ZERO_PATCHES = {"zero_one_rank_reduce": _one_rank_reduce, "zero_kept_grad_partition": _kept_grad_partition}
 # Read by the model's own code (no library attribute): the loss head
 FLAGS = ("one_rank_loss",)
-SHORTCUTS = tuple(LOOKUPS) + FLAGS
+SHORTCUTS = tuple(LOOKUPS) + FLAGS + tuple(ZERO_PATCHES)
 
 _active: set[str] = set()
+_zero_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimiser -> {name: what it held}
+_zero_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimiser -> {name: attributes or None}
 _warned = False
+_CLASS = object()  # an attribute the instance did not hold (the class's method)
 
 
 def wanted(device) -> bool:
@@ -237,7 +322,7 @@ def install(device, names=SHORTCUTS) -> bool:
         if not _warned:
             _warned = True
             found = ", ".join(f"{name} {have} (checked: {checked})" for name, (have, checked) in mismatches.items())
-            warnings.warn(f"CPU fast paths not installed: {found}; the stock Megatron path runs. "
+            warnings.warn(f"CPU fast paths not installed: {found}; the stock Megatron/DeepSpeed path runs. "
                           f"Re-check model/cpu_fastpaths.py against these versions and update CHECKED_VERSIONS.",
                           RuntimeWarning, stacklevel=2)
         return False
@@ -247,7 +332,7 @@ def install(device, names=SHORTCUTS) -> bool:
 
 
 def uninstall(names=SHORTCUTS) -> None:
-    """Put the libraries' own objects back (every lookup point)."""
+    """Put the libraries' own objects back (every lookup point, every patched ZeRO optimiser)."""
     for name in names:
         _set(name, False)
 
@@ -269,4 +354,39 @@ def _set(name: str, on: bool) -> None:
         raise ValueError(f"unknown CPU fast path {name!r}; known: {', '.join(SHORTCUTS)}")
     for module, attribute, stock, ours in LOOKUPS.get(name, ()):
         setattr(module, attribute, ours if on else stock)
+    if name in ZERO_PATCHES:
+        for optimizer, patched in _zero_optimizers.items():
+            _patch_zero(optimizer, patched, name, on)
     (_active.add if on else _active.discard)(name)
+
+
+def _patch_zero(optimizer, patched: dict, name: str, on: bool) -> None:
+    if on and name not in patched:
+        made = _zero_made.setdefault(optimizer, {})
+        if name not in made:  # made once per optimiser: switched back on, it keeps its buffers
+            made[name] = ZERO_PATCHES[name](optimizer)
+        attributes = made[name]
+        if attributes:  # what the instance held before (DeepSpeed sets some, e.g. ``flatten``), to restore
+            patched[name] = {attribute: vars(optimizer).get(attribute, _CLASS) for attribute in attributes}
+            for attribute, fn in attributes.items():
+                setattr(optimizer, attribute, fn)
+    elif not on and name in patched:
+        for attribute, before in patched.pop(name).items():
+            if before is _CLASS:
+                vars(optimizer).pop(attribute, None)  # the class's method again
+            else:
+                setattr(optimizer, attribute, before)
+
+
+def install_zero(zero_optimizer) -> list[str]:
+    """The installed ZeRO shortcuts on this DeepSpeed ZeRO-1/2 optimiser (none for another optimiser or when
+    the room is not installed); returns the names that apply to it. The engine calls it once."""
+    if not any(name in _active for name in ZERO_PATCHES):
+        return []
+    if not isinstance(zero_optimizer, _zero_stage_1_and_2().DeepSpeedZeroOptimizer):
+        return []
+    patched = _zero_optimizers.setdefault(zero_optimizer, {})
+    for name in ZERO_PATCHES:
+        if name in _active:
+            _patch_zero(zero_optimizer, patched, name, True)
+    return list(patched)

@@ -1,7 +1,7 @@
 """The engine replaces two DeepSpeed methods for correctness (fbt_megatron/engine/patches.py). They were
 written against DeepSpeed's internals of the versions in ``PATCHED_DEEPSPEED``: this test fails on any other
 version, so an upgrade re-checks both (the behaviour itself is tested by test_train_nonfinite.py, ZeRO 0-3,
-and the TP/PP gradient-norm tests)."""
+and the TP/PP gradient-norm tests). The CPU shortcuts inside ZeRO-1/2 are test_cpu_fastpaths.py's."""
 
 from __future__ import annotations
 

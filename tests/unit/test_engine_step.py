@@ -107,6 +107,150 @@ def test_other_stages_keep_deepspeeds_reduction(single_process, tmp_path, zero):
     assert engine.ds.enable_backward_allreduce is True
 
 
+def _zero_state(engine):
+    """The model's parameters by name, and the inner optimiser's (flat) parameters with their moments."""
+    opt = engine.torch_optimizer
+    flat = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for group in opt.param_groups for p in group["params"]]
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, flat
+
+
+def _assert_same_update(ours, theirs):
+    """Bit for bit the same model parameters, flat partitions and moments (``_zero_state``'s two)."""
+    assert ours[0].keys() == theirs[0].keys()
+    for name in ours[0]:
+        assert torch.equal(ours[0][name], theirs[0][name]), name
+    assert len(ours[1]) == len(theirs[1]) > 0
+    for (p, state), (p_ref, state_ref) in zip(ours[1], theirs[1]):
+        assert torch.equal(p, p_ref)
+        assert state.keys() == state_ref.keys() and all(torch.equal(state[k], state_ref[k]) for k in state)
+
+
+def _zero_steps(tmp_path, zero: int, deepspeeds_reduction: bool, monkeypatch):
+    """Three clipped steps (1, 2, 2 passes) at DP=1 and ZeRO-``zero``; the model's parameters, the inner
+    optimiser's (flat) parameters and moments, the gradient norms and how many all-reduces DeepSpeed's
+    bucket reduction issued."""
+    from deepspeed import comm as dist
+
+    recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
+    assert "zero_one_rank_reduce" in engine.cpu_fastpaths
+    if deepspeeds_reduction:
+        del engine.ds.optimizer.allreduce_and_copy  # the class's method again
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: calls.append(tensor.numel()) or real(tensor, *a, **k))
+    norms = [r.grad_norm for r in _train(recipe, engine)]
+    monkeypatch.setattr(dist, "all_reduce", real)
+    big = sum(n > 10_000 for n in calls)  # the gradient buckets (the norm's all-reduces are scalars)
+    return (*_zero_state(engine), norms, big)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_one_rank_zero12_skip_the_bucket_all_reduce_and_update_alike(single_process, tmp_path, monkeypatch, zero):
+    """DP=1 at ZeRO-1/2: DeepSpeed's flatten / divide by 1 / all-reduce over one rank / copy-back of the
+    gradient buckets is skipped; three clipped AdamW steps (the fusion unreached in the first) give the
+    same model parameters, flat fp32 partitions, moments and gradient norms bit for bit as DeepSpeed's own
+    reduction."""
+    ours = _zero_steps(tmp_path / "a", zero, False, monkeypatch)
+    theirs = _zero_steps(tmp_path / "b", zero, True, monkeypatch)
+    assert ours[3] == 0 and theirs[3] >= 3  # the buckets went through the all-reduce only in DeepSpeed's
+    assert all(n > 0.05 for n in ours[2]) and ours[2] == theirs[2]  # clipping active, the same norms
+    _assert_same_update(ours, theirs)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero12_is_deepspeeds_own_with_the_cpu_fastpaths_off(single_process, tmp_path, monkeypatch, zero):
+    """FBT_CPU_FASTPATHS=0: the engine leaves DeepSpeed's ZeRO optimiser its own methods (model/cpu_fastpaths.py)."""
+    from torch._utils import _flatten_dense_tensors
+
+    monkeypatch.setenv("FBT_CPU_FASTPATHS", "0")
+    _, engine = _engine(tmp_path, parallel={"zero_stage": zero})
+    assert engine.cpu_fastpaths == []
+    held = vars(engine.ds.optimizer)
+    assert "allreduce_and_copy" not in held and "flatten_dense_tensors_aligned" not in held
+    assert held["flatten"] is _flatten_dense_tensors  # what DeepSpeed's __init__ sets
+
+
+def _kept_partition_steps(tmp_path, zero: int, deepspeeds_flatten: bool):
+    """Three clipped steps at DP=1 and ZeRO-``zero`` (as :func:`_zero_steps`), with the flat gradient
+    partition in the kept buffer or DeepSpeed's fresh one; the model, flat partitions and moments, norms,
+    and the addresses of the gradient each inner-optimiser call saw."""
+    recipe, engine = _engine(tmp_path, parallel={"zero_stage": zero}, optimizer={"lr": 3e-3, "grad_clip": 0.05})
+    zero_optimizer = engine.ds.optimizer
+    assert "zero_kept_grad_partition" in engine.cpu_fastpaths
+    if deepspeeds_flatten:
+        del zero_optimizer.flatten_dense_tensors_aligned  # the class's method again
+        from torch._utils import _flatten_dense_tensors
+
+        zero_optimizer.flatten = _flatten_dense_tensors  # what DeepSpeed's __init__ sets
+    addresses = []
+    real_step = engine.skipper._step
+
+    def step(*a, **k):
+        addresses.append(tuple(p.grad.data_ptr() for g in engine.torch_optimizer.param_groups for p in g["params"]
+                               if p.grad is not None))
+        return real_step(*a, **k)
+
+    engine.skipper._step = step
+    norms = [r.grad_norm for r in _train(recipe, engine)]
+    return (*_zero_state(engine), norms, addresses)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero12_flat_gradient_partition_is_kept_and_updates_alike(single_process, tmp_path, zero):
+    """ZeRO-1/2 on CPU write each step's flat fp32 gradient partition into one kept buffer (the same
+    memory at every step) and update exactly as with DeepSpeed's fresh concatenation: model parameters,
+    flat partitions, moments and clipped gradient norms bit for bit over three steps."""
+    ours = _kept_partition_steps(tmp_path / "a", zero, False)
+    theirs = _kept_partition_steps(tmp_path / "b", zero, True)
+    calls = len(ours[3]) // 3  # one inner-optimiser call per parameter group and step
+    assert calls > 0 and len(ours[3]) == 3 * calls
+    assert ours[3][:calls] == ours[3][calls:2 * calls] == ours[3][2 * calls:]  # the same memory every step
+    assert all(n > 0.05 for n in ours[2]) and ours[2] == theirs[2]
+    _assert_same_update(ours, theirs)
+
+
+def test_flat_gradient_partition_buffer_only_for_cpu_partitions_without_offload():
+    from fbt_megatron.engine import import_deepspeed
+    from fbt_megatron.model import cpu_fastpaths as room
+
+    import_deepspeed()
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from torch._utils import _flatten_dense_tensors
+
+    def optimizer(device, offload):
+        opt = object.__new__(DeepSpeedZeroOptimizer)
+        opt.cpu_offload, opt.single_partition_of_fp32_groups = offload, [torch.empty(4, device=device)]
+        opt.flatten = _flatten_dense_tensors
+        return opt
+
+    assert room._kept_grad_partition(optimizer("meta", False)) is None  # an accelerator's partitions
+    assert room._kept_grad_partition(optimizer("cpu", True)) is None  # offload: DeepSpeed's CPU-Adam path
+    assert room.install_zero(object()) == []
+    opt = optimizer("cpu", False)
+    for attribute, function in room._kept_grad_partition(opt).items():
+        setattr(opt, attribute, function)
+    # only the list that is averaged_gradients[i] goes to the kept buffer, padded with zeros as DeepSpeed pads
+    grads, other = [torch.arange(3.0), torch.ones(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
+    opt.averaged_gradients = {0: grads, 1: None}
+    first = opt.flatten_dense_tensors_aligned(grads, 4)
+    assert torch.equal(first, torch.tensor([0.0, 1, 2, 1, 1, 1, 1, 0]))
+    grads[0].fill_(5.0)
+    first.fill_(9.0)  # what the last step left there (the clip scales it in place): overwritten, padding too
+    again = opt.flatten_dense_tensors_aligned(grads, 4)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, torch.tensor([5.0, 5, 5, 1, 1, 1, 1, 0]))
+    assert opt.flatten(grads).data_ptr() != first.data_ptr()  # another size: its own buffer
+    assert opt.flatten(grads).data_ptr() == opt.flatten(grads).data_ptr()
+    fresh = opt.flatten_dense_tensors_aligned(other, 4)  # e.g. the parameters at start-up: DeepSpeed's
+    assert torch.equal(fresh, torch.tensor([0.0, 1, 2, 1, 1, 1, 1, 0])) and fresh.data_ptr() != first.data_ptr()
+    single = [torch.arange(4.0)]  # one tensor: DeepSpeed's flatten is a view of it, no copy to save
+    opt.averaged_gradients[1] = single
+    assert opt.flatten(single).data_ptr() == single[0].data_ptr()
+    a, b = opt.flatten(other), opt.flatten(other)  # both alive: fresh tensors, not one kept buffer
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_optimizer_step_is_adamw_from_the_formula(single_process, tmp_path, zero):
     """Every call of the inner optimiser (torch's fused AdamW, on the model's parameters at ZeRO-0 and
@@ -163,6 +307,28 @@ def test_zero3_step_after_a_multi_pass_step_has_no_stale_fusion_gradient(single_
     for (loss0, norm0), (loss3, norm3) in zip(runs[0], runs[3]):
         assert abs(loss3 - loss0) <= 1e-5 * max(1.0, abs(loss0)), runs
         assert abs(norm3 - norm0) <= 5e-5 * max(1.0, norm0), runs
+
+
+@pytest.mark.parametrize("rank", [None, 0])
+def test_one_rank_bucket_reduction_keeps_the_cast_and_the_partition_buffer(single_process, tmp_path, rank):
+    """The patched ``allreduce_and_copy`` against DeepSpeed's own on the same bucket: fp32 gradients through a
+    bf16 communication dtype (rounded, as the bucket rounds them) and their shares added to a given
+    gradient-partition buffer; a no-op in its place fails here."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    _, engine = _engine(tmp_path, parallel={"zero_stage": 2})
+    opt = engine.ds.optimizer
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(40, generator=g) / 3, torch.randn(7, 5, generator=g) / 3]
+    results = []
+    for reduce in (opt.allreduce_and_copy, lambda *a, **k: DeepSpeedZeroOptimizer.allreduce_and_copy(opt, *a, **k)):
+        bucket = [t.clone() for t in grads]
+        buffers = [torch.full((40,), 0.25), None]
+        reduce(bucket, torch.bfloat16, rank=rank, output_bucket=buffers)
+        results.append(bucket + buffers[:1])
+    assert not torch.equal(results[0][0], grads[0])  # rounded through bf16
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
 
 
 class _Recorder:
