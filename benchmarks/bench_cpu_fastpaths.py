@@ -112,7 +112,7 @@ def write_doc(lines: list[str], a, load: tuple) -> None:
                f"{load[0]:.2f} before / {load[1]:.2f} after. Step time with the shortcut off (the others on) over "
                "all on, wall clock, median (quartiles) of ABBA blocks in one process; the research recipe (`recipes/tiny.yaml`: "
                "GELU, LayerNorm, tied, glu fusion, ZeRO-1, 2048 tokens a step, 1 pass; `medium`: 8 layers x 384). "
-               "A shortcut stays in `model/cpu_fastpaths.py` at >= 1.02 at a research size (tiny or medium).", ""] + lines + ["", END]
+               "A shortcut stays in `model/cpu_fastpaths.py` at >= 1.02 at a research size (tiny or medium); the ZeRO ones are judged by `benchmarks/bench_train.py`, a process per variant (their gain is fresh memory faulted in every step, which one process alternating variants does not see).", ""] + lines + ["", END]
     text = DOC.read_text()
     if BEGIN in text:
         text = text[:text.index(BEGIN)] + "\n".join(section) + text[text.index(END) + len(END):]

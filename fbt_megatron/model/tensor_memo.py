@@ -3,9 +3,9 @@
 The model hands every layer and every pass of a forward the same tensors (RoPE's frequencies), and
 Megatron's layers derive the same values from them in every call (cos/sin, ``model/cpu_fastpaths.py``'s
 RoPE). :class:`LastTensorMemo` computes them once per tensor and dtype. The key is the tensor's identity
-(a weak reference) and its version counter, so an in-place change through autograd's view of the tensor is seen; a write the counter does not see
-(through ``.data`` or ``.numpy()``) is not, and nothing here writes these tensors that way. The values go
-when their tensor dies. Under ``torch.inference_mode``, or for an inference tensor, the memo is neither
+(a weak reference) and its version counter, so an in-place change through autograd's view of the tensor is
+seen; a write the counter does not see (through ``.data`` or ``.numpy()``) is not, and nothing here writes
+these tensors that way. The values go when their tensor dies. Under ``torch.inference_mode``, or for an inference tensor, the memo is neither
 read nor written: an inference tensor has no version counter, and a value computed there could not be
 saved for a later backward.
 """
