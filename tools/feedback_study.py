@@ -134,10 +134,11 @@ def recorded_runs(report: Path) -> dict:
 def finished_summary(run_dir: Path) -> dict | None:
     """The run's summary if it reached its last step; None if it has none or stopped early (preempted,
     stopped at a step: training it again resumes from its checkpoint)."""
-    done = run_dir / "summary.json"
-    if not done.is_file():
+    from fbt_megatron.research.runs import run_summary
+
+    if not (run_dir / "summary.json").is_file():
         return None
-    summary = json.loads(done.read_text())
+    summary = run_summary(run_dir)
     return summary if summary.get("step", -1) >= summary.get("total_steps", 0) > 0 else None
 
 

@@ -34,7 +34,18 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return run_summary(run_dir)
+
+
+def run_summary(run_dir: Path) -> dict:
+    """``run_dir/summary.json`` with ``val_history`` over the whole run, read from its metrics file: the
+    summary's own covers only the last invocation, so a resumed run's curve would start at the resume."""
+    from fbt_megatron.train.callbacks.metrics_file import read_val_history
+
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    if (Path(run_dir) / "metrics.jsonl").is_file():
+        summary["val_history"] = read_val_history(Path(run_dir) / "metrics.jsonl")
+    return summary
 
 
 def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:

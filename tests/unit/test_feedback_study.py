@@ -88,6 +88,32 @@ def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
     assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
 
 
+@pytest.mark.slow  # three short training runs in subprocesses (~1 min)
+def test_a_resumed_runs_curve_is_the_uninterrupted_runs(tmp_path, monkeypatch):
+    """The study's curves (``val_history``) of a run stopped at step 8 and resumed hold the uninterrupted
+    run's validations, those before the stop included (plus the stop's own at step 8); the resumed
+    invocation's summary.json has only its own."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import RECIPE, SMOKE, finished_summary, mix_arg
+
+    from fbt_megatron.research.runs import train_run
+
+    overrides = ["seed=3", *SMOKE, "eval.every=3", mix_arg([0.5, 0.4, 0.1])]
+    whole = train_run(RECIPE, tmp_path / "whole", overrides)
+    cmd = [sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / RECIPE), f"run_dir={tmp_path / 'cut'}",
+           *overrides]
+    for extra in (["train.stop_at_step=8"], []):  # the second invocation resumes from step 8's checkpoint
+        done = subprocess.run(cmd + extra, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [v["step"] for v in json.loads((tmp_path / "cut" / "summary.json").read_text())["val_history"]] == [9, 12]
+    resumed = {v["step"]: v for v in finished_summary(tmp_path / "cut")["val_history"]}
+    assert [v["step"] for v in whole["val_history"]] == [3, 6, 9, 12] and sorted(resumed) == [3, 6, 8, 9, 12]
+    for a in whole["val_history"]:
+        b = resumed[a["step"]]
+        assert a["tokens"] == b["tokens"] and a["loss"].keys() == b["loss"].keys() == {"1", "2", "3"}
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
 def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
     """sigma of d h_t / d h_{t-1}: 0 with W_U = 0 (the fed-back state reaches nothing), positive otherwise;
     only positions inside the row are measured."""

@@ -48,3 +48,17 @@ class MetricsFile(Logger):
         if is_rank0():
             self._write({"event": "metrics", "step": trainer.state.step, "tokens_seen": trainer.state.tokens_seen,
                          "time": time.time(), **metrics})
+
+
+def read_val_history(path: Path) -> list[dict]:
+    """Every validation in a metrics file, by step: ``[{"step", "tokens", "loss": {"K": loss}}]``, the
+    shape of ``summary.json``'s ``val_history``. The file spans every invocation of the run (a summary
+    holds only its own invocation's); a step validated again after a resume keeps its latest line."""
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            losses = {k[len("val/loss_k"):]: v for k, v in row.items() if k.startswith("val/loss_k")}
+            if row.get("event") == "metrics" and losses:
+                by_step[row["step"]] = {"step": row["step"], "tokens": row["tokens_seen"], "loss": losses}
+    return [by_step[k] for k in sorted(by_step)]
