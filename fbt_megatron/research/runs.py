@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,
               resume: bool = False) -> dict:
-    """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns summary.json. From scratch,
+    """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary`. From scratch,
     unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe and overrides: then the run
     continues from its latest checkpoint (a study interrupted mid-run loses no steps)."""
     run_dir = Path(run_dir)

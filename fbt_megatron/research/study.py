@@ -260,13 +260,13 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         fig, axes = None, [_NoAxes(), _NoAxes()]
         plot = "(no plot: `pip install -e '.[research]'` for matplotlib)"
     for i, (kind, runs) in enumerate(sorted(lm.items())):
-        hist = [summaries[n]["val_history"] for _, n in runs]
+        hist = [{v["step"]: v["loss"] for v in summaries[n]["val_history"]} for _, n in runs]
+        steps = sorted(set.intersection(*(set(h) for h in hist)))  # by step: a stopped run's extra point
         for passes, style in (("1", "-"), ("2", "--"), ("3", ":")):
-            if passes not in hist[0][0]["loss"]:
+            if not steps or passes not in hist[0][steps[0]]:
                 continue
-            n = min(len(h) for h in hist)
-            curve = np.array([[h[j]["loss"][passes] for j in range(n)] for h in hist]).mean(0)
-            axes[0].plot([hist[0][j]["step"] for j in range(n)], curve, style, color=f"C{i}",
+            curve = np.array([[h[step][passes] for step in steps] for h in hist]).mean(0)
+            axes[0].plot(steps, curve, style, color=f"C{i}",
                          label=f"{kind}, {passes}-pass" if kind != "standard" or passes == "1" else kind)
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("held-out validation loss (mean over seeds)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,55 @@ def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
     assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
 
 
+def test_val_history_spans_invocations_and_keeps_a_steps_latest_line(tmp_path):
+    """Validations only (not step lines, not other logged metrics), by step, the later of two lines for a
+    step winning (a step validated again after a resume), a line cut by a kill skipped; run_summary puts
+    them in place of summary.json's and leaves a run without a metrics file as it is."""
+    from fbt_megatron.research.runs import run_summary
+    from fbt_megatron.train.callbacks.metrics_file import read_val_history
+
+    rows = [{"step": 1, "passes": 1, "loss": 9.0, "train/loss_k1": 9.0, "tokens_seen": 10},
+            {"event": "metrics", "step": 2, "tokens_seen": 20, "val/loss_k1": 8.0, "val/loss_k2": 8.5},
+            {"event": "metrics", "step": 3, "tokens_seen": 30, "perf/mfu": 0.1},
+            {"event": "metrics", "step": 4, "tokens_seen": 40, "val/loss_k1": 7.0},
+            {"event": "metrics", "step": 2, "tokens_seen": 20, "val/loss_k1": 7.9, "val/loss_k2": 8.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "metr')
+    want = [{"step": 2, "tokens": 20, "loss": {"1": 7.9, "2": 8.4}}, {"step": 4, "tokens": 40, "loss": {"1": 7.0}}]
+    assert read_val_history(tmp_path / "metrics.jsonl") == want
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 4, "val_history": want[1:]}))
+    assert run_summary(tmp_path) == {"step": 4, "val_history": want}
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert read_val_history(tmp_path / "metrics.jsonl") == [] and run_summary(tmp_path)["val_history"] == []
+    (tmp_path / "metrics.jsonl").unlink()
+    assert run_summary(tmp_path) == {"step": 4, "val_history": want[1:]}
+
+
+def test_curves_average_seeds_at_the_same_steps(tmp_path, monkeypatch):
+    """The report's curve of a kind is the mean over seeds at steps every seed validated: a run stopped and
+    resumed has an extra point (its stop's validation), which must not shift its later points."""
+    from fbt_megatron.research import report, study
+
+    plotted = []
+
+    class Axes:
+        def plot(self, x, y, *a, **k):
+            plotted.append((list(x), [float(v) for v in y]))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(report, "figure", lambda **k: (None, [Axes(), Axes()]))
+    hist = {1: [(100, 6.0), (150, 5.5), (200, 5.0)], 2: [(100, 6.2), (200, 5.2)]}  # seed 1 stopped at 150
+    summaries = {f"standard_seed{s}": {"val_history": [{"step": st, "tokens": st, "loss": {"1": v}} for st, v in h]}
+                 for s, h in hist.items()}
+    answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
+    readouts = {n: {"val_loss": {"1": 5.0}, "seq_length": 128, "answers": answers, "fusion_history": []}
+                for n in summaries}
+    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, only=None)
+    study.render(summaries, readouts, [1, 2], args, 1.0, tmp_path, "t")
+    assert plotted == [([100, 200], [pytest.approx(6.1), pytest.approx(5.1)])]
+
+
 @pytest.mark.slow  # three short training runs in subprocesses (~1 min)
 def test_a_resumed_runs_curve_is_the_uninterrupted_runs(tmp_path, monkeypatch):
     """The study's curves (``val_history``) of a run stopped at step 8 and resumed hold the uninterrupted
@@ -102,8 +152,9 @@ def test_a_resumed_runs_curve_is_the_uninterrupted_runs(tmp_path, monkeypatch):
     whole = train_run(RECIPE, tmp_path / "whole", overrides)
     cmd = [sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / RECIPE), f"run_dir={tmp_path / 'cut'}",
            *overrides]
+    env = dict(os.environ, FBT_DEVICE="cpu")  # as train_run's
     for extra in (["train.stop_at_step=8"], []):  # the second invocation resumes from step 8's checkpoint
-        done = subprocess.run(cmd + extra, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert [v["step"] for v in json.loads((tmp_path / "cut" / "summary.json").read_text())["val_history"]] == [9, 12]
     resumed = {v["step"]: v for v in finished_summary(tmp_path / "cut")["val_history"]}

@@ -53,11 +53,15 @@ class MetricsFile(Logger):
 def read_val_history(path: Path) -> list[dict]:
     """Every validation in a metrics file, by step: ``[{"step", "tokens", "loss": {"K": loss}}]``, the
     shape of ``summary.json``'s ``val_history``. The file spans every invocation of the run (a summary
-    holds only its own invocation's); a step validated again after a resume keeps its latest line."""
+    holds only its own invocation's); a step validated again after a resume keeps its latest line, and a
+    line cut by a kill is skipped."""
     by_step: dict[int, dict] = {}
     with open(path) as f:
         for line in f:
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
             losses = {k[len("val/loss_k"):]: v for k, v in row.items() if k.startswith("val/loss_k")}
             if row.get("event") == "metrics" and losses:
                 by_step[row["step"]] = {"step": row["step"], "tokens": row["tokens_seen"], "loss": losses}
