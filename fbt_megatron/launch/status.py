@@ -14,17 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill
-            continue
-    return rows
+from fbt_megatron.train.callbacks.metrics_file import read_rows
 
 
 def _sacct_states(ids: list[str]) -> dict[str, str]:
@@ -76,9 +66,9 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
 
 def status(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
-    jobs = _jsonl(run_dir / "slurm" / "jobs.jsonl")
+    jobs = read_rows(run_dir / "slurm" / "jobs.jsonl")
     states = job_states([str(j["job_id"]) for j in jobs])
-    rows = _jsonl(run_dir / "metrics.jsonl")
+    rows = read_rows(run_dir / "metrics.jsonl")
     metrics = [r for r in rows if "event" not in r]  # step rows (validation lines have "event")
     validations = [r for r in rows if r.get("event") == "metrics" and any(k.startswith("val/") for k in r)]
     pointer = run_dir / "checkpoints" / "latest"

@@ -42,9 +42,10 @@ def run_summary(run_dir: Path) -> dict:
     summary's own covers only the last invocation, so a resumed run's curve would start at the resume."""
     from fbt_megatron.train.callbacks.metrics_file import read_val_history
 
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    if (Path(run_dir) / "metrics.jsonl").is_file():
-        summary["val_history"] = read_val_history(Path(run_dir) / "metrics.jsonl")
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if (run_dir / "metrics.jsonl").is_file():
+        summary["val_history"] = read_val_history(run_dir / "metrics.jsonl")
     return summary
 
 

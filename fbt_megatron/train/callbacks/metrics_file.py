@@ -50,19 +50,29 @@ class MetricsFile(Logger):
                          "time": time.time(), **metrics})
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file written by appending (this logger's metrics.jsonl, the launcher's
+    slurm/jobs.jsonl): none when it does not exist; a line cut by a kill is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+    return rows
+
+
 def read_val_history(path: Path) -> list[dict]:
     """Every validation in a metrics file, by step: ``[{"step", "tokens", "loss": {"K": loss}}]``, the
     shape of ``summary.json``'s ``val_history``. The file spans every invocation of the run (a summary
     holds only its own invocation's); a step validated again after a resume keeps its latest line, and a
     line cut by a kill is skipped."""
     by_step: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            losses = {k[len("val/loss_k"):]: v for k, v in row.items() if k.startswith("val/loss_k")}
-            if row.get("event") == "metrics" and losses:
-                by_step[row["step"]] = {"step": row["step"], "tokens": row["tokens_seen"], "loss": losses}
+    for row in read_rows(path):
+        losses = {k[len("val/loss_k"):]: v for k, v in row.items() if k.startswith("val/loss_k")}
+        if row.get("event") == "metrics" and losses:
+            by_step[row["step"]] = {"step": row["step"], "tokens": row["tokens_seen"], "loss": losses}
     return [by_step[k] for k in sorted(by_step)]
