@@ -1,7 +1,7 @@
 """The feedback study (issue 40): does the fed-back mode learn more from the same tokens, given steps?
 
     python tools/feedback_study.py [--seeds 1,2] [--scale tiny|medium] [--groups main,compute,stabilisers,state]
-                                   [--steps N] [--jobs 2] [--reuse] [--out docs/results]
+                                   [--steps N] [--lr LR] [--jobs 2] [--reuse] [--out docs/results]
 
 Trains, from ``recipes/research/tiny_feedback.yaml`` (WSD LR, the switch to multi-pass batches on the
 plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), per seed:
@@ -95,12 +95,15 @@ def mix_arg(mix: list[float]) -> str:
     return "schedule.mix=[" + ",".join(str(p) for p in mix) + "]"
 
 
-def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None) -> dict[str, list[str]]:
+def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
+         lr: float | None = None) -> dict[str, list[str]]:
     """Run name -> ``fbt train`` overrides of the research recipe (seed added per run). ``steps``: a
-    shorter or longer run, the switch kept at 20 % of it."""
+    shorter or longer run, the switch kept at 20 % of it; ``lr``: every run's peak learning rate."""
     base = SCALES[scale] + (SMOKE if smoke else [])
     if steps:
         base += [f"train.steps={steps}", f"schedule.feedback_start_step={steps // 5}", f"checkpoint.every={steps // 5}"]
+    if lr:
+        base += [f"optimizer.lr={lr:g}"]
     steps, start = recipe_steps(base)
     runs: dict[str, list[str]] = {}
     if "main" in groups:
@@ -179,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--groups", default="main,compute,stabilisers,state")
     ap.add_argument("--steps", type=int, default=None, help="train.steps of every run (default: the recipe's "
                     "3000), the switch at 20 %% of it; runs go to RUNS/SCALE_STEPS")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate of every run (default: the recipe's "
+                    "3e-3); the report and the runs folder get _lrLR")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
     ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, continue unfinished ones from their "
@@ -197,14 +202,15 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state")
     seeds = [int(s) for s in a.seeds.split(",")]
-    root = Path(a.runs or f"runs/research/feedback_study/{a.scale}" + (f"_{a.steps}" if a.steps else "")).resolve()
-    runs = plan(groups, a.scale, a.smoke, a.steps)
+    variant = (f"_{a.steps}" if a.steps else "") + (f"_lr{a.lr:g}" if a.lr else "")
+    root = Path(a.runs or f"runs/research/feedback_study/{a.scale}{variant}").resolve()
+    runs = plan(groups, a.scale, a.smoke, a.steps, a.lr)
     if a.only:
         only = [n for n in a.only.split(",") if n]
         if set(only) - set(runs):
             ap.error(f"--only: {sorted(set(only) - set(runs))} not in the groups' runs {sorted(runs)}")
         runs = {n: runs[n] for n in only}
-    stem = f"feedback_study_{a.scale}" + (f"_{a.steps}" if a.steps else "") + ("_smoke" if a.smoke else "")
+    stem = f"feedback_study_{a.scale}{variant}" + ("_smoke" if a.smoke else "")
     out_dir = Path(a.out).resolve()
     recorded = recorded_runs(out_dir / f"{stem}.json")
     t0 = time.perf_counter()

@@ -328,7 +328,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         provenance("python tools/feedback_study.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
                                                          ("scale", args.scale), ("steps", args.steps),
-                                                         ("only", args.only)) if v), seconds)])
+                                                         ("lr", args.lr), ("only", args.only)) if v), seconds)])
     data = {"args": {k: v for k, v in vars(args).items()}, "seeds": seeds, "comparisons": comparisons,
             "readouts": readouts, "val_history": {n: s["val_history"] for n, s in summaries.items()}}
     return save(out_dir, stem, md, data)

@@ -89,6 +89,29 @@ def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
     assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
 
 
+def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(tmp_path, monkeypatch):
+    """--lr reaches the recipe of every run of every group (the recipe's own LR without it), and the
+    report and runs folder of an LR variant are not the plain study's."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import RECIPE, main, plan
+
+    from fbt_megatron.recipe import load_recipe
+
+    groups = ["main", "compute", "stabilisers", "state"]
+    plain, tuned = plan(groups, "medium", False, 600), plan(groups, "medium", False, 600, 1e-3)
+    assert plain.keys() == tuned.keys()
+    for name in tuned:
+        assert load_recipe(ROOT / RECIPE, plain[name]).optimizer.lr == 3e-3
+        assert load_recipe(ROOT / RECIPE, tuned[name]).optimizer.lr == 1e-3, name
+    out = tmp_path / "out"  # a summary of no runs: the report's name and its command line
+    monkeypatch.chdir(tmp_path)  # main() moves to the repository, where the runs were trained
+    monkeypatch.setenv("FBT_DEVICE", "cpu")
+    main(["--summarise-only", "--scale", "medium", "--steps", "600", "--lr", "1e-3", "--only", "standard",
+          "--groups", "main", "--seeds", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)])
+    md = (out / "feedback_study_medium_600_lr0.001.md").read_text()
+    assert "--lr 0.001" in md and not (out / "feedback_study_medium_600.md").exists()
+
+
 def test_val_history_spans_invocations_and_keeps_a_steps_latest_line(tmp_path):
     """Validations only (not step lines, not other logged metrics), by step, the later of two lines for a
     step winning (a step validated again after a resume), a line cut by a kill skipped; run_summary puts
@@ -133,7 +156,7 @@ def test_curves_average_seeds_at_the_same_steps(tmp_path, monkeypatch):
     answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
     readouts = {n: {"val_loss": {"1": 5.0}, "seq_length": 128, "answers": answers, "fusion_history": []}
                 for n in summaries}
-    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, only=None)
+    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, lr=None, only=None)
     study.render(summaries, readouts, [1, 2], args, 1.0, tmp_path, "t")
     assert plotted == [([100, 200], [pytest.approx(6.1), pytest.approx(5.1)])]
 
