@@ -19,7 +19,7 @@ and at the exact recurrence (passes = sequence length), answer NLL and exact mat
 arithmetic under standard and feedback decoding, the fusion's gate saturation and W_U's distance from
 its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
-reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS].{md,json,png};
+reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
 with ``--reuse`` an unfinished run continues from its latest checkpoint, and a run recorded there stands
 in for its run folder when that is gone, so the study
 can be continued run by run (``--only``) across machines. docs/results/feedback_phase.md is the write-up.
@@ -126,6 +126,12 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
     return runs
 
 
+def study_name(scale: str, steps: int | None, lr: float | None, smoke: bool) -> str:
+    """SCALE[_STEPS][_lrLR][_smoke]: the report's stem after ``feedback_study_`` and the default runs folder,
+    so that a variant's runs and report never stand in for another's (``--reuse`` reads both)."""
+    return scale + (f"_{steps}" if steps else "") + (f"_lr{lr:g}" if lr else "") + ("_smoke" if smoke else "")
+
+
 def recorded_runs(report: Path) -> dict:
     """Runs recorded in an earlier report's JSON (``{run: {"val_history", "readouts"}}``): with ``--reuse``
     they stand in for run folders that are gone (a study spans sessions; the runs folder need not)."""
@@ -185,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate of every run (default: the recipe's "
                     "3e-3); the report and the runs folder get _lrLR")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one CPU thread when > 1)")
-    ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE")
+    ap.add_argument("--runs", default=None, help="default runs/research/feedback_study/SCALE[_STEPS][_lrLR][_smoke]")
     ap.add_argument("--reuse", action="store_true", help="summarise finished runs found under --runs, continue unfinished ones from their "
                     "latest checkpoint, train the rest")
     ap.add_argument("--train-only", action="store_true", help="train, do not read out or write the report")
@@ -202,15 +208,15 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state")
     seeds = [int(s) for s in a.seeds.split(",")]
-    variant = (f"_{a.steps}" if a.steps else "") + (f"_lr{a.lr:g}" if a.lr else "")
-    root = Path(a.runs or f"runs/research/feedback_study/{a.scale}{variant}").resolve()
+    name = study_name(a.scale, a.steps, a.lr, a.smoke)
+    root = Path(a.runs or f"runs/research/feedback_study/{name}").resolve()
     runs = plan(groups, a.scale, a.smoke, a.steps, a.lr)
     if a.only:
         only = [n for n in a.only.split(",") if n]
         if set(only) - set(runs):
             ap.error(f"--only: {sorted(set(only) - set(runs))} not in the groups' runs {sorted(runs)}")
         runs = {n: runs[n] for n in only}
-    stem = f"feedback_study_{a.scale}{variant}" + ("_smoke" if a.smoke else "")
+    stem = f"feedback_study_{name}"
     out_dir = Path(a.out).resolve()
     recorded = recorded_runs(out_dir / f"{stem}.json")
     t0 = time.perf_counter()

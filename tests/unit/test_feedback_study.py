@@ -89,11 +89,11 @@ def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
     assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
 
 
-def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(tmp_path, monkeypatch):
-    """--lr reaches the recipe of every run of every group (the recipe's own LR without it), and the
-    report and runs folder of an LR variant are not the plain study's."""
+def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(monkeypatch):
+    """--lr reaches the recipe of every run of every group (the recipe's own LR without it); a variant's
+    report and default runs folder are its own, a smoke study's too (--reuse reads both)."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from feedback_study import RECIPE, main, plan
+    from feedback_study import RECIPE, plan, study_name
 
     from fbt_megatron.recipe import load_recipe
 
@@ -103,13 +103,9 @@ def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(tmp_path, m
     for name in tuned:
         assert load_recipe(ROOT / RECIPE, plain[name]).optimizer.lr == 3e-3
         assert load_recipe(ROOT / RECIPE, tuned[name]).optimizer.lr == 1e-3, name
-    out = tmp_path / "out"  # a summary of no runs: the report's name and its command line
-    monkeypatch.chdir(tmp_path)  # main() moves to the repository, where the runs were trained
-    monkeypatch.setenv("FBT_DEVICE", "cpu")
-    main(["--summarise-only", "--scale", "medium", "--steps", "600", "--lr", "1e-3", "--only", "standard",
-          "--groups", "main", "--seeds", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)])
-    md = (out / "feedback_study_medium_600_lr0.001.md").read_text()
-    assert "--lr 0.001" in md and not (out / "feedback_study_medium_600.md").exists()
+    names = {study_name("medium", steps, lr, smoke) for steps in (None, 1200) for lr in (None, 6e-4)
+             for smoke in (False, True)}
+    assert len(names) == 8 and study_name("medium", 1200, 6e-4, False) == "medium_1200_lr0.0006"
 
 
 def test_val_history_spans_invocations_and_keeps_a_steps_latest_line(tmp_path):
@@ -156,9 +152,10 @@ def test_curves_average_seeds_at_the_same_steps(tmp_path, monkeypatch):
     answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
     readouts = {n: {"val_loss": {"1": 5.0}, "seq_length": 128, "answers": answers, "fusion_history": []}
                 for n in summaries}
-    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, lr=None, only=None)
+    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, lr=1e-3, only=None)
     study.render(summaries, readouts, [1, 2], args, 1.0, tmp_path, "t")
     assert plotted == [([100, 200], [pytest.approx(6.1), pytest.approx(5.1)])]
+    assert "--lr 0.001" in (tmp_path / "t.md").read_text()  # the provenance line names an LR variant
 
 
 @pytest.mark.slow  # three short training runs in subprocesses (~1 min)
