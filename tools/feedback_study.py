@@ -27,7 +27,8 @@ can be continued run by run (``--only``) across machines. docs/results/feedback_
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
 ~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
 seed for every group); ``--steps N`` scales a run's time with N (2400: ~30 min a run). ``--scale medium``
-(8 layers, hidden 384) costs ~10x as much: ~2.5 h a 1200-step run. One study at a time: more training
+(8 layers, hidden 384) costs ~10x as much: ~2.5 h a 1200-step run (the state task: ~1 h a seed for its
+two runs). One study at a time: more training
 processes than cores thrash (measured: a tiny step took 9 s with five processes on two cores, 1.2 s with two).
 ``--smoke`` trains each selected run for a few steps at a toy size (the tests use it).
 """
