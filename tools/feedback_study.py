@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     ap.add_argument("--groups", default="main,compute,stabilisers,state")
     ap.add_argument("--steps", type=int, default=None, help="train.steps of every run (default: the recipe's "
-                    "3000), the switch at 20 %% of it; runs go to RUNS/SCALE_STEPS")
+                    "3000), the switch at 20 %% of it; the report and the runs folder get _STEPS")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate of every run (default: the recipe's "
                     "3e-3); the report and the runs folder get _lrLR")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one CPU thread when > 1)")
