@@ -227,6 +227,7 @@ def main(argv=None) -> int:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
     from fbt_megatron import runtime
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.research.runs import ROOT
     from fbt_megatron.research.study import read_out, render
 
@@ -237,6 +238,9 @@ def main(argv=None) -> int:
                     else read_out(root / name, smoke=a.smoke) for name in summaries}
     finally:
         runtime.shutdown()
+    for name, readout in readouts.items():
+        if "num_layers" not in readout:  # read out before read-outs carried it: the run's recipe's
+            readout["num_layers"] = load_recipe(ROOT / RECIPE, runs[name.rpartition("_seed")[0]]).model.num_layers
     out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem)
     print(out.read_text())
     return 0

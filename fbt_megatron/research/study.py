@@ -93,6 +93,16 @@ def state_accuracy(model, recipe, passes: list[int]) -> dict:
     return out
 
 
+def past_layer_count(readout: dict) -> dict[str, float] | None:
+    """Mean state-tracking accuracy at each pass count over the positions past the model's layer count L
+    (position t needs t + 1 composed steps: t >= L), goal (c)'s measure; None where the read-out does not
+    record ``num_layers``. Past L a fixed-depth stack can no longer compose one step per layer."""
+    layers, acc = readout.get("num_layers"), readout.get("state_accuracy")
+    if layers is None or acc is None:
+        return None
+    return {k: statistics.fmean(v[layers:]) for k, v in acc.items() if len(v) > layers}
+
+
 def answer_readout(run_dir: Path, problems: int) -> dict:
     """Held-out arithmetic: answer NLL per token (the answer scored as decoding reads it) and greedy
     exact match, per decoding mode."""
@@ -157,7 +167,8 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
     model, recipe, latest = load_checkpoint_model(run_dir)
     seq = recipe.data.seq_length
     passes = [1] if model.feedback is None else [1, 2, 3, seq]  # seq passes: the exact recurrence
-    out: dict = {"checkpoint": str(latest), "seq_length": seq, "fusion": recipe.feedback.fusion}
+    out: dict = {"checkpoint": str(latest), "seq_length": seq, "num_layers": recipe.model.num_layers,
+                 "fusion": recipe.feedback.fusion}
     if recipe.data.source == "synthetic" and recipe.data.synthetic.task == "state_tracking":
         out["state_accuracy"] = state_accuracy(model, recipe, passes)
     else:
@@ -240,6 +251,22 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         row["best mode - standard (equal compute)"] = paired([val[compute[s]]["1"] for s in common],
                                                              [b for s, b in zip(seeds, best) if s in compute])
         rows[kind] = row
+    state_std = dict(kinds.get("state_standard", []))
+    for kind, runs in kinds.items():
+        if not kind.startswith("state_") or kind == "state_standard":
+            continue
+        past = {n: past_layer_count(readouts[n]) for _, n in runs}
+        if any(p is None for p in past.values()):
+            continue
+        seeds, seq = [s for s, _ in runs], str(readouts[runs[0][1]]["seq_length"])
+        exact = [past[n].get(seq) for _, n in runs]
+        row = {"seeds": seeds, "state accuracy past the layer count: exact - 1-pass (same model)":
+               paired([past[n]["1"] for _, n in runs], exact)}
+        std = {s: past_layer_count(readouts[n]) for s, n in state_std.items()}
+        common = [s for s in seeds if std.get(s) is not None]
+        row["state accuracy past the layer count: exact - state_standard"] = paired(
+            [std[s]["1"] for s in common], [e for s, e in zip(seeds, exact) if s in common])
+        rows[kind] = row
     return rows
 
 
@@ -293,12 +320,14 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
     state_rows = []
     for i, (kind, runs) in enumerate(sorted(k for k in kinds.items() if k[0].startswith("state_"))):
         acc = [readouts[n]["state_accuracy"] for _, n in runs]
+        past = [past_layer_count(readouts[n]) for _, n in runs]
         for k in acc[0]:
             curve = np.array([a[k] for a in acc]).mean(0)
             label = f"{kind}, {'exact' if int(k) > 3 else k + '-pass'}"
             axes[1].plot(np.arange(1, len(curve) + 1), curve, "-" if k == "1" else "--", color=f"C{i}", label=label)
             state_rows.append([label, ",".join(str(s) for s, _ in runs)]
-                              + [f"{curve[j - 1]:.3f}" for j in (1, 2, 4, 8, 16, len(curve))])
+                              + [f"{curve[j - 1]:.3f}" for j in (1, 2, 4, 8, 16, len(curve))]
+                              + [f"{statistics.fmean(p[k] for p in past):.3f}" if None not in past else "-"])
     axes[1].set_xlabel("composed steps (position + 1)")
     axes[1].set_ylabel("state-tracking accuracy")
     axes[1].legend(fontsize=6)
@@ -320,10 +349,13 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "± standard deviation over seeds.", "",
         table(["run", "seeds", "1-pass", "2-pass", "3-pass", "exact", "answers, standard", "answers, feedback",
                "one-step σ", "fusion"], loss_rows), "",
-        "## Paired differences (mean ± standard error over seeds; negative: the second is lower)", "",
+        "## Paired differences (first - second: mean ± standard error over seeds; a loss is better lower, "
+        "an accuracy higher)", "",
         table(["run", "difference", "value", "seeds"], comp_rows), "",
         "## State tracking (running products in S3; accuracy at a number of composed steps)", "",
-        table(["run", "seeds", "1", "2", "4", "8", "16", "last"], state_rows) if state_rows else "(not run)", "",
+        ("Mean over seeds. *past L*: the mean accuracy over the composed steps past the model's layer count "
+         "(L + 1 to the last), goal (c)'s measure.\n\n"
+         + table(["run", "seeds", "1", "2", "4", "8", "16", "last", "past L"], state_rows)) if state_rows else "(not run)", "",
         plot, "",
         provenance("python tools/feedback_study.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),

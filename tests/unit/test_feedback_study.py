@@ -231,6 +231,11 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
     md = (out / "feedback_study_tiny_smoke.md").read_text()
     assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md and "one-step σ" in md
+    state = data["readouts"]["state_fbt_heavy_seed1"]
+    assert state["num_layers"] == 4 and "past L" in md
+    past = data["comparisons"]["state_fbt_heavy"]["state accuracy past the layer count: exact - 1-pass (same model)"]
+    acc = state["state_accuracy"]
+    assert past[0] == pytest.approx(sum(acc["32"][4:]) / 28 - sum(acc["1"][4:]) / 28)
     # a run read out before the one-step measure existed gets it added to its cache, the rest kept
     cache = tmp_path / "runs" / "fbt_heavy_seed1" / "readouts.json"
     cached = json.loads(cache.read_text())
@@ -240,6 +245,12 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert refresh.returncode == 0, refresh.stdout[-2000:] + refresh.stderr[-2000:]
     assert json.loads(cache.read_text())["one_step"] == fbt["one_step"]
     shutil.rmtree(tmp_path / "runs")
+    # a report recorded before read-outs carried the layer count: the runs' recipes give it
+    report = out / "feedback_study_tiny_smoke.json"
+    recorded = json.loads(report.read_text())
+    for readout in recorded["readouts"].values():
+        del readout["num_layers"]
+    report.write_text(json.dumps(recorded))
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]
     assert json.loads((out / "feedback_study_tiny_smoke.json").read_text())["comparisons"] == data["comparisons"]
@@ -277,6 +288,31 @@ def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
     both = rows["fbt_heavy_untied_fusion_lr_x10"]
     assert both["best mode - standard_untied (same change, equal tokens)"][:3:2] == (pytest.approx(3.7 - 3.9), 1)
     assert not any("same change" in name for name in rows["fbt_heavy"])
+
+
+def test_state_summary_pairs_accuracy_past_the_layer_count_by_seed():
+    """Goal (c)'s numbers from hand-made read-outs: mean accuracy over the positions past the layer count
+    (position t holds t + 1 composed steps), feedback decoding (the exact recurrence) against 1 pass of
+    the same model and against the standard model of the same seed."""
+    from fbt_megatron.research.study import past_layer_count, summarise
+
+    def ro(layers=2, **acc):  # 6 positions, 2 layers: positions 2..5 lie past the layer count
+        return {"seq_length": 6, "num_layers": layers, "state_accuracy": {k.lstrip("p"): v for k, v in acc.items()}}
+
+    readouts = {"state_standard_seed1": ro(p1=[1, 1, .2, .2, .2, .2]),
+                "state_standard_seed2": ro(p1=[1, 1, .3, .1, .2, .2]),
+                "state_fbt_heavy_seed1": ro(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .6, .4, .4, .2]),
+                "state_fbt_heavy_seed2": ro(p1=[1, 1, .2, .2, .2, .4], p6=[0, 0, .5, .5, .5, .5])}
+    assert past_layer_count(readouts["state_fbt_heavy_seed1"]) == {"1": pytest.approx(.2), "6": pytest.approx(.4)}
+    row = summarise({n: {} for n in readouts}, readouts)["state_fbt_heavy"]
+    mean, err, n = row["state accuracy past the layer count: exact - 1-pass (same model)"]
+    assert (mean, n) == (pytest.approx(((.4 - .2) + (.5 - .25)) / 2), 2) and err == pytest.approx(.025)  # stdev(.2, .25)/sqrt(2)
+    assert row["state accuracy past the layer count: exact - state_standard"][:3:2] == (
+        pytest.approx(((.4 - .2) + (.5 - .2)) / 2), 2)
+    assert "state_standard" not in summarise({n: {} for n in readouts}, readouts)
+    # a read-out without the layer count gives no row rather than a wrong one
+    del readouts["state_fbt_heavy_seed2"]["num_layers"]
+    assert "state_fbt_heavy" not in summarise({n: {} for n in readouts}, readouts)
 
 
 def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_process):
