@@ -133,6 +133,17 @@ def study_name(scale: str, steps: int | None, lr: float | None, smoke: bool) -> 
     return scale + (f"_{steps}" if steps else "") + (f"_lr{lr:g}" if lr else "") + ("_smoke" if smoke else "")
 
 
+def add_layer_counts(readouts: dict, runs: dict[str, list[str]]) -> None:
+    """Give each read-out ``NAME_seedS`` without ``num_layers`` (read out before read-outs carried it) its
+    run's layer count, from the research recipe under the run's overrides (``runs[NAME]``)."""
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.research.runs import ROOT
+
+    for name, readout in readouts.items():
+        if "num_layers" not in readout:
+            readout["num_layers"] = load_recipe(ROOT / RECIPE, runs[name.rpartition("_seed")[0]]).model.num_layers
+
+
 def recorded_runs(report: Path) -> dict:
     """Runs recorded in an earlier report's JSON (``{run: {"val_history", "readouts"}}``): with ``--reuse``
     they stand in for run folders that are gone (a study spans sessions; the runs folder need not)."""
@@ -227,7 +238,6 @@ def main(argv=None) -> int:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
     from fbt_megatron import runtime
-    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.research.runs import ROOT
     from fbt_megatron.research.study import read_out, render
 
@@ -238,9 +248,7 @@ def main(argv=None) -> int:
                     else read_out(root / name, smoke=a.smoke) for name in summaries}
     finally:
         runtime.shutdown()
-    for name, readout in readouts.items():
-        if "num_layers" not in readout:  # read out before read-outs carried it: the run's recipe's
-            readout["num_layers"] = load_recipe(ROOT / RECIPE, runs[name.rpartition("_seed")[0]]).model.num_layers
+    add_layer_counts(readouts, runs)
     out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem)
     print(out.read_text())
     return 0

@@ -108,6 +108,20 @@ def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(monkeypatch
     assert len(names) == 8 and study_name("medium", 1200, 6e-4, False) == "medium_1200_lr0.0006"
 
 
+def test_recorded_read_outs_get_their_runs_layer_count(monkeypatch):
+    """Read-outs recorded before they carried ``num_layers`` get the run's own (8 at the medium size, the
+    research recipe's 4 at the tiny one); one that carries it keeps it."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import add_layer_counts, plan
+
+    readouts = {"state_fbt_heavy_seed1": {}, "state_standard_seed2": {"num_layers": 3}}
+    add_layer_counts(readouts, plan(["state"], "medium", False, 1200))
+    assert readouts == {"state_fbt_heavy_seed1": {"num_layers": 8}, "state_standard_seed2": {"num_layers": 3}}
+    tiny = {"state_fbt_heavy_seed1": {}}
+    add_layer_counts(tiny, plan(["state"], "tiny", False, 1200))
+    assert tiny == {"state_fbt_heavy_seed1": {"num_layers": 4}}
+
+
 def test_val_history_spans_invocations_and_keeps_a_steps_latest_line(tmp_path):
     """Validations only (not step lines, not other logged metrics), by step, the later of two lines for a
     step winning (a step validated again after a resume), a line cut by a kill skipped; run_summary puts
