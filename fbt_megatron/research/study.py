@@ -93,14 +93,15 @@ def state_accuracy(model, recipe, passes: list[int]) -> dict:
     return out
 
 
-def past_layer_count(readout: dict) -> dict[str, float] | None:
+def accuracy_past_layer_count(readout: dict) -> dict[str, float] | None:
     """Mean state-tracking accuracy at each pass count over the positions past the model's layer count L
     (position t needs t + 1 composed steps: t >= L), goal (c)'s measure; None where the read-out does not
-    record ``num_layers``. Past L a fixed-depth stack can no longer compose one step per layer."""
+    record ``num_layers``; NaN for a sequence no longer than L. Past L a fixed-depth stack can no longer
+    compose one step per layer."""
     layers, acc = readout.get("num_layers"), readout.get("state_accuracy")
     if layers is None or acc is None:
         return None
-    return {k: statistics.fmean(v[layers:]) for k, v in acc.items() if len(v) > layers}
+    return {k: statistics.fmean(v[layers:]) if len(v) > layers else float("nan") for k, v in acc.items()}
 
 
 def answer_readout(run_dir: Path, problems: int) -> dict:
@@ -217,12 +218,21 @@ def same_change_baseline(kind: str, kinds: dict) -> str | None:
     return None
 
 
+def paired_by_seed(base: dict[int, float], other: dict[int, float]) -> tuple[float, float, int]:
+    """:func:`paired` over the seeds both runs have: ``other - base`` seed by seed (``{seed: value}``)."""
+    common = [s for s in other if s in base]
+    return paired([base[s] for s in common], [other[s] for s in common])
+
+
 def summarise(summaries: dict, readouts: dict) -> dict:
-    """The study's comparisons, each a paired difference over seeds (mean, standard error, seeds)."""
+    """The study's comparisons, each a paired difference over seeds (mean, standard error, seeds): per FBT
+    kind, k-pass - 1-pass and its best mode against the standard baselines; per state-task FBT kind, the
+    accuracy past the layer count under the exact recurrence against 1 pass and against ``state_standard``
+    (no row where a read-out lacks ``num_layers``)."""
     kinds = _by_kind(summaries)
     val = {name: r.get("val_loss", {}) for name, r in readouts.items()}
     rows = {}
-    std = dict(kinds.get("standard", []))
+    standard = {s: val[n]["1"] for s, n in kinds.get("standard", [])}
     for kind, runs in kinds.items():
         if kind.startswith("state_") or kind.startswith("standard"):
             continue
@@ -236,37 +246,30 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         # one mode for every seed: the lowest mean over seeds (a per-seed minimum would favour FBT by chance)
         means = {k: statistics.fmean(val[n][k] for _, n in runs) for k in val[runs[0][1]]}
         row["best mode"] = min(means, key=means.get)
-        best = [val[n][row["best mode"]] for _, n in runs]
-        common = [s for s in seeds if s in std]
-        row["best mode - standard (equal tokens)"] = paired([val[std[s]]["1"] for s in common],
-                                                            [b for s, b in zip(seeds, best) if s in std])
+        best = {s: val[n][row["best mode"]] for s, n in runs}
+        row["best mode - standard (equal tokens)"] = paired_by_seed(standard, best)
         change = same_change_baseline(kind, kinds)
         if change:  # an ablation that changes the model itself, e.g. untied
-            same = dict(kinds[f"standard_{change}"])
-            common = [s for s in seeds if s in same]
-            row[f"best mode - standard_{change} (same change, equal tokens)"] = paired(
-                [val[same[s]]["1"] for s in common], [b for s, b in zip(seeds, best) if s in same])
-        compute = dict(kinds.get(f"standard_compute_{kind}", []))
-        common = [s for s in seeds if s in compute]
-        row["best mode - standard (equal compute)"] = paired([val[compute[s]]["1"] for s in common],
-                                                             [b for s, b in zip(seeds, best) if s in compute])
+            same = {s: val[n]["1"] for s, n in kinds[f"standard_{change}"]}
+            row[f"best mode - standard_{change} (same change, equal tokens)"] = paired_by_seed(same, best)
+        compute = {s: val[n]["1"] for s, n in kinds.get(f"standard_compute_{kind}", [])}
+        row["best mode - standard (equal compute)"] = paired_by_seed(compute, best)
         rows[kind] = row
-    state_std = dict(kinds.get("state_standard", []))
+    state_standard = {s: accuracy_past_layer_count(readouts[n]) for s, n in kinds.get("state_standard", [])}
+    state_standard = {s: past["1"] for s, past in state_standard.items() if past is not None}
     for kind, runs in kinds.items():
         if not kind.startswith("state_") or kind == "state_standard":
             continue
-        past = {n: past_layer_count(readouts[n]) for _, n in runs}
+        past = {s: accuracy_past_layer_count(readouts[n]) for s, n in runs}
         if any(p is None for p in past.values()):
             continue
-        seeds, seq = [s for s, _ in runs], str(readouts[runs[0][1]]["seq_length"])
-        exact = [past[n].get(seq) for _, n in runs]
-        row = {"seeds": seeds, "state accuracy past the layer count: exact - 1-pass (same model)":
-               paired([past[n]["1"] for _, n in runs], exact)}
-        std = {s: past_layer_count(readouts[n]) for s, n in state_std.items()}
-        common = [s for s in seeds if std.get(s) is not None]
-        row["state accuracy past the layer count: exact - state_standard"] = paired(
-            [std[s]["1"] for s in common], [e for s, e in zip(seeds, exact) if s in common])
-        rows[kind] = row
+        seq = str(readouts[runs[0][1]]["seq_length"])
+        exact = {s: p.get(seq) for s, p in past.items()}
+        rows[kind] = {
+            "seeds": [s for s, _ in runs],
+            "state accuracy past the layer count: exact - 1-pass (same model)":
+                paired_by_seed({s: p["1"] for s, p in past.items()}, exact),
+            "state accuracy past the layer count: exact - state_standard": paired_by_seed(state_standard, exact)}
     return rows
 
 
@@ -320,7 +323,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
     state_rows = []
     for i, (kind, runs) in enumerate(sorted(k for k in kinds.items() if k[0].startswith("state_"))):
         acc = [readouts[n]["state_accuracy"] for _, n in runs]
-        past = [past_layer_count(readouts[n]) for _, n in runs]
+        past = [accuracy_past_layer_count(readouts[n]) for _, n in runs]
         for k in acc[0]:
             curve = np.array([a[k] for a in acc]).mean(0)
             label = f"{kind}, {'exact' if int(k) > 3 else k + '-pass'}"
