@@ -21,14 +21,16 @@ its initialisation at every kept checkpoint; for the state task, accuracy per nu
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
 reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
 with ``--reuse`` an unfinished run continues from its latest checkpoint, and a run recorded there stands
-in for its run folder when that is gone, so the study
-can be continued run by run (``--only``) across machines. docs/results/feedback_phase.md is the write-up.
+in for its run folder when that is gone; a report keeps the runs recorded in the one it replaces, also
+those it does not select, so the study can be continued run by run (``--only``, ``--seeds``) across machines. docs/results/feedback_phase.md is the write-up.
 
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
 ~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
 seed for every group); ``--steps N`` scales a run's time with N (2400: ~30 min a run). ``--scale medium``
-(8 layers, hidden 384) costs ~10x as much: ~2.5 h a 1200-step run (the state task: ~1 h a seed for its
-two runs). One study at a time: more training
+(8 layers, hidden 384) costs ~10x as much: ~2.5 h a 1200-step run (the state task: ~1.1 h a seed for its
+two runs, the standard one ~45 min, FBT ~65 min). A run folder lasts only as long as its machine; a
+finished run lasts in the report's JSON, so on machines that do not keep files start a run only where it
+can finish. One study at a time: more training
 processes than cores thrash (measured: a tiny step took 9 s with five processes on two cores, 1.2 s with two).
 ``--smoke`` trains each selected run for a few steps at a toy size (the tests use it).
 """
@@ -249,7 +251,7 @@ def main(argv=None) -> int:
     finally:
         runtime.shutdown()
     add_layer_counts(readouts, runs)
-    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem)
+    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem, kept=recorded)
     print(out.read_text())
     return 0
 

@@ -274,8 +274,11 @@ def summarise(summaries: dict, readouts: dict) -> dict:
 
 
 def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path,
-           stem: str = "feedback_study") -> Path:
-    """``out_dir/STEM.{md,json,png}`` from the finished runs."""
+           stem: str = "feedback_study", kept: dict | None = None) -> Path:
+    """``out_dir/STEM.{md,json,png}`` from the finished runs. ``kept``: runs recorded in the report before
+    (``{run: {"val_history", "readouts"}}``) that this one does not select: written to its JSON unchanged
+    and named in it, so that a narrower report never drops a run whose folder may be gone."""
+    kept = {n: r for n, r in (kept or {}).items() if n not in summaries}
     import numpy as np
 
     from fbt_megatron.research.report import figure, mean_std, provenance, save, table
@@ -360,10 +363,15 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
          "(L + 1 to the last), goal (c)'s measure.\n\n"
          + table(["run", "seeds", "1", "2", "4", "8", "16", "last", "past L"], state_rows)) if state_rows else "(not run)", "",
         plot, "",
+        *([f"Also recorded, not selected here (kept in the JSON for `--reuse`): {', '.join(sorted(kept))}.", ""]
+          if kept else []),
         provenance("python tools/feedback_study.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
                                                          ("scale", args.scale), ("steps", args.steps),
                                                          ("lr", args.lr), ("only", args.only)) if v), seconds)])
     data = {"args": {k: v for k, v in vars(args).items()}, "seeds": seeds, "comparisons": comparisons,
-            "readouts": readouts, "val_history": {n: s["val_history"] for n, s in summaries.items()}}
+            "readouts": {**readouts, **{n: r["readouts"] for n, r in kept.items()}},
+            "val_history": {**{n: s["val_history"] for n, s in summaries.items()},
+                            **{n: r["val_history"] for n, r in kept.items()}},
+            "kept": sorted(kept)}
     return save(out_dir, stem, md, data)

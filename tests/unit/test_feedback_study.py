@@ -173,6 +173,35 @@ def test_curves_average_seeds_at_the_same_steps(tmp_path, monkeypatch):
     assert "--lr 0.001" in (tmp_path / "t.md").read_text()  # the provenance line names an LR variant
 
 
+def test_a_narrower_report_keeps_the_runs_recorded_before(tmp_path, monkeypatch):
+    """A report that selects fewer runs or seeds than the one it replaces keeps the others' records (their
+    folders may be gone: the JSON is all that is left of them); a selected run's new record wins."""
+    from fbt_megatron.research import report, study
+
+    monkeypatch.setattr(report, "figure", lambda **k: (None, [study._NoAxes(), study._NoAxes()]))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import recorded_runs
+
+    answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
+
+    def run(loss):
+        return {"val_history": [{"step": 10, "tokens": 10, "loss": {"1": loss}}],
+                "readouts": {"val_loss": {"1": loss}, "seq_length": 8, "answers": answers, "fusion_history": []}}
+
+    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, lr=None, only=None)
+    first = {"standard_seed1": run(5.0), "standard_seed2": run(5.2)}
+    study.render({n: r for n, r in first.items()}, {n: r["readouts"] for n, r in first.items()}, [1, 2], args,
+                 1.0, tmp_path, "t")
+    recorded = recorded_runs(tmp_path / "t.json")
+    again = {"standard_seed1": run(4.0)}  # seed 1 only, read out anew
+    study.render(again, {n: r["readouts"] for n, r in again.items()}, [1], args, 1.0, tmp_path, "t", kept=recorded)
+    kept = recorded_runs(tmp_path / "t.json")
+    assert kept["standard_seed2"] == first["standard_seed2"]
+    assert kept["standard_seed1"]["readouts"]["val_loss"] == {"1": 4.0}
+    assert json.loads((tmp_path / "t.json").read_text())["kept"] == ["standard_seed2"]
+    assert "not selected here" in (tmp_path / "t.md").read_text()
+
+
 @pytest.mark.slow  # three short training runs in subprocesses (~1 min)
 def test_a_resumed_runs_curve_is_the_uninterrupted_runs(tmp_path, monkeypatch):
     """The study's curves (``val_history``) of a run stopped at step 8 and resumed hold the uninterrupted
