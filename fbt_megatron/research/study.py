@@ -366,9 +366,12 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         *([f"Also recorded, not selected here (kept in the JSON for `--reuse`): {', '.join(sorted(kept))}.", ""]
           if kept else []),
         provenance("python tools/feedback_study.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
-                                                         ("scale", args.scale), ("steps", args.steps),
-                                                         ("lr", args.lr), ("only", args.only)) if v), seconds)])
+            [f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
+                                                          ("scale", args.scale), ("steps", args.steps),
+                                                          ("lr", args.lr), ("only", args.only)) if v]
+            # how the runs were found: as printed, the command rebuilds this report, not retrains it
+            + (["--summarise-only"] if getattr(args, "summarise_only", False)
+               else ["--reuse"] if getattr(args, "reuse", False) else [])), seconds)])
     data = {"args": {k: v for k, v in vars(args).items()}, "seeds": seeds, "comparisons": comparisons,
             "readouts": {**readouts, **{n: r["readouts"] for n, r in kept.items()}},
             "val_history": {**{n: s["val_history"] for n, s in summaries.items()},

@@ -198,6 +198,7 @@ def test_a_narrower_report_keeps_the_runs_recorded_before(tmp_path, monkeypatch)
     kept = recorded_runs(tmp_path / "t.json")
     assert kept["standard_seed2"] == first["standard_seed2"]
     assert kept["standard_seed1"]["readouts"]["val_loss"] == {"1": 4.0}
+    assert kept["standard_seed1"]["val_history"][0]["loss"] == {"1": 4.0}
     assert json.loads((tmp_path / "t.json").read_text())["kept"] == ["standard_seed2"]
     assert "not selected here" in (tmp_path / "t.md").read_text()
 
@@ -298,6 +299,14 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]
     assert json.loads((out / "feedback_study_tiny_smoke.json").read_text())["comparisons"] == data["comparisons"]
+    assert "--reuse" in (out / "feedback_study_tiny_smoke.md").read_text()  # the provenance rebuilds, not retrains
+    # a narrower report (one run) keeps the other runs' records: their folders are gone
+    narrow = subprocess.run(cmd[:cmd.index("--only") + 1] + ["standard"] + cmd[cmd.index("--only") + 2:]
+                            + ["--summarise-only"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert narrow.returncode == 0, narrow.stdout[-2000:] + narrow.stderr[-2000:]
+    kept = json.loads((out / "feedback_study_tiny_smoke.json").read_text())
+    assert kept["kept"] == ["fbt_heavy_seed1", "state_fbt_heavy_seed1"]
+    assert kept["readouts"]["state_fbt_heavy_seed1"] == {**data["readouts"]["state_fbt_heavy_seed1"], "num_layers": 4}
 
 
 def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
