@@ -22,7 +22,8 @@ steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass
 reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
 with ``--reuse`` an unfinished run continues from its latest checkpoint, and a run recorded there stands
 in for its run folder when that is gone; a report keeps the runs recorded in the one it replaces, also
-those it does not select, so the study can be continued run by run (``--only``, ``--seeds``) across machines. docs/results/feedback_phase.md is the write-up.
+those it does not select, so the study can be continued run by run (``--only``, ``--seeds``) across
+machines. docs/results/feedback_phase.md is the write-up.
 
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
 ~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
