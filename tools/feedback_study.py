@@ -28,8 +28,9 @@ machines. docs/results/feedback_phase.md is the write-up.
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
 ~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
 seed for every group); ``--steps N`` scales a run's time with N (2400: ~30 min a run). ``--scale medium``
-(8 layers, hidden 384) costs ~10x as much: ~2.5 h a 1200-step run (the state task: ~1.1 h a seed for its
-two runs, the standard one ~45 min, FBT ~65 min). A run folder lasts only as long as its machine; a
+(8 layers, hidden 384) costs more: a 1200-step language-model pair side by side ~1.5 h (standard ~65 min, FBT
+~90 min; ~2.4 h on a slower machine) and FBT's read-outs ~30 min (the exact recurrence); the state task
+~1.1 h a seed for its two runs (the standard one ~45 min, FBT ~65 min). A run folder lasts only as long as its machine; a
 finished run lasts in the report's JSON, so on machines that do not keep files start a run only where it
 can finish. One study at a time: more training
 processes than cores thrash (measured: a tiny step took 9 s with five processes on two cores, 1.2 s with two).
