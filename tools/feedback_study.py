@@ -26,7 +26,7 @@ those it does not select, so the study can be continued run by run (``--only``, 
 machines. docs/results/feedback_phase.md is the write-up.
 
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
-~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
+~35 min, compute ~30 min, stabilisers ~75 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
 seed for every group); ``--steps N`` scales a run's time with N (2400: ~30 min a run). ``--scale medium``
 (8 layers, hidden 384) costs more: a 1200-step language-model pair side by side ~1.5 h (standard ~65 min, FBT
 ~90 min; ~2.4 h on a slower machine) and FBT's read-outs ~30 min (the exact recurrence); the state task
@@ -64,6 +64,8 @@ ABLATIONS = {
     "additive": ["feedback.fusion=additive"],
     # the two changes that each closed part of the gap, together (compared with ``standard_untied``)
     "untied_fusion_lr_x10": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=10.0"],
+    # the same at a peak LR five times lower (--lr 6e-4, the medium size's): ×50 keeps the fusion's LR
+    "untied_fusion_lr_x50": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=50.0"],
 }
 MODEL_ABLATIONS = {"untied"}  # ablations that change the model itself, not only its fusion
 STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
