@@ -9,8 +9,9 @@ plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), 
 - ``main``: a standard model (``feedback.fusion=off``), FBT with the paper's 75/22/3 mix and FBT with the
   feedback-heavy 50/40/10 mix, on the same data in the same order (equal tokens);
 - ``compute``: the standard model given each FBT run's FLOPs (more steps, same WSD shape);
-- ``stabilisers``: the 50/40/10 run with one stabiliser changed each (see ``ABLATIONS``), and the standard
-  model with the same change where the change is to the model itself (``MODEL_ABLATIONS``: untied embeddings);
+- ``stabilisers``: the 50/40/10 run with one stabiliser changed each (see ``ABLATIONS``; with ``--lr`` also
+  ``LR_VARIANT_ABLATIONS``), and the standard model with the same change where the change is to the model
+  itself (``MODEL_ABLATIONS``: untied embeddings);
 - ``state``: a state-tracking task (running products in the symmetric group S3, one element per token,
   sequences of 32 steps, far past the 4 layers) for a standard model and FBT.
 
@@ -26,7 +27,7 @@ those it does not select, so the study can be continued run by run (``--only``, 
 machines. docs/results/feedback_phase.md is the write-up.
 
 CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
-~35 min, compute ~30 min, stabilisers ~75 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
+~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
 seed for every group); ``--steps N`` scales a run's time with N (2400: ~30 min a run). ``--scale medium``
 (8 layers, hidden 384) costs more: a 1200-step language-model pair side by side ~1.5 h (standard ~65 min, FBT
 ~90 min; ~2.4 h on a slower machine) and FBT's read-outs ~30 min (the exact recurrence); the state task
@@ -64,7 +65,10 @@ ABLATIONS = {
     "additive": ["feedback.fusion=additive"],
     # the two changes that each closed part of the gap, together (compared with ``standard_untied``)
     "untied_fusion_lr_x10": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=10.0"],
-    # the same at a peak LR five times lower (--lr 6e-4, the medium size's): ×50 keeps the fusion's LR
+}
+# Stabiliser runs planned only with --lr: the fusion's LR is the multiplier times the peak LR, so at the
+# medium size's 6e-4 ×50 gives the ×10 runs' 3e-2 at the recipe's 3e-3 (at 3e-3 itself it would be 0.15).
+LR_VARIANT_ABLATIONS = {
     "untied_fusion_lr_x50": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=50.0"],
 }
 MODEL_ABLATIONS = {"untied"}  # ablations that change the model itself, not only its fusion
@@ -122,7 +126,7 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
             n = round(steps * compute_factor(steps, start, mix))
             runs[f"standard_compute_{name}"] = base + ["feedback.fusion=off", f"train.steps={n}"]
     if "stabilisers" in groups:
-        for name, extra in ABLATIONS.items():
+        for name, extra in {**ABLATIONS, **(LR_VARIANT_ABLATIONS if lr else {})}.items():
             runs[f"fbt_heavy_{name}"] = base + [mix_arg(MIX_HEAVY)] + extra
             if name in MODEL_ABLATIONS:  # the standard model with the same change: the fair baseline
                 runs[f"standard_{name}"] = base + ["feedback.fusion=off"] + extra

@@ -91,19 +91,27 @@ def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
 
 
 def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(monkeypatch):
-    """--lr reaches the recipe of every run of every group (the recipe's own LR without it); a variant's
-    report and default runs folder are its own, a smoke study's too (--reuse reads both)."""
+    """--lr reaches the recipe of every run of every group (the recipe's own LR without it) and adds the
+    LR-variant stabiliser runs; a variant's report and default runs folder are its own, a smoke study's too
+    (--reuse reads both)."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from feedback_study import RECIPE, plan, study_name
+    from feedback_study import LR_VARIANT_ABLATIONS, RECIPE, plan, study_name
 
     from fbt_megatron.recipe import load_recipe
 
     groups = ["main", "compute", "stabilisers", "state"]
     plain, tuned = plan(groups, "medium", False, 600), plan(groups, "medium", False, 600, 1e-3)
-    assert plain.keys() == tuned.keys()
+    assert set(tuned) - set(plain) == {f"fbt_heavy_{name}" for name in LR_VARIANT_ABLATIONS} != set()
     for name in tuned:
-        assert load_recipe(ROOT / RECIPE, plain[name]).optimizer.lr == 3e-3
+        if name in plain:
+            assert load_recipe(ROOT / RECIPE, plain[name]).optimizer.lr == 3e-3
         assert load_recipe(ROOT / RECIPE, tuned[name]).optimizer.lr == 1e-3, name
+    x50 = load_recipe(ROOT / RECIPE, plan(["stabilisers"], "medium", False, 1200, 6e-4)["fbt_heavy_untied_fusion_lr_x50"])
+    x10 = load_recipe(ROOT / RECIPE, plan(["stabilisers"], "medium", False, 1200)["fbt_heavy_untied_fusion_lr_x10"])
+    # the x50 run at 6e-4 gives the fusion the absolute LR of the x10 run at the recipe's 3e-3
+    assert x50.optimizer.lr * x50.optimizer.fusion_lr_multiplier == pytest.approx(3e-2)
+    assert x10.optimizer.lr * x10.optimizer.fusion_lr_multiplier == pytest.approx(3e-2)
+    assert not x50.model.tie_embeddings
     names = {study_name("medium", steps, lr, smoke) for steps in (None, 1200) for lr in (None, 6e-4)
              for smoke in (False, True)}
     assert len(names) == 8 and study_name("medium", 1200, 6e-4, False) == "medium_1200_lr0.0006"
