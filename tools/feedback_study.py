@@ -67,8 +67,10 @@ ABLATIONS = {
     "untied_fusion_lr_x10": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=10.0"],
 }
 # Stabiliser runs planned only with --lr: the fusion's LR is the multiplier times the peak LR, so at the
-# medium size's 6e-4 ×50 gives the ×10 runs' 3e-2 at the recipe's 3e-3 (at 3e-3 itself it would be 0.15).
+# medium size's 6e-4 ×50, and at the tiny size's 1e-3 ×30, give the ×10 runs' 3e-2 at the recipe's 3e-3
+# (at 3e-3 itself they would be 0.15 and 0.09).
 LR_VARIANT_ABLATIONS = {
+    "untied_fusion_lr_x30": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=30.0"],
     "untied_fusion_lr_x50": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=50.0"],
 }
 MODEL_ABLATIONS = {"untied"}  # ablations that change the model itself, not only its fusion

@@ -108,10 +108,12 @@ def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(monkeypatch
         assert load_recipe(ROOT / RECIPE, tuned[name]).optimizer.lr == 1e-3, name
     x50 = load_recipe(ROOT / RECIPE, plan(["stabilisers"], "medium", False, 1200, 6e-4)["fbt_heavy_untied_fusion_lr_x50"])
     x10 = load_recipe(ROOT / RECIPE, plan(["stabilisers"], "medium", False, 1200)["fbt_heavy_untied_fusion_lr_x10"])
-    # the x50 run at 6e-4 gives the fusion the absolute LR of the x10 run at the recipe's 3e-3
+    x30 = load_recipe(ROOT / RECIPE, plan(["stabilisers"], "tiny", False, 1200, 1e-3)["fbt_heavy_untied_fusion_lr_x30"])
+    # the x50 run at 6e-4 and the x30 run at 1e-3 give the fusion the absolute LR of the x10 run at 3e-3
     assert x50.optimizer.lr * x50.optimizer.fusion_lr_multiplier == pytest.approx(3e-2)
+    assert x30.optimizer.lr * x30.optimizer.fusion_lr_multiplier == pytest.approx(3e-2)
     assert x10.optimizer.lr * x10.optimizer.fusion_lr_multiplier == pytest.approx(3e-2)
-    assert not x50.model.tie_embeddings
+    assert not x50.model.tie_embeddings and not x30.model.tie_embeddings
     names = {study_name("medium", steps, lr, smoke) for steps in (None, 1200) for lr in (None, 6e-4)
              for smoke in (False, True)}
     assert len(names) == 8 and study_name("medium", 1200, 6e-4, False) == "medium_1200_lr0.0006"
