@@ -376,11 +376,12 @@ def check_layout(recipe: Recipe, world_size: int) -> int:
     return dp
 
 
-def bf16_accumulation_warning(recipe: Recipe) -> str | None:
+def bf16_accumulation_warning(recipe: Recipe, precision: str | None = None) -> str | None:
     """DeepSpeed 0.19 accumulates gradients in bf16 at ZeRO-0 and ZeRO-2 whatever the config asks
-    (ZeRO-1 and 3 accumulate in fp32): said at the start of such a run."""
+    (ZeRO-1 and 3 accumulate in fp32): said at the start of such a run. ``precision``: the resolved one
+    (default: this machine's)."""
     p = recipe.parallel
-    if recipe.resolved_precision() == "bf16" and p.zero_stage in (0, 2):
+    if (precision or recipe.resolved_precision()) == "bf16" and p.zero_stage in (0, 2):
         return (f"warning: parallel.zero_stage={p.zero_stage} with bf16 accumulates gradients in bf16 (DeepSpeed has "
                 "no fp32 accumulation there); zero_stage 1 or 3 accumulate in fp32")
     return None

@@ -1,4 +1,4 @@
-"""One feedback rule (issue 42, item 2): ``fbt_megatron/hf/feedback_rule.py``'s plain torch functions, each
+"""One feedback rule (issue 42, item 2): ``fbt_megatron/model/feedback_rule.py``'s plain torch functions, each
 against its formula written out here, and the proof that the Megatron model, the Hugging Face remote code and
 the vLLM plugin run those same function objects (not copies of the rule), and that an export ships the file
 as it is in the package.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbt_megatron.hf import feedback_rule
+from fbt_megatron.model import feedback_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 RULE = {name: f for name, f in vars(feedback_rule).items()
@@ -194,7 +194,7 @@ def test_the_vllm_model_inherits_the_hf_rule_methods():
     assert own & rule_methods == {"token_gate"}, own & rule_methods
     tree = ast.parse(source.read_text())
     imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert ("fbt_megatron.hf.feedback_rule", "token_gate") in imports
+    assert ("fbt_megatron.model.feedback_rule", "token_gate") in imports
 
 
 def _spy(monkeypatch, modules) -> list[str]:

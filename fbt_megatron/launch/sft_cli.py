@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or "-h" in argv or "--help" in argv:
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    from fbt_megatron.train.cli import main as train_main
+    from fbt_megatron.launch.train_cli import main as train_main
 
     return train_main(argv, task="sft")
 
