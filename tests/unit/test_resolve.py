@@ -76,6 +76,16 @@ def test_three_independent_mistakes_are_reported_at_once(tmp_path):
     assert isinstance(e.value, RecipeError)
 
 
+def test_the_recipes_own_cross_section_checks_report_every_problem():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"parallel": {"pipeline": 3}, "data": {"seq_length": 4096},
+                          "batch": {"global_batch_size": 10, "micro_batch_size": 4}})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "invalid recipe:" and len(lines) == 4, lines
+    assert [line.split("=")[0].strip() for line in lines[1:]] == ["batch.global_batch_size", "data.seq_length",
+                                                                  "parallel.pipeline"]
+
+
 def test_the_plan_names_the_checkpoint_it_resumes_and_the_rule_it_adopts(tmp_path):
     step = tmp_path / "run" / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
