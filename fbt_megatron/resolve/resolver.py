@@ -107,7 +107,8 @@ def _data_plan(recipe: Recipe) -> DataPlan:
 def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
     """The run's latest checkpoint (``checkpoint.resume``), the feedback rule adopted from it, and
     ``init_from`` (weights only) when there is none; a new run never mixes into an older run's checkpoints."""
-    from fbt_megatron.checkpoint.discovery import LATEST, CheckpointError, read_checkpoint_state, resolve_checkpoint, step_dirs
+    from fbt_megatron.checkpoint.discovery import (LATEST, CheckpointError, read_checkpoint_state, resolve_checkpoint,
+                                                   step_dirs)
 
     root = recipe.resolved_run_dir() / "checkpoints"
     has = (root / LATEST).exists() or (root.is_dir() and bool(step_dirs(root)))

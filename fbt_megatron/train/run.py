@@ -1,6 +1,6 @@
 """Assemble a run from its resolved plan and train it (inside an initialised process group).
 
-``fbt train`` (``train/cli.py``) resolves the recipe (``fbt_megatron.resolve``), starts torch.distributed
+``fbt train`` (``launch/train_cli.py``) resolves the recipe (``fbt_megatron.resolve``), starts torch.distributed
 and calls :func:`train`, which resolves it again under the run directory's lock and builds from that plan;
 tests call :func:`train` directly on gloo processes.
 """
@@ -177,8 +177,11 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     zero = StateFragments(engine, specs)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
-    state, schedule, loader = TrainState(), PassSchedule(recipe.schedule), TrainBatches(recipe, dp_rank, dp_size, data_config=data)
-    checkpoint_state = CheckpointState(train_state=state, pass_schedule=schedule, loader=loader, recipe=recipe,
+    state, schedule = TrainState(), PassSchedule(recipe.schedule)
+    loader = TrainBatches(recipe, dp_rank, dp_size, data_config=data)
+    trained = recipe if plan.data.build_embedded is None else recipe.model_copy(  # state.json names the mix
+        update={"data": recipe.data.model_copy(update={"pipeline": plan.data.config})})
+    checkpoint_state = CheckpointState(train_state=state, pass_schedule=schedule, loader=loader, recipe=trained,
                                    layout=layout)
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)
@@ -218,8 +221,8 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
 
     checkpoint_state.add_callbacks(callbacks)
     trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=plan.micro_batches_per_step,
-                      lr_fn=lr_fn, total_steps=plan.total_steps, global_batch_size=recipe.global_batch_size, state=state,
-                      callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
+                      lr_fn=lr_fn, total_steps=plan.total_steps, global_batch_size=recipe.global_batch_size,
+                      state=state, callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
     return Run(plan=plan, recipe=recipe, run_dir=run_dir, log=log, trainer=trainer, checkpoints=ckpt, latest=latest,
                validation=validation, feedback_depth=feedback_depth, num_params=n_params, layout=layout,
                dp_size=dp_size)

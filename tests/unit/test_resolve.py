@@ -166,8 +166,8 @@ def test_slurm_submit_refuses_before_sbatch_with_the_dry_runs_message(tmp_path, 
     assert dry in capsys.readouterr().err
     assert not calls.exists() and not (tmp_path / "run").exists()
     # what only the plan reads before launch: the tokenizer the nodes would load first
-    missing = [*bad[1:2], "model.num_attention_heads=4", *bad[3:], "data.source=pipeline",
-               f"data.pipeline={{tokenizer: {tmp_path / 'tok.model'}, sources: [{{name: a, path: {tmp_path}, weight: 1}}]}}"]
+    section = f"{{tokenizer: {tmp_path / 'tok.model'}, sources: [{{name: a, path: {tmp_path}, weight: 1}}]}}"
+    missing = [*bad[1:2], "model.num_attention_heads=4", *bad[3:], "data.source=pipeline", f"data.pipeline={section}"]
     assert main(["train", recipe, *missing, "--dry-run", "--world-size", "4"]) == 2
     dry = capsys.readouterr().err.removeprefix("fbt train: ").strip()
     assert "recipe key 'data.pipeline.tokenizer': tokenizer model not found" in dry
