@@ -23,10 +23,11 @@ from fbt_megatron.resolve.sft import chat_template, check_sft_layout, resolve_in
 
 
 def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None, *,
-                task: str | None = None) -> RunPlan:
+                task: str | None = None, data_files: bool = True) -> RunPlan:
     """The plan of ``recipe`` run by ``world_size`` processes on ``env`` (default: this machine);
     ``task`` (``fbt sft``) sets the recipe's task. Raises :class:`PlanError` listing every problem.
-    ``recipe`` is not changed: the plan holds a resolved copy."""
+    ``recipe`` is not changed: the plan holds a resolved copy. ``data_files=False`` (``fbt plan``, sizing
+    a run where its data is not): the tokenizer and the sources are named, not read."""
     env = env or Environment.here()
     problems: list[str] = []
 
@@ -50,7 +51,7 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
 
     # -- data
     problems += check_sft_layout(recipe)
-    data = check(_data_plan, recipe) or DataPlan(recipe.data.source, None, None, {}, None)
+    data = check(_data_plan, recipe, data_files) or DataPlan(recipe.data.source, None, None, {}, None)
 
     # -- the checkpoint resumed and the rule it was trained with
     resume, adopted = check(_resume, recipe) or (None, None)
@@ -70,7 +71,7 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         warnings=tuple(warnings))
 
 
-def _data_plan(recipe: Recipe) -> DataPlan:
+def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
     """The data pipeline's config (the embedded mix's section when the recipe names no sources), the
     tokenizer checked against ``model.vocab_size``, the checkpoint's tokenizer files, the chat template."""
     d = recipe.data
@@ -89,6 +90,8 @@ def _data_plan(recipe: Recipe) -> DataPlan:
         section = dict(d.pipeline)
     config = DataConfig.model_validate(dict(section, seq_length=d.seq_length))
     tokenizer = Path(config.tokenizer)
+    if not read_files:
+        return DataPlan(d.source, config.model_dump(mode="json"), build, {}, None)
     if build is not None and not tokenizer.is_file():  # built at start-up with the default vocabulary
         files, vocab, template = {"tokenizer.model": str(tokenizer)}, embedded.VOCAB_SIZE, None
     else:

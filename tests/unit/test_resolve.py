@@ -140,6 +140,18 @@ def test_dry_run_exits_2_with_every_problem(tmp_path, monkeypatch, capsys):
     assert _tree(tmp_path) == before
 
 
+def test_fbt_plan_sizes_the_same_plan_without_reading_the_data(capsys):
+    """`fbt plan` resolves the plan `fbt train` starts from (its layout problems refused the same way), but
+    sizes a cluster recipe whose data is not on this machine."""
+    from fbt_megatron.cli import main
+
+    assert main(["plan", str(ROOT / "recipes" / "fbt-1b-400b.yaml"), "--gpus", "64", "--gpu", "h100"]) == 0
+    assert "plan: fbt-1b-400b on 64 x h100" in capsys.readouterr().out
+    assert main(["plan", str(ROOT / "recipes" / "tiny.yaml"), "parallel.tensor=2", "--gpus", "3"]) == 2
+    assert "recipe key 'parallel.tensor': tensor=2 x pipeline=1 does not divide the process count 3" in \
+        capsys.readouterr().err
+
+
 FAKE_SBATCH = """#!/bin/sh
 echo "$@" >> "{calls}"
 echo 4242
