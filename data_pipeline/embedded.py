@@ -162,7 +162,24 @@ def math_documents(n: int, seed: int):
 
 
 # ------------------------------------------------------------------------------------------ build
-def build_embedded(out: str | os.PathLike, *, vocab_size: int = 4096, code_mb: float = 6.0,
+VOCAB_SIZE = 4096  # the tokenizer's vocabulary of a default build
+
+
+def embedded_section(out: str | os.PathLike, *, seq_length: int = 256, seed: int = 0) -> dict:
+    """The ``data:`` section of the mix built under ``out`` (what :func:`build_embedded` returns), known
+    before it is built: a run is planned without building it."""
+    out = Path(out)
+    return {
+        "tokenizer": str(out / "tokenizer.model"),
+        "seq_length": seq_length,
+        "seed": seed,
+        "num_workers": 0,
+        "weight_by": "tokens",
+        "sources": [{"name": n, "path": str(out / n), "weight": TOKEN_SHARES[n]} for n in TOKEN_SHARES],
+    }
+
+
+def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code_mb: float = 6.0,
                    prose_mb: float = 3.0, math_docs: int = 20_000, seed: int = 0,
                    num_workers: int | None = None, seq_length: int = 256, force: bool = False,
                    progress: bool = True, log=print) -> dict:
@@ -212,14 +229,7 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = 4096, code_mb: f
                               extra_meta={"embedded": settings})
         summary[name] = {"samples": idx["num_samples"], "tokens": idx["num_tokens"], "shards": idx["num_shards"]}
         log(f"  {name}: {idx['num_samples']} documents, {idx['num_tokens']} tokens, {idx['num_shards']} shards")
-    data = {
-        "tokenizer": str(out / "tokenizer.model"),
-        "seq_length": seq_length,
-        "seed": seed,
-        "num_workers": 0,
-        "weight_by": "tokens",
-        "sources": [{"name": n, "path": str(out / n), "weight": TOKEN_SHARES[n]} for n in TOKEN_SHARES],
-    }
+    data = embedded_section(out, seq_length=seq_length, seed=seed)
     header = "# Embedded default token mix (fbt data embedded). Weights are shares of the stream's tokens.\n"
     (out / "mix.yaml").write_text(header + yaml.safe_dump({"data": data}, sort_keys=False))
     stamp.write_text(json.dumps({"settings": settings, "tokenizer_hash": thash, "summary": summary,

@@ -13,8 +13,8 @@ import os
 import sys
 
 COMMANDS = {
-    "train": ("fbt_megatron.train.cli", "Train from a recipe: fbt train RECIPE.yaml [key=value ...]"),
-    "sft": ("fbt_megatron.train.sft_cli", "Instruction tuning on chat data: fbt sft RECIPE.yaml (init_from, loss on assistant turns)"),
+    "train": ("fbt_megatron.launch.train_cli", "Train from a recipe: fbt train RECIPE.yaml [key=value ...]"),
+    "sft": ("fbt_megatron.launch.sft_cli", "Instruction tuning on chat data: fbt sft RECIPE.yaml (init_from, loss on assistant turns)"),
     "data": ("data_pipeline.cli", "Tokenizer, shards, embedded data: fbt data {tokenizer,prepare,embedded,...}"),
     "slurm": ("fbt_megatron.launch.cli", "SLURM jobs: fbt slurm submit RECIPE --nodes N --gpus-per-node G | status RUN_DIR | submit-prepare --array N ..."),
     "plan": ("fbt_megatron.launch.plan", "Size a run: fbt plan RECIPE --gpus N --gpu h100 (FLOPs, memory, time)"),

@@ -152,49 +152,56 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _consistent(self):
+        """Fill the derived defaults and check the sections against each other: every problem at once."""
         b, d = self.batch, self.data
         s = self.schedule
         if s._seed_follows_recipe or "seed" not in s.model_fields_set:
             s.seed, s._seed_follows_recipe = self.seed, True
+        problems = []
         if b.global_batch_size is None and b.global_batch_tokens is None:
             b.global_batch_size = 4 * b.micro_batch_size
         if b.global_batch_tokens is not None:
-            if b.global_batch_tokens % d.seq_length:
-                raise ValueError(f"batch.global_batch_tokens={b.global_batch_tokens} is not a multiple of "
-                                 f"data.seq_length={d.seq_length}")
             seqs = b.global_batch_tokens // d.seq_length
-            if b.global_batch_size is not None and b.global_batch_size != seqs:
-                raise ValueError(f"batch.global_batch_size={b.global_batch_size} contradicts "
-                                 f"batch.global_batch_tokens={b.global_batch_tokens} ({seqs} sequences)")
-            b.global_batch_size = seqs
-        if b.global_batch_size % b.micro_batch_size:
-            raise ValueError(f"batch.global_batch_size={b.global_batch_size} is not divisible by "
-                             f"batch.micro_batch_size={b.micro_batch_size}")
+            if b.global_batch_tokens % d.seq_length:
+                problems.append(f"batch.global_batch_tokens={b.global_batch_tokens} is not a multiple of "
+                                f"data.seq_length={d.seq_length}")
+            elif b.global_batch_size is not None and b.global_batch_size != seqs:
+                problems.append(f"batch.global_batch_size={b.global_batch_size} contradicts "
+                                f"batch.global_batch_tokens={b.global_batch_tokens} ({seqs} sequences)")
+            else:
+                b.global_batch_size = seqs
+        if b.global_batch_size is not None and b.global_batch_size % b.micro_batch_size:
+            problems.append(f"batch.global_batch_size={b.global_batch_size} is not divisible by "
+                            f"batch.micro_batch_size={b.micro_batch_size}")
         if d.seq_length > self.model.max_sequence_length:
-            raise ValueError(f"data.seq_length={d.seq_length} exceeds "
-                             f"model.max_sequence_length={self.model.max_sequence_length}")
+            problems.append(f"data.seq_length={d.seq_length} exceeds "
+                            f"model.max_sequence_length={self.model.max_sequence_length}")
         if d.source == "pipeline" and d.pipeline is not None:
             from data_pipeline.config import DataConfig
 
             try:
                 DataConfig.model_validate(dict(d.pipeline, seq_length=d.seq_length))
             except ValidationError as err:
-                raise ValueError(format_validation_error(err, prefix="data.pipeline.", root=DataConfig)) from None
+                problems.append(format_validation_error(err, prefix="data.pipeline.", root=DataConfig))
         if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
-            raise ValueError(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
-                             f"model.vocab_size={self.model.vocab_size}")
+            problems.append(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
+                            f"model.vocab_size={self.model.vocab_size}")
         p = self.parallel
         if self.feedback.mixin == "bounded" and p.zero_stage == 3:
-            raise ValueError("feedback.mixin='bounded' with parallel.zero_stage=3 is not supported (ZeRO-3 gathers "
-                             "W_U only inside its own forward; the bound reads it before); allowed: zero_stage 0, 1, 2")
+            problems.append("feedback.mixin='bounded' with parallel.zero_stage=3 is not supported (ZeRO-3 gathers "
+                            "W_U only inside its own forward; the bound reads it before); allowed: zero_stage 0, 1, 2")
         if p.pipeline > 1:
             if self.model.num_layers % p.pipeline:
-                raise ValueError(f"parallel.pipeline={p.pipeline} does not divide model.num_layers="
-                                 f"{self.model.num_layers}; allowed: divisors of num_layers")
+                problems.append(f"parallel.pipeline={p.pipeline} does not divide model.num_layers="
+                                f"{self.model.num_layers}; allowed: divisors of num_layers")
             if p.zero_stage == 3:
-                raise ValueError("parallel.zero_stage=3 is not supported with parallel.pipeline > 1; "
-                                 "allowed: 0, 1, 2")
-        self.model.check_tensor_parallel(self.parallel.tensor)
+                problems.append("parallel.zero_stage=3 is not supported with parallel.pipeline > 1; allowed: 0, 1, 2")
+        try:
+            self.model.check_tensor_parallel(self.parallel.tensor)
+        except ValueError as e:
+            problems.append(str(e))
+        if problems:
+            raise ValueError("\n  ".join(problems))  # one line each under "invalid recipe:"
         return self
 
     # ------------------------------------------------------------------ derived
@@ -376,11 +383,12 @@ def check_layout(recipe: Recipe, world_size: int) -> int:
     return dp
 
 
-def bf16_accumulation_warning(recipe: Recipe) -> str | None:
+def bf16_accumulation_warning(recipe: Recipe, precision: str | None = None) -> str | None:
     """DeepSpeed 0.19 accumulates gradients in bf16 at ZeRO-0 and ZeRO-2 whatever the config asks
-    (ZeRO-1 and 3 accumulate in fp32): said at the start of such a run."""
+    (ZeRO-1 and 3 accumulate in fp32): said at the start of such a run. ``precision``: the resolved one
+    (default: this machine's)."""
     p = recipe.parallel
-    if recipe.resolved_precision() == "bf16" and p.zero_stage in (0, 2):
+    if (precision or recipe.resolved_precision()) == "bf16" and p.zero_stage in (0, 2):
         return (f"warning: parallel.zero_stage={p.zero_stage} with bf16 accumulates gradients in bf16 (DeepSpeed has "
                 "no fp32 accumulation there); zero_stage 1 or 3 accumulate in fp32")
     return None

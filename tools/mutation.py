@@ -47,7 +47,7 @@ EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
 # or where the others would not fit the budget). Measured per file: docs/results/benchmarks.md.
 MAP: dict[str, dict] = {
     # the feedback rule itself, against its formulas, and the Megatron and HF models that call it
-    "fbt_megatron/hf/feedback_rule.py": {"tests": ["tests/unit/test_feedback_rule.py",
+    "fbt_megatron/model/feedback_rule.py": {"tests": ["tests/unit/test_feedback_rule.py",
                                                    "tests/unit/test_model_feedback_formulas.py"]},
     "fbt_megatron/passes.py": {"tests": ["tests/unit/test_passes.py", "tests/unit/test_plan.py",
                                          "tests/unit/test_plan_counts_what_runs.py"]},

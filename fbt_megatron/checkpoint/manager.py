@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import zlib
@@ -46,51 +45,17 @@ from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
 from fbt_megatron.checkpoint.shards import Fragment, ParamSpec, StateFragments, storage_key
 from fbt_megatron.engine.zero_state import STATE_NAMES
 
-LATEST = "latest"
+from fbt_megatron.checkpoint.discovery import (  # noqa: F401 (public here too)
+    LATEST,
+    STEP_DIR,
+    CheckpointError,
+    follow_latest,
+    read_checkpoint_state,
+    resolve_checkpoint,
+    step_dirs,
+)
+
 FORMAT_VERSION = 2
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked (missing, truncated, wrong shapes, ...)."""
-
-
-# ---------------------------------------------------------------------- discovery (no process group needed)
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run dir or its ``checkpoints/`` dir -> the checkpoint ``latest`` names; a step dir -> itself."""
-    path = Path(path)
-    if (path / "state.json").exists():
-        return path
-    for root in (path / "checkpoints", path):
-        if (root / LATEST).exists():
-            return _follow_latest(root)
-    raise CheckpointError(f"{path} has no published checkpoint: it is neither a checkpoint (no state.json) "
-                          f"nor a run directory with a checkpoints/{LATEST} pointer")
-
-
-def _follow_latest(root: Path) -> Path:
-    pointer = root / LATEST
-    name = pointer.read_text().strip()
-    path = root / name
-    if (path / "state.json").exists():
-        return path
-    aside = root / f"{name}.old"  # a re-save of this step was interrupted between its two renames
-    if (aside / "state.json").exists():
-        return aside
-    raise CheckpointError(f"{pointer} names {name!r}, but {path} is not a complete checkpoint "
-                          f"(expected {path / 'state.json'})")
-
-
-def read_checkpoint_state(path: str | Path) -> dict:
-    """``state.json`` of a checkpoint (or of a run dir's latest): step, layout, data cursor, recipe."""
-    path = resolve_checkpoint(path)
-    return json.loads((path / "state.json").read_text())
-
-
-def step_dirs(root: Path) -> list[Path]:
-    """Published checkpoints under ``root``, oldest step first."""
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
 
 
 # ---------------------------------------------------------------------- file checks
@@ -270,7 +235,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ discovery
     def latest(self) -> Path | None:
-        return _follow_latest(self.root) if (self.root / LATEST).exists() else None
+        return follow_latest(self.root) if (self.root / LATEST).exists() else None
 
     def has_checkpoints(self) -> bool:
         return (self.root / LATEST).exists() or bool(step_dirs(self.root))

@@ -15,10 +15,11 @@ VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the tra
 
 
 def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequences: int,
-                       saved_cursor: dict | None = None):
+                       saved_cursor: dict | None = None, *, data_config=None):
     """This rank's training batches from the global cursor. ``saved_cursor`` is the loader state a
     checkpoint recorded: the data pipeline resumes from it and refuses a changed seed, mix, tokenizer or
-    split (a silently different data stream would make the resumed run a different experiment)."""
+    split (a silently different data stream would make the resumed run a different experiment).
+    ``data_config``: the run plan's ``DataConfig`` (default: the recipe's ``data.pipeline``)."""
     d = recipe.data
     kw = dict(micro_batch_size=recipe.batch.micro_batch_size, global_batch_size=recipe.global_batch_size,
               dp_rank=dp_rank, dp_size=dp_size, consumed_sequences=consumed_sequences)
@@ -26,7 +27,7 @@ def build_train_loader(recipe: Recipe, dp_rank: int, dp_size: int, consumed_sequ
         from fbt_megatron.data.synthetic import SyntheticLoader
 
         return SyntheticLoader(_synthetic_cfg(recipe), **kw)
-    return _data_pipeline_loader(recipe, split="train", state=saved_cursor, **kw)
+    return _data_pipeline_loader(recipe, data_config, split="train", state=saved_cursor, **kw)
 
 
 class TrainBatches:
@@ -34,8 +35,8 @@ class TrainBatches:
     loader state a checkpoint saved (None: none), :meth:`start` builds the loader at the trainer's
     cursor (the data pipeline resumes from the saved state, see :func:`build_train_loader`)."""
 
-    def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int):
-        self.recipe, self.dp_rank, self.dp_size = recipe, dp_rank, dp_size
+    def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int, *, data_config=None):
+        self.recipe, self.dp_rank, self.dp_size, self.data_config = recipe, dp_rank, dp_size, data_config
         self._saved: dict | None = None
         self.loader = None
 
@@ -43,7 +44,8 @@ class TrainBatches:
         self._saved = state
 
     def start(self, consumed_sequences: int) -> "TrainBatches":
-        self.loader = build_train_loader(self.recipe, self.dp_rank, self.dp_size, consumed_sequences, self._saved)
+        self.loader = build_train_loader(self.recipe, self.dp_rank, self.dp_size, consumed_sequences, self._saved,
+                                         data_config=self.data_config)
         return self
 
     def state_dict(self) -> dict:
@@ -53,7 +55,7 @@ class TrainBatches:
         return iter(self.loader)
 
 
-def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict]:
+def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int, *, data_config=None) -> list[dict]:
     """This rank's share of a fixed validation set (same set for every DP size)."""
     d, mbs = recipe.data, recipe.batch.micro_batch_size
     n = max(dp_size, d.valid_sequences - d.valid_sequences % dp_size)
@@ -66,7 +68,7 @@ def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int) -> list[dict
 
         loader = SyntheticLoader(_synthetic_cfg(recipe), offset=VALID_OFFSET, **kw)
     else:
-        loader = _data_pipeline_loader(recipe, split="valid", **kw)
+        loader = _data_pipeline_loader(recipe, data_config, split="valid", **kw)
     it = iter(loader)
     return [next(it) for _ in range(n // (mbs * dp_size))]
 
@@ -75,21 +77,21 @@ def _synthetic_cfg(recipe: Recipe):
     return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
 
 
-def prepare_data(recipe: Recipe, log) -> None:
-    """Build the embedded token mix if the recipe uses it and it is missing (offline, idempotent):
-    rank 0 builds, the others wait; then every rank reads the mix's ``data`` section."""
-    d = recipe.data
-    if d.source != "pipeline" or d.pipeline is not None:
-        return
-    from data_pipeline.embedded import build_embedded
+def prepare_data(data_plan, log):
+    """The run plan's ``DataConfig`` (None for synthetic data), after building the embedded token mix if
+    the plan names it (offline, idempotent): rank 0 builds, the others wait."""
+    if data_plan.config is None:
+        return None
+    from data_pipeline.config import DataConfig
 
-    kw = dict(seq_length=d.seq_length, progress=False, log=lambda m: log(f"[data] {m}"))
-    if dist.get_rank() == 0:
-        section = build_embedded(d.embedded_dir, **kw)
-    dist.barrier()
-    if dist.get_rank() != 0:
-        section = build_embedded(d.embedded_dir, **dict(kw, log=lambda m: None))
-    d.pipeline = dict(section, seq_length=d.seq_length)
+    if data_plan.build_embedded is not None:
+        from data_pipeline.embedded import build_embedded
+
+        if dist.get_rank() == 0:
+            build_embedded(data_plan.build_embedded, seq_length=data_plan.config["seq_length"], progress=False,
+                           log=lambda m: log(f"[data] {m}"))
+        dist.barrier()
+    return DataConfig.model_validate(data_plan.config)
 
 
 def data_pipeline_config(recipe: Recipe):
@@ -101,20 +103,9 @@ def data_pipeline_config(recipe: Recipe):
     return DataConfig.model_validate(cfg)
 
 
-def check_tokenizer(recipe: Recipe) -> None:
-    if recipe.data.source != "pipeline":
-        return
-    from data_pipeline.tokenizer import load_tokenizer
-
-    vocab = load_tokenizer(data_pipeline_config(recipe).tokenizer).get_piece_size()
-    if vocab > recipe.model.vocab_size:
-        raise ValueError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
-                         f"vocabulary ({vocab})")
-
-
-def _data_pipeline_loader(recipe: Recipe, split: str, **kw):
+def _data_pipeline_loader(recipe: Recipe, data_config, split: str, **kw):
     from data_pipeline.loader import build_loader
 
     # split="valid" reads only the held-out documents (data.pipeline.valid_documents per source), which
     # the train split never contains.
-    return build_loader(data_pipeline_config(recipe), split=split, **kw)
+    return build_loader(data_config or data_pipeline_config(recipe), split=split, **kw)

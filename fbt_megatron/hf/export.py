@@ -28,13 +28,15 @@ from pathlib import Path
 import torch
 
 from data_pipeline.tokenizer import HF_TOKENIZER_FILES  # noqa: F401 (the importer's list too)
-from fbt_megatron.hf import families, feedback_rule, mapping
+from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
 from fbt_megatron.hf.mapping import ConversionError
+from fbt_megatron.model import feedback_rule
 
-MODELING_FILE = Path(__file__).with_name("modeling_fbt.py")
+# The model's folder holds the HF model (modeling_fbt.py, remote code) beside the rule it imports.
+MODELING_FILE = Path(feedback_rule.__file__).with_name("modeling_fbt.py")
 # The remote code every FBT export ships: the modelling file and the feedback rule it imports as a sibling.
-REMOTE_CODE = (MODELING_FILE, Path(__file__).with_name("feedback_rule.py"))
+REMOTE_CODE = (MODELING_FILE, Path(feedback_rule.__file__))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 2 * 1024**3

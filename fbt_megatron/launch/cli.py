@@ -11,10 +11,11 @@ data across nodes.
                      [--name NAME] [--time HH:MM:SS] [--partition P] [--account A] [--sbatch-arg=...]
                      [--dry-run]
 
-``submit`` validates the recipe for N x G processes, renders the batch-script template
+``submit`` resolves the recipe's run plan for N x G processes (``fbt train --dry-run``'s checks:
+a job that would fail at start-up is never queued), renders the batch-script template
 (``fbt_megatron/launch/train.sbatch``, shipped with the package; one task per node -> srun ->
 torchrun with c10d rendezvous on the first node), keeps the rendered script and the
-job ids in RUN_DIR/slurm/ and submits it (``--dry-run`` prints the script instead). ``--phases``
+job ids in RUN_DIR/slurm/ and submits it (``--dry-run`` prints the plan and the script instead). ``--phases``
 submits single-pass pre-training and the feedback phase as two jobs chained with afterok.
 ``status`` shows the jobs' states, the step, tokens and restarts, and the latest checkpoint.
 ``submit-prepare`` runs ``fbt data prepare`` as SLURM job arrays: N tasks tokenize a slice each, a last
@@ -27,7 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fbt_megatron.launch.submit import JobSpec, SubmitError, submit
+from fbt_megatron.launch.submit import JobSpec, SubmitError, resolve_job, submit
 
 
 def _submit_parser() -> argparse.ArgumentParser:
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.template:
         spec.template = a.template
     try:
+        if a.dry_run:  # the run plan the job resolves to, as `fbt train --dry-run` prints it
+            print(resolve_job(spec, a.overrides).to_yaml())
         submit(spec, phases=a.phases, dry_run=a.dry_run)
     except SubmitError as e:
         print(f"fbt slurm submit: {e}", file=sys.stderr)

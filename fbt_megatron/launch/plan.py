@@ -399,9 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the GPUs run without transformer-engine (Megatron's local layers, torch SDPA)")
     a = ap.parse_intermixed_args(argv)
     from fbt_megatron.recipe import RecipeError, load_recipe
+    from fbt_megatron.resolve.plan import Environment
+    from fbt_megatron.resolve.resolver import resolve_run
 
-    try:
-        recipe = load_recipe(a.recipe, a.overrides)
+    try:  # the run plan `fbt train` starts from, on --gpus processes (the data need not be on this machine)
+        recipe = resolve_run(load_recipe(a.recipe, a.overrides), a.gpus, Environment.nodes(gpu=a.gpu != "cpu"),
+                             data_files=False).recipe
     except (RecipeError, FileNotFoundError) as e:
         print(f"fbt plan: {e}", file=sys.stderr)
         return 2

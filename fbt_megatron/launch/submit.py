@@ -1,7 +1,8 @@
 """Render the batch-script template (``fbt_megatron/launch/train.sbatch``, package data; ``slurm/train.sbatch``
 in the repository links to it) for a recipe and submit it (``fbt slurm submit``).
 
-The recipe is validated against the job's process count before anything is submitted. Every
+The recipe is resolved into its run plan for the job's process count and nodes (what ``fbt train
+--dry-run`` prints; fbt_megatron/resolve) before anything is written or submitted. Every
 submission appends to ``RUN_DIR/slurm/jobs.jsonl`` (what ``fbt slurm status`` reads) and keeps the
 rendered script next to it; logs go to ``RUN_DIR/slurm/logs/<job-name>-<jobid>.out``.
 
@@ -114,23 +115,20 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
     return text
 
 
-def _validate(spec: JobSpec, overrides: list[str]):
-    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
-    from fbt_megatron.train.sft import check_sft, resolve_init_sections
+def resolve_job(spec: JobSpec, overrides: list[str]):
+    """The run plan ``fbt train --dry-run`` prints for this job (its recipe, its nodes' device and each
+    process count it may start with), so a job that would fail at start-up is never queued; raises
+    :class:`SubmitError` with the dry run's message."""
+    from fbt_megatron.recipe import RecipeError, load_recipe
+    from fbt_megatron.resolve.plan import Environment
+    from fbt_megatron.resolve.resolver import resolve_run
 
     try:
-        # as `fbt train`/`fbt sft` will: init_from supplies the model/feedback sections the recipe omits,
-        # and a `task: sft` recipe must name chat datasets and document-causal attention (train/sft.py)
-        recipe = resolve_init_sections(load_recipe(spec.recipe, overrides))
-        check_sft(recipe)
-        # The login node has no GPU: check the GPU-only switch (sequence parallelism) on the nodes.
-        checked = recipe if spec.cpu else recipe.model_copy(
-            update={"parallel": recipe.parallel.model_copy(update={"sequence_parallel": False})})
-        for nodes in sorted({spec.min_nodes or spec.nodes, spec.nodes}):
-            check_layout(checked, nodes * spec.gpus_per_node)
+        recipe = load_recipe(spec.recipe, overrides)
+        return [resolve_run(recipe, nodes * spec.gpus_per_node, Environment.nodes(gpu=not spec.cpu))
+                for nodes in sorted({spec.min_nodes or spec.nodes, spec.nodes})][-1]
     except (RecipeError, FileNotFoundError) as e:
         raise SubmitError(f"{spec.recipe}: {e}") from None
-    return recipe
 
 
 def sbatch(path: Path, script: str) -> str:
@@ -144,8 +142,8 @@ def sbatch(path: Path, script: str) -> str:
 
 
 def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_fn=print) -> list[dict]:
-    """Render, keep and (unless dry_run) sbatch the job(s); returns one record per job."""
-    recipe = _validate(spec, spec.overrides)
+    """Resolve the run plan, render, keep and (unless dry_run) sbatch the job(s); returns one record per job."""
+    recipe = resolve_job(spec, spec.overrides).recipe
     run_dir = recipe.resolved_run_dir()
     run_dir = run_dir if run_dir.is_absolute() else (spec.workdir / run_dir)
     base = spec.job_name or recipe.name
@@ -162,7 +160,7 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
         name = base if phase is None else f"{base}-p{phase}"
         dependency = spec.dependency if previous is None else f"afterok:{previous}"
         this = JobSpec(**{**spec.__dict__, "overrides": overrides, "dependency": dependency})
-        _validate(this, overrides)
+        resolve_job(this, overrides)
         script = render(this, run_dir, name)
         rec = {"phase": phase, "job_name": name, "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node,
                "dependency": dependency, "submitted_at": time.time()}

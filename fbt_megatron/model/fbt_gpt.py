@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
-from fbt_megatron.hf import feedback_rule as rule
+from fbt_megatron.model import feedback_rule as rule
 from fbt_megatron.model import cpu_fastpaths, vocab
 from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
                                           document_positions, from_packed, packed_rotary_length, packed_seq_params,

@@ -12,7 +12,7 @@ fusion (``additive``: x_t = W_U h_{t-1} + W_G e_t, kept for ablation) the model 
 the state. ``off`` gives a standard GPT (x_t = e_t, no extra weights).
 
 The rule itself (shift, reset, mix, fuse, the stack input) is plain torch functions in
-``hf/feedback_rule.py``, shared with the Hugging Face export and the vLLM plugin; this layer adds Megatron's
+``model/feedback_rule.py``, shared with the Hugging Face export and the vLLM plugin; this layer adds Megatron's
 tensor and sequence parallelism around them. The pass input (:meth:`LatentFeedback.pass_input`, what every
 forward here uses: the whole model, the pipeline's first stage, the KV-cache decoder):
 - pass 1: x_t = e_t at every position — exactly a standard GPT on the same weights;
@@ -54,7 +54,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
 from fbt_megatron.config import FeedbackConfig
-from fbt_megatron.hf import feedback_rule as rule
+from fbt_megatron.model import feedback_rule as rule
 
 
 class LatentFeedback(MegatronModule):

@@ -56,8 +56,8 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-from fbt_megatron.hf.feedback_rule import token_gate
-from fbt_megatron.hf.modeling_fbt import LatentFeedback as HFLatentFeedback
+from fbt_megatron.model.feedback_rule import token_gate
+from fbt_megatron.model.modeling_fbt import LatentFeedback as HFLatentFeedback
 
 LLAMA_CLASS = {"norm_type": "RMSNorm", "mlp_gated": True, "position_embedding_type": "rope"}
 
@@ -104,7 +104,7 @@ def refuse_lora(vllm_config) -> None:
 class LatentFeedback(HFLatentFeedback):
     """W_U (value_proj), W_G (gate_proj), h_init: the export modelling file's module (the same parameter
     names, so the export's ``feedback.*`` weights load as they are, and the same rule functions,
-    ``hf/feedback_rule.py``), on vLLM's flattened ``[N, D]`` tokens.
+    ``model/feedback_rule.py``), on vLLM's flattened ``[N, D]`` tokens.
     The two projections are vLLM's ``ReplicatedLinear``, so they run on the GEMM vLLM picks for the platform,
     as the stack's layers do (on CPU its oneDNN kernel with prepacked weights, faster than torch's
     ``nn.Linear`` on decode rows: docs/results/benchmarks.md).

@@ -33,7 +33,7 @@ def register() -> None:
 def _register_config() -> None:
     from transformers import AutoConfig
 
-    from fbt_megatron.hf.modeling_fbt import FBTConfig
+    from fbt_megatron.model.modeling_fbt import FBTConfig
 
     try:
         AutoConfig.register(FBTConfig.model_type, FBTConfig)

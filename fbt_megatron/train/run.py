@@ -1,6 +1,7 @@
-"""Assemble a run from a validated recipe and train it (inside an initialised process group).
+"""Assemble a run from its resolved plan and train it (inside an initialised process group).
 
-``fbt train`` (``cli.py``) validates the recipe, starts torch.distributed and calls :func:`train`;
+``fbt train`` (``launch/train_cli.py``) resolves the recipe (``fbt_megatron.resolve``), starts torch.distributed
+and calls :func:`train`, which resolves it again under the run directory's lock and builds from that plan;
 tests call :func:`train` directly on gloo processes.
 """
 
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from fbt_megatron import runtime
 from fbt_megatron.logs import printer
-from fbt_megatron.recipe import Recipe, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
+from fbt_megatron.recipe import Recipe
+from fbt_megatron.resolve.plan import RunPlan
 
 if TYPE_CHECKING:  # (imported inside build(): DeepSpeed's accelerator is chosen first)
     from fbt_megatron.checkpoint import CheckpointManager
@@ -65,6 +67,7 @@ class TrainResult:
 @dataclass
 class Run:
     """A run assembled by :func:`build`, ready for :func:`fit`."""
+    plan: RunPlan
     recipe: Recipe
     run_dir: Path
     log: Callable[..., None]  # print-shaped; silent on ranks other than 0
@@ -79,11 +82,12 @@ class Run:
 
 
 # ---------------------------------------------------------------------- the run
-def train(recipe: Recipe, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
+def train(recipe: Recipe, *, task: str | None = None, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
           extra_callbacks=()) -> TrainResult:
     """Train ``recipe`` in this process group, holding its run directory's lock (rank 0 takes it before
     anything in the run directory is read or written; a second live run on it raises
-    :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank): :func:`build`, :func:`fit`,
+    :class:`~fbt_megatron.train.run_lock.RunDirLocked` on every rank): resolve the plan
+    (:func:`~fbt_megatron.resolve.resolver.resolve_run`, ``task`` as there), :func:`build`, :func:`fit`,
     :func:`summarise`.
 
     Hooks (tests, tools): ``checkpoint_fault_hook(point, step)`` is called at the points of a checkpoint
@@ -116,7 +120,10 @@ def train(recipe: Recipe, *, print_fn=log_info, checkpoint_fault_hook=None, wrap
     try:
         if box[0] is not None:
             raise RunDirLocked(box[0])
-        run = build(recipe, preemption, print_fn=print_fn, checkpoint_fault_hook=checkpoint_fault_hook,
+        from fbt_megatron.resolve.resolver import resolve_run
+
+        plan = resolve_run(recipe, dist.get_world_size(), task=task)
+        run = build(plan, preemption, print_fn=print_fn, checkpoint_fault_hook=checkpoint_fault_hook,
                     wrap_step=wrap_step, extra_callbacks=extra_callbacks)
         fit(run)
         return summarise(run)
@@ -125,18 +132,17 @@ def train(recipe: Recipe, *, print_fn=log_info, checkpoint_fault_hook=None, wrap
         lock.release()
 
 
-def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
+def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook=None, wrap_step=None,
           extra_callbacks=()) -> Run:
-    """Everything a run needs, in this process group: the parallel state, data, the model (resumed from
-    the latest checkpoint if there is one), the DeepSpeed engine, the train step and the callbacks."""
+    """Everything a run needs, constructed from its plan in this process group: the parallel state, data,
+    the model (resumed from the plan's checkpoint), the DeepSpeed engine, the train step and the callbacks."""
     import torch
     from megatron.core import parallel_state as ps
 
-    from fbt_megatron.checkpoint import CheckpointError, CheckpointManager, read_checkpoint_state
+    from fbt_megatron.checkpoint import CheckpointManager
     from fbt_megatron.checkpoint.shards import StateFragments, param_specs
     from fbt_megatron.checkpoint.state import CheckpointState
-    from fbt_megatron.data.loaders import (TrainBatches, build_valid_batches, check_tokenizer, data_pipeline_config,
-                                           prepare_data)
+    from fbt_megatron.data.loaders import TrainBatches, build_valid_batches, prepare_data
     from fbt_megatron.engine import Engine
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.parallel.runner import get_runner
@@ -147,8 +153,7 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     from fbt_megatron.train.train_step import FBTTrainStep, evaluate
     from fbt_megatron.train.trainer import Trainer, TrainState
 
-    world = dist.get_world_size()
-    dp_size = check_layout(recipe, world)
+    recipe, world, dp_size = plan.recipe, plan.layout.world_size, plan.layout.data
     runtime.init_parallel_state(runtime.ParallelLayout(tensor=recipe.parallel.tensor,
                                                        pipeline=recipe.parallel.pipeline), seed=recipe.seed,
                                 timeout_s=recipe.train.collective_timeout_s)
@@ -157,33 +162,26 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     run_dir = recipe.resolved_run_dir()
     log = print_fn if dist.get_rank() == 0 else (lambda *a, **k: None)
 
-    prepare_data(recipe, log)
-    check_tokenizer(recipe)
-    sft.check_sft(recipe)
-    if bf16_accumulation_warning(recipe):
-        log(bf16_accumulation_warning(recipe))
+    data = prepare_data(plan.data, log)
+    for warning in plan.warnings:
+        log(warning)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
                              async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
-    if not recipe.checkpoint.resume and ckpt.has_checkpoints():
-        # Never mix a new run's checkpoints with an older run's (pruning and `latest` would interleave).
-        raise CheckpointError(f"checkpoint.resume=false, but {ckpt.root} already holds checkpoints; "
-                              f"choose another run_dir or remove {ckpt.root}")
-    latest = ckpt.latest() if recipe.checkpoint.resume else None
-    if latest is not None:  # the model is built with the rule the checkpoint was trained under
-        adopted = adopt_checkpoint_rule(recipe, read_checkpoint_state(latest).get("recipe", {}), latest)
-        if adopted:
-            log(adopted)
-    dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
+    latest = plan.resume.checkpoint  # the model is built with the rule it was trained under (plan.recipe)
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
                         dtype=dtype)
-    sft.init_weights(recipe, model, resuming=latest is not None, log=log)  # init_from: weights only
+    sft.init_weights(plan.resume.init_from, model, log=log)  # init_from: weights only, when not resuming
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     engine = Engine(model, recipe)
     zero = StateFragments(engine, specs)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
-    state, schedule, loader = TrainState(), PassSchedule(recipe.schedule), TrainBatches(recipe, dp_rank, dp_size)
-    checkpoint_state = CheckpointState(train_state=state, pass_schedule=schedule, loader=loader, recipe=recipe,
+    state, schedule = TrainState(), PassSchedule(recipe.schedule)
+    loader = TrainBatches(recipe, dp_rank, dp_size, data_config=data)
+    trained = recipe if plan.data.build_embedded is None else recipe.model_copy(  # state.json names the mix
+        update={"data": recipe.data.model_copy(update={"pipeline": plan.data.config})})
+    checkpoint_state = CheckpointState(train_state=state, pass_schedule=schedule, loader=loader, recipe=trained,
                                    layout=layout)
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)
@@ -193,30 +191,25 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
             f"zero={recipe.parallel.zero_stage})")
 
     loader.start(state.consumed_sequences)
-    valid = build_valid_batches(recipe, dp_rank, dp_size)
+    valid = build_valid_batches(recipe, dp_rank, dp_size, data_config=data)
     runner = get_runner(engine.model, engine)  # whole model (PP=1) or pipeline stages
     step_fn = FBTTrainStep(engine, runner, schedule, recipe.seed, device)
     if wrap_step is not None:
         step_fn = wrap_step(step_fn)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
-    feedback_depth = recipe.eval.feedback_passes or (schedule.max_passes if recipe.feedback.fusion != "off" else 1)
+    feedback_depth = plan.feedback_depth
 
     n_params = _count_params(model) * recipe.parallel.tensor  # approx (TP shards)
 
-    # The run's tokenizer travels with every checkpoint (as with an HF export): `fbt generate`/`fbt eval`
-    # work from anywhere, also when the recipe named it by a path relative to where training ran.
-    from data_pipeline.tokenizer import tokenizer_files
-
-    # tokenizer.model, or tokenizer.json with its tokenizer_config.json / special_tokens_map.json
-    tokenizer_file = (tokenizer_files(data_pipeline_config(recipe).tokenizer)
-                      if recipe.data.source == "pipeline" else None)
-    tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
+    # The run's tokenizer (tokenizer.model, or tokenizer.json with its config files) and chat template
+    # travel with every checkpoint (as with an HF export): `fbt generate`/`fbt eval` work from anywhere.
+    tokenizer_file = sft.checkpoint_files(plan.data, run_dir, dist.get_rank())
 
     def save(st: TrainState):  # st is the trainer's state, which checkpoint_state holds
         return ckpt.save(st.step, zero, checkpoint_state.state_dict(), files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
-                               [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, feedback_depth],
+                               list(plan.eval_passes),
                                at_end=recipe.eval.at_end)
     checkpointer = cb.Checkpointer(save, recipe.checkpoint.every, at_end=recipe.checkpoint.at_end, print_fn=log,
                                    async_save=recipe.checkpoint.async_save, poll_fn=ckpt.poll)
@@ -227,11 +220,10 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     callbacks += [make(engine) for make in extra_callbacks]
 
     checkpoint_state.add_callbacks(callbacks)
-    total = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
-    trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=recipe.accumulation_steps(dp_size),
-                      lr_fn=lr_fn, total_steps=total, global_batch_size=recipe.global_batch_size, state=state,
-                      callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
-    return Run(recipe=recipe, run_dir=run_dir, log=log, trainer=trainer, checkpoints=ckpt, latest=latest,
+    trainer = Trainer(step_fn=step_fn, batches=iter(loader), micro_batches_per_step=plan.micro_batches_per_step,
+                      lr_fn=lr_fn, total_steps=plan.total_steps, global_batch_size=recipe.global_batch_size,
+                      state=state, callbacks=callbacks, max_nonfinite_in_row=recipe.train.max_nonfinite_in_row, log=log)
+    return Run(plan=plan, recipe=recipe, run_dir=run_dir, log=log, trainer=trainer, checkpoints=ckpt, latest=latest,
                validation=validation, feedback_depth=feedback_depth, num_params=n_params, layout=layout,
                dp_size=dp_size)
 
@@ -272,7 +264,7 @@ def fit(run: Run) -> None:
         if state.step < trainer.total_steps:
             log(f"training {recipe.name}: steps {state.step}->{trainer.total_steps} of {recipe.train.steps}, "
                 f"layout {run.layout}, global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
-                f"accumulation {recipe.accumulation_steps(run.dp_size)}, feedback from step "
+                f"accumulation {run.plan.micro_batches_per_step}, feedback from step "
                 f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
             trainer.fit()
         else:  # e.g. `make train` again after a finished run: report on the checkpoint instead

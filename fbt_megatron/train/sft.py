@@ -16,6 +16,9 @@ An SFT run is an ordinary training run (every parallel layout, checkpoint, resum
   then not read again). A recipe that sets no ``model``/``feedback`` section takes the checkpoint's.
 * **Pass mix.** The recipe's ``schedule`` (default: the paper's 75/22/3 from step 0) applies to the
   SFT phase from its first step.
+
+The rules an SFT recipe is resolved and checked by before launch live in ``fbt_megatron/resolve/sft.py``;
+this module constructs from the resolved plan.
 """
 
 from __future__ import annotations
@@ -23,72 +26,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from data_pipeline.chat import TEMPLATE_FILE
-from fbt_megatron.recipe import Recipe, RecipeError
 
 
-def resolve_init_sections(recipe: Recipe) -> Recipe:
-    """Before validation against the layout: a recipe with ``init_from`` that sets no ``model`` (or
-    ``feedback``) section takes the checkpoint's, so an SFT recipe need not repeat the architecture.
-    When the run resumes its own checkpoints, the sections come from its latest one: ``init_from`` is
-    then not read (it may be gone)."""
-    if not recipe.init_from:
-        return recipe
-    if {"model", "feedback"} <= recipe.model_fields_set:
-        return recipe
-    from fbt_megatron.checkpoint import CheckpointError
-    from fbt_megatron.checkpoint.manager import LATEST, read_checkpoint_state
-    from fbt_megatron.config import saved_feedback_section
-    from fbt_megatron.recipe import load_recipe
-
-    own = recipe.resolved_run_dir() / "checkpoints"
-    resuming = recipe.checkpoint.resume and (own / LATEST).exists()
-    try:
-        saved = read_checkpoint_state(own if resuming else recipe.init_from).get("recipe") or {}
-    except (CheckpointError, OSError) as e:
-        raise RecipeError(f"recipe key {'run_dir' if resuming else 'init_from'!r}: {e}") from None
-    data = recipe.model_dump(mode="json", exclude_unset=True)
-    taken = []
-    if "model" not in recipe.model_fields_set and saved.get("model"):
-        data["model"] = saved["model"]
-        taken.append("model")
-    if "feedback" not in recipe.model_fields_set and saved.get("feedback"):
-        data["feedback"] = saved_feedback_section(saved["feedback"])
-        taken.append("feedback")
-    if not taken:
-        return recipe
-    return load_recipe(data=data)
-
-
-def check_sft(recipe: Recipe) -> None:
-    """What an SFT recipe must hold (before anything runs); the message names the key."""
-    if recipe.task != "sft":
-        return
-    if recipe.data.source != "pipeline" or not recipe.data.pipeline:
-        raise RecipeError("recipe key 'data.pipeline': task=sft trains on chat datasets; give data.source=pipeline "
-                          "and data.pipeline.sources prepared with `fbt data prepare --format chat`")
-    if recipe.model.attention_mask != "document_causal":
-        raise RecipeError(f"recipe key 'model.attention_mask': task=sft packs conversations, which must not attend "
-                          f"to each other; allowed: document_causal (got {recipe.model.attention_mask!r})")
-    chat_template(recipe)  # every source a chat dataset with its template (refused by name)
-
-
-def chat_template(recipe: Recipe) -> str | None:
-    """The run's chat template (from its data sources' indexes); SFT requires one, from every source."""
-    if recipe.data.source != "pipeline" or not recipe.data.pipeline:
-        return None
-    from data_pipeline.chat import ChatError, sources_chat_template
-    from fbt_megatron.data.loaders import data_pipeline_config
-
-    try:
-        return sources_chat_template(data_pipeline_config(recipe), require=recipe.task == "sft")
-    except ChatError as e:
-        raise RecipeError(f"recipe key 'data.pipeline.sources': {e}") from None
-
-
-def checkpoint_files(recipe: Recipe, run_dir: Path, files: dict | None, rank: int) -> dict | None:
-    """The files every checkpoint carries, plus ``chat_template.jinja`` for a run on chat data (written
-    into the run directory by rank 0)."""
-    template = chat_template(recipe)
+def checkpoint_files(data_plan, run_dir: Path, rank: int) -> dict | None:
+    """The files every checkpoint carries (the plan's tokenizer files), plus ``chat_template.jinja`` for a
+    run on chat data (written into the run directory by rank 0)."""
+    files = {name: Path(path) for name, path in data_plan.tokenizer_files.items()} or None
+    template = data_plan.chat_template
     if template is None:
         return files
     path = Path(run_dir) / TEMPLATE_FILE
@@ -99,12 +43,13 @@ def checkpoint_files(recipe: Recipe, run_dir: Path, files: dict | None, rank: in
     return dict(files or {}, **{TEMPLATE_FILE: path})
 
 
-def init_weights(recipe: Recipe, model, resuming: bool, log) -> None:
-    """``init_from``: load the checkpoint's weights into the bare model (before DeepSpeed wraps it, so
-    the fp32 masters start from them); nothing else of it is read. Not when the run resumes its own."""
-    if not recipe.init_from or resuming:
+def init_weights(init_from: str | None, model, log) -> None:
+    """``init_from`` (the plan's: None when the run resumes its own checkpoints): load the checkpoint's
+    weights into the bare model (before DeepSpeed wraps it, so the fp32 masters start from them);
+    nothing else of it is read."""
+    if not init_from:
         return
     from fbt_megatron.checkpoint.manager import load_model_weights
 
-    path = load_model_weights(recipe.init_from, model)
+    path = load_model_weights(init_from, model)
     log(f"initialised from {path} (weights only: new optimiser, LR schedule and data cursor)")

@@ -152,7 +152,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_crc(result):
 
 
 def test_resume_false_refuses_used_directory(result):
-    assert result["D"].startswith("CheckpointError") and "checkpoint.resume=false" in result["D"]
+    assert result["D"].startswith("PlanError") and "recipe key 'checkpoint.resume': checkpoint.resume=false" in result["D"]
     assert "/run/checkpoints" in result["D"]
 
 

@@ -60,7 +60,7 @@ def test_llama_checkpoint_feedback_phase_on_own_corpus(tmp_path, single_process)
     from transformers import PreTrainedTokenizerFast
 
     from fbt_megatron.hf.checkpoint_io import load_framework_model
-    from fbt_megatron.hf.modeling_fbt import FBTForCausalLM
+    from fbt_megatron.model.modeling_fbt import FBTForCausalLM
 
     hf = train_hf_bpe(TEXTS, tmp_path / "llama", vocab_size=320)
     original = PreTrainedTokenizerFast.from_pretrained(str(hf))

@@ -45,7 +45,7 @@ def test_old_checkpoint_refuses_the_other_rule_and_writes_nothing(legacy_run):
     root, _ = legacy_run
     before = _snapshot(root / "old")
     asked = tiny_recipe(root / "old", **SECTIONS, feedback={"first_input": "embedding", "jitter_std": 0.02})
-    with pytest.raises(DistributedTestFailure, match=r"RecipeError: .* trained with feedback.first_input='state', this recipe asks for "
+    with pytest.raises(DistributedTestFailure, match=r"(?s)PlanError: .* trained with feedback.first_input='state', this recipe asks for "
                                           r"'embedding'"):
         run_distributed(train_fn, 1, asked)
     assert _snapshot(root / "old") == before

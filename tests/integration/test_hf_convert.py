@@ -113,9 +113,9 @@ def test_export_matches_framework(exported, variant, tmp_path, single_process):
     files = sorted(p.name for p in export.iterdir())
     assert "model.safetensors.index.json" in files and "modeling_fbt.py" in files and "README.md" in files
     # the remote code as the package holds it: the modelling file and the feedback rule it imports
-    import fbt_megatron.hf
+    import fbt_megatron.model
 
-    package = Path(fbt_megatron.hf.__file__).parent
+    package = Path(fbt_megatron.model.__file__).parent
     for name in ("modeling_fbt.py", "feedback_rule.py"):
         assert (export / name).read_bytes() == (package / name).read_bytes(), name
     g = torch.Generator().manual_seed(1)

@@ -70,7 +70,7 @@ def test_family_imports_and_exports(family, tmp_path, single_process):
     from fbt_megatron.hf.checkpoint_io import load_framework_model
     from fbt_megatron.hf.export import export_checkpoint
     from fbt_megatron.hf.importer import import_hf
-    from fbt_megatron.hf.modeling_fbt import FBTForCausalLM
+    from fbt_megatron.model.modeling_fbt import FBTForCausalLM
 
     stock = _stock(family, tmp_path / "stock")
     source = json.loads((tmp_path / "stock" / "config.json").read_text())

@@ -90,7 +90,7 @@ def check_side(res: dict, run: Path, sp: Path, version: str) -> None:
     # which is the package's file byte for byte.
     rule = res["remote_rule"]
     assert rule["beside"] and rule["name"] == "feedback_rule.py", rule
-    assert rule["bytes"] == (Path(__file__).resolve().parents[2] / "fbt_megatron/hf/feedback_rule.py").read_bytes()
+    assert rule["bytes"] == (Path(__file__).resolve().parents[2] / "fbt_megatron/model/feedback_rule.py").read_bytes()
     assert {"fuse", "mix", "shifted_states", "stack_input", "stateless_input", "token_gate"} <= set(rule["shared"]), rule
     t = res["tokenizer"]
     assert t["class"] in ("PreTrainedTokenizerFast", "TokenizersBackend"), t  # stock, no remote code

@@ -235,7 +235,7 @@ def test_length_pairing_is_per_problem():
 
 
 def test_sft_recipes_are_checked_before_anything_runs(fx, tmp_path):
-    from fbt_megatron.train.cli import sft_recipe as resolve
+    from tests.support.training import resolved_recipe as resolve
     from fbt_megatron.recipe import RecipeError, load_recipe
     from tests.support.chat_helpers import sft_recipe as make
 
@@ -258,7 +258,7 @@ def test_an_sft_recipe_without_a_schedule_gets_the_papers_mix_from_step_0(fx, ba
     """The SFT phase's pass mix defaults to the paper's 75/22/3 from step 0, also when the model comes
     from init_from (whose run switched at step 2 with another mix: its schedule is not inherited)."""
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.train.cli import sft_recipe as resolve
+    from tests.support.training import resolved_recipe as resolve
 
     for keep_model in (True, False):
         r = sft_recipe(tmp_path, fx, base)
@@ -275,7 +275,7 @@ def test_an_sft_recipe_without_a_feedback_section_takes_the_checkpoints(fx, tmp_
     input and another mixin), not the recipe defaults, whose weights would load under the same names."""
     from fbt_megatron.config import FeedbackConfig
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.train.cli import sft_recipe as resolve
+    from tests.support.training import resolved_recipe as resolve
 
     trained_as = {"fusion": "additive", "first_input": "state", "prefix_mixin": 0.3, "jitter_std": 0.0}
     base = tmp_path / "base"

@@ -52,8 +52,8 @@ def test_wheel_ships_the_package_data_and_no_test_code(installed):
     wheel, *_ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("fbt_megatron/launch/train.sbatch", "fbt_megatron/eval/tasks/fbt_humaneval.yaml",
-                 "fbt_megatron/eval/tasks/fbt_tasks.py", "fbt_megatron/hf/modeling_fbt.py",
-                 "fbt_megatron/hf/feedback_rule.py", "data_pipeline/cli.py"):
+                 "fbt_megatron/eval/tasks/fbt_tasks.py", "fbt_megatron/model/modeling_fbt.py",
+                 "fbt_megatron/model/feedback_rule.py", "data_pipeline/cli.py"):
         assert path in names, path
     # test support lives in tests/support (and what the benchmarks share with it in benchmarks/), not in the wheel
     shipped_tests = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "tools/"))

@@ -22,18 +22,23 @@ def train_fn(recipe_data: dict, inject_nonfinite=None, env: dict | None = None, 
     ``task="sft"``: ``fbt sft``'s path (the recipe resolved against ``init_from`` and checked first)."""
     os.environ.update(env or {})
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.train.cli import sft_recipe
     from fbt_megatron.train.run import train
     from tests.support.faults import NonFiniteFaults
 
     recipe = load_recipe(data=recipe_data)
-    if task == "sft":
-        recipe = sft_recipe(recipe, task)
-    result = train(recipe, print_fn=lambda *a, **k: None,
+    result = train(recipe, task=task, print_fn=lambda *a, **k: None,
                    wrap_step=NonFiniteFaults(inject_nonfinite) if inject_nonfinite else None,
                    checkpoint_fault_hook=kill_at(fault) if fault else None,
                    extra_callbacks=[PROBES[probe]] if probe else ())
     return dict(result.summary(), probe=result.metrics.get("probe"))
+
+
+def resolved_recipe(recipe, task: str | None = None):
+    """The recipe as a one-process run resolves it (fbt_megatron.resolve: the task, init_from's sections,
+    every check before launch)."""
+    from fbt_megatron.resolve.resolver import resolve_run
+
+    return resolve_run(recipe, 1, task=task).recipe
 
 
 def kill_at(fault: str):

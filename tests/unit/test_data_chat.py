@@ -163,7 +163,7 @@ def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx)
     from data_pipeline.chat import DEFAULT_CHAT_TEMPLATE, ChatError, prepare_chat, sources_chat_template
     from data_pipeline.config import DataConfig
     from fbt_megatron.recipe import RecipeError, load_recipe
-    from fbt_megatron.train.cli import sft_recipe as resolve
+    from tests.support.training import resolved_recipe as resolve
     from tests.support.chat_helpers import sft_recipe
 
     other = DEFAULT_CHAT_TEMPLATE.replace("<|", "<<|")

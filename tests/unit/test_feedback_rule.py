@@ -1,4 +1,4 @@
-"""One feedback rule (issue 42, item 2): ``fbt_megatron/hf/feedback_rule.py``'s plain torch functions, each
+"""One feedback rule (issue 42, item 2): ``fbt_megatron/model/feedback_rule.py``'s plain torch functions, each
 against its formula written out here, and the proof that the Megatron model, the Hugging Face remote code and
 the vLLM plugin run those same function objects (not copies of the rule), and that an export ships the file
 as it is in the package.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbt_megatron.hf import feedback_rule
+from fbt_megatron.model import feedback_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 RULE = {name: f for name, f in vars(feedback_rule).items()
@@ -77,7 +77,7 @@ def test_a_one_token_sequence_receives_h_init(dim):
 def test_a_one_token_prompt_runs_every_pass_on_its_embedding():
     """End to end, the HF model: a 1-token prompt has no previous state in any pass, so k passes give
     pass 1's logits (x_0 = e_0 in every pass under the embedding rule)."""
-    from fbt_megatron.hf import modeling_fbt
+    from fbt_megatron.model import modeling_fbt
 
     config = modeling_fbt.FBTConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                     num_attention_heads=2, max_position_embeddings=32)
@@ -161,7 +161,8 @@ def test_stack_input_reads_the_stateless_input_where_reset(first_input):
 def test_the_hf_model_and_the_exporter_hold_the_rules_own_functions():
     """The modelling file imports the rule's functions as a sibling (the objects themselves, not copies) and
     defines none of its own under their names; the exporter writes W_U with the rule's bounded scaling."""
-    from fbt_megatron.hf import export, modeling_fbt
+    from fbt_megatron.hf import export
+    from fbt_megatron.model import modeling_fbt
 
     imported = {n for n in RULE if n in vars(modeling_fbt)}
     assert imported >= {"token_gate", "mix", "shifted_states", "fuse", "stack_input", "stateless_input",
@@ -190,11 +191,11 @@ def test_the_vllm_model_inherits_the_hf_rule_methods():
     quantity, read from a table of it), and builds the table with the rule's ``token_gate``."""
     source = ROOT / "fbt_megatron" / "serving" / "vllm_model.py"
     own = _class_methods(source, "LatentFeedback")
-    rule_methods = _class_methods(ROOT / "fbt_megatron" / "hf" / "modeling_fbt.py", "LatentFeedback") - {"__init__"}
+    rule_methods = _class_methods(ROOT / "fbt_megatron" / "model" / "modeling_fbt.py", "LatentFeedback") - {"__init__"}
     assert own & rule_methods == {"token_gate"}, own & rule_methods
     tree = ast.parse(source.read_text())
     imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert ("fbt_megatron.hf.feedback_rule", "token_gate") in imports
+    assert ("fbt_megatron.model.feedback_rule", "token_gate") in imports
 
 
 def _spy(monkeypatch, modules) -> list[str]:
@@ -230,7 +231,7 @@ def test_the_megatron_model_runs_the_rule(single_process, monkeypatch, first_inp
 
 @pytest.mark.parametrize("first_input", ["embedding", "state"])
 def test_the_hf_model_runs_the_rule(monkeypatch, first_input):
-    from fbt_megatron.hf import modeling_fbt
+    from fbt_megatron.model import modeling_fbt
 
     config = modeling_fbt.FBTConfig(vocab_size=64, hidden_size=D * 4, intermediate_size=48, num_hidden_layers=1,
                                     num_attention_heads=2, max_position_embeddings=32, feedback_prefix_mixin=0.2,
@@ -250,10 +251,10 @@ def test_the_hf_model_runs_the_rule(monkeypatch, first_input):
 def test_save_pretrained_writes_the_rule_beside_the_modelling_file(tmp_path):
     """The package's own FBT classes save with their remote code: the modelling file and the rule it
     imports, both as the package holds them (transformers copies a remote-code file's relative imports)."""
-    from fbt_megatron.hf import modeling_fbt
+    from fbt_megatron.model import modeling_fbt
 
     config = modeling_fbt.FBTConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                     num_attention_heads=2, max_position_embeddings=32)
     modeling_fbt.FBTForCausalLM(config).save_pretrained(tmp_path)
     for name in ("modeling_fbt.py", "feedback_rule.py"):
-        assert (tmp_path / name).read_bytes() == (ROOT / "fbt_megatron" / "hf" / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (ROOT / "fbt_megatron" / "model" / name).read_bytes(), name

@@ -7,11 +7,15 @@ import pytest
 from fbt_megatron.launch.cli import main
 from fbt_megatron.launch.submit import JobSpec, submit
 
+# The big recipes' data (data/pretrain) lives on the cluster: the run plan checks the tokenizer and the
+# sources at submit, so here they train on synthetic data.
+CLUSTER_DATA = ["data.source=synthetic"]
+
 
 @pytest.mark.parametrize("recipe,nodes", [("fbt-1b-400b", 8), ("fbt-3b", 16), ("fbt-7b", 32), ("fbt-13b", 64)])
 def test_big_recipes_render_for_their_layout(recipe, nodes, tmp_path):
     out = []
-    recs = submit(JobSpec(recipe=f"recipes/{recipe}.yaml", nodes=nodes, gpus_per_node=8, workdir=tmp_path,
+    recs = submit(JobSpec(recipe=f"recipes/{recipe}.yaml", overrides=CLUSTER_DATA, nodes=nodes, gpus_per_node=8, workdir=tmp_path,
                           time="24:00:00"), phases=True, dry_run=True, print_fn=out.append)
     assert [r["phase"] for r in recs] == [1, 2]
     p1, p2 = out
@@ -56,7 +60,8 @@ def test_every_srun_asks_for_the_cpus_and_the_warning_is_caught_from_the_start(t
 
 def test_min_nodes_makes_the_allocation_elastic(tmp_path, capsys):
     out = []
-    submit(JobSpec(recipe="recipes/fbt-1b-400b.yaml", nodes=8, min_nodes=4, gpus_per_node=8, workdir=tmp_path),
+    submit(JobSpec(recipe="recipes/fbt-1b-400b.yaml", overrides=CLUSTER_DATA, nodes=8, min_nodes=4, gpus_per_node=8,
+                   workdir=tmp_path),
            dry_run=True, print_fn=out.append)
     assert "#SBATCH --nodes=4-8" in out[0] and "--nnodes=4:8" in out[0]
     assert main(["submit", "recipes/tiny.yaml", "--nodes", "1", "--min-nodes", "2", "--gpus-per-node", "1",
@@ -129,7 +134,7 @@ def test_gpu_script_environment_allocation_and_port(tmp_path):
     batches), whole nodes with all their memory; a CPU job none of the CUDA settings. The rendezvous port,
     run through bash for job ids across the range, stays below Linux's ephemeral ports (32768-60999)."""
     out = []
-    submit(JobSpec(recipe="recipes/fbt-1b-400b.yaml", nodes=8, gpus_per_node=8, workdir=tmp_path),
+    submit(JobSpec(recipe="recipes/fbt-1b-400b.yaml", overrides=CLUSTER_DATA, nodes=8, gpus_per_node=8, workdir=tmp_path),
            dry_run=True, print_fn=out.append)
     gpu = out[0].splitlines()
     for line in ("export CUDA_DEVICE_MAX_CONNECTIONS=1",

@@ -17,29 +17,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("fbt_megatron", "data_pipeline")
 
 LAYERS = {
-    # 1: runtime and configuration (the recipe schema with it)
+    # 1: runtime and configuration
     "fbt_megatron": 1,  # the package's __init__ only (version, runtime re-exports): see EXACT
     "fbt_megatron.runtime": 1,
     "fbt_megatron.logs": 1,
     "fbt_megatron.config": 1,
-    "fbt_megatron.recipe": 1,
-    "data_pipeline.config": 1,
-    "data_pipeline.errors": 1,
-    # 2: the data pipeline and the model
+    # 2: the data pipeline, the recipe schema (it validates the data pipeline's section), the model (with
+    # the feedback rule and the HF model class every export ships as remote code)
     "data_pipeline": 2,
+    "fbt_megatron.recipe": 2,
     "fbt_megatron.data": 2,
     "fbt_megatron.model": 2,
     "fbt_megatron.passes": 2,
-    # the feedback rule's torch-only functions: the model's, shipped beside modeling_fbt.py in every HF export
-    "fbt_megatron.hf.feedback_rule": 2,
     # 3: the DeepSpeed / Megatron engine glue
     "fbt_megatron.engine": 3,
-    # 4: checkpoints and pipeline parallelism
+    # 4: checkpoints, pipeline parallelism, and the run plan resolved from a recipe before launch
     "fbt_megatron.checkpoint": 4,
     "fbt_megatron.parallel": 4,
+    "fbt_megatron.resolve": 4,
     # 5: training
     "fbt_megatron.train": 5,
-    # 6: what uses a trained model or runs training elsewhere
+    # 6: what uses a trained model or starts training (fbt train, fbt sft, SLURM)
     "fbt_megatron.generate": 6,
     "fbt_megatron.eval": 6,
     "fbt_megatron.hf": 6,
@@ -47,12 +45,8 @@ LAYERS = {
     "fbt_megatron.launch": 6,
     "fbt_megatron.research": 6,
     "fbt_megatron.demo": 6,
-    # 7: entry points (test support lives in tests/support, outside the packages)
+    # 7: the `fbt` command (test support lives in tests/support, outside the packages)
     "fbt_megatron.cli": 7,
-    "fbt_megatron.checkpoint.cli": 7,
-    "fbt_megatron.train.cli": 7,
-    "fbt_megatron.train.sft_cli": 7,
-    "data_pipeline.cli": 7,
 }
 
 
@@ -225,8 +219,8 @@ def test_a_cycle_through_a_packages_own_init_is_found(tmp_path):
 
 
 def lower_modules_in_higher_packages() -> list[tuple[str, str]]:
-    """(module, package) for each module declared below the layer of a package that holds it: importing the
-    module runs that package's ``__init__`` first (fbt_megatron.hf.feedback_rule, layer 2, in hf, layer 6)."""
+    """(module, package) for each module declared below the layer of a package that holds it (importing
+    the module would run that package's ``__init__`` first, with its layer's imports)."""
     out = []
     for name, layer in LAYERS.items():
         parts = name.split(".")
@@ -237,13 +231,34 @@ def lower_modules_in_higher_packages() -> list[tuple[str, str]]:
     return out
 
 
-def test_a_package_holding_a_lower_layer_module_has_an_init_without_imports():
-    """A module may sit below its package's layer only while the package's ``__init__`` imports nothing
-    (it runs first whenever the module is imported, and would bring its layer's imports along)."""
-    pairs = lower_modules_in_higher_packages()
-    assert ("fbt_megatron.hf.feedback_rule", "fbt_megatron.hf") in pairs
-    for module, package in pairs:
-        init = ROOT.joinpath(*package.split("."), "__init__.py")
-        found = [f"{init.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(ast.parse(init.read_text()))
-                 if isinstance(node, (ast.Import, ast.ImportFrom))]
-        assert not found, f"{module} (layer {LAYERS[module]}) needs {package}'s __init__ free of imports: {found}"
+def test_every_folder_sits_in_one_layer():
+    """No module is declared below its folder's layer: a reader who opens a folder sees one layer (the
+    feedback rule lives in model/, which every HF export copies it from)."""
+    assert lower_modules_in_higher_packages() == []
+    assert not [name for name in LAYERS if name.startswith(("fbt_megatron.hf.", "data_pipeline."))]
+
+
+def test_a_lower_module_in_a_higher_folder_is_found(monkeypatch):
+    monkeypatch.setitem(LAYERS, "fbt_megatron.hf.feedback_rule", 2)
+    assert lower_modules_in_higher_packages() == [("fbt_megatron.hf.feedback_rule", "fbt_megatron.hf")]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """folder -> the folders its modules import (a module directly under a package root is its own
+    folder): the house drawn folder by folder."""
+    def folder(module: str) -> str:
+        parts = module.split(".")
+        here = ROOT.joinpath(*parts[:2])
+        return ".".join(parts[:2]) if len(parts) > 1 and here.is_dir() else module
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            if folder(module) != folder(target):
+                out.setdefault(folder(module), set()).add(folder(target))
+    return out
+
+
+def test_no_two_folders_import_each_other():
+    """Drawn folder by folder, every import runs one way (the model's folder imports nothing of hf/)."""
+    assert import_cycles(folder_graph(import_graph())) == []

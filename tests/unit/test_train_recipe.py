@@ -136,7 +136,7 @@ def test_batch_in_tokens():
 
 
 def test_cli_rejects_bad_recipe_before_any_process_group(capsys, tmp_path):
-    from fbt_megatron.train.cli import main
+    from fbt_megatron.launch.train_cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  hidden_sise: 64\n")

@@ -30,8 +30,8 @@ from transformers import LlamaConfig
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm_one_rank import one_rank_world
 
-from fbt_megatron.hf.feedback_rule import token_gate
-from fbt_megatron.hf.modeling_fbt import FBTConfig
+from fbt_megatron.model.feedback_rule import token_gate
+from fbt_megatron.model.modeling_fbt import FBTConfig
 from fbt_megatron.serving import vllm_model
 
 D, VOCAB = 16, 64  # a vocabulary that vLLM's embedding does not pad (a multiple of 64, as most are)

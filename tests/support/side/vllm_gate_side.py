@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 from vllm_one_rank import one_rank_world
 
-from fbt_megatron.hf import feedback_rule, modeling_fbt
+from fbt_megatron.model import feedback_rule, modeling_fbt
 from fbt_megatron.serving import vllm_model
 from fbt_megatron.serving.vllm_model import LatentFeedback
 

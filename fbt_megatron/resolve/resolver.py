@@ -1,0 +1,134 @@
+"""Recipe + world size + environment -> :class:`~fbt_megatron.resolve.plan.RunPlan`, in one pure step.
+
+No process group, no torch.distributed, no Megatron state: it reads files (the tokenizer, the data
+sources' indexes, the run's checkpoints) and writes none, so ``fbt train --dry-run``, ``fbt slurm
+submit`` and every rank at start-up get the same plan. Every check that can run before launch runs
+here, in this order, and all problems are reported at once (:class:`PlanError`):
+
+1. the recipe: ``task``, ``init_from``'s model/feedback sections (resolve/sft.py);
+2. the layout against the world size, the batch, the precision (recipe.check_layout);
+3. the data: the embedded mix's section, the tokenizer against ``model.vocab_size``, the chat template
+   (SFT: chat datasets, document-causal attention);
+4. the checkpoint to resume and the rule adopted from it (recipe.adopt_checkpoint_rule);
+5. what the run derives: feedback depth, validation passes, warnings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fbt_megatron.recipe import Recipe, RecipeError, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
+from fbt_megatron.resolve.plan import DataPlan, Environment, Layout, PlanError, ResumePlan, RunPlan
+from fbt_megatron.resolve.sft import chat_template, check_sft_layout, resolve_init_sections
+
+
+def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None, *,
+                task: str | None = None, data_files: bool = True) -> RunPlan:
+    """The plan of ``recipe`` run by ``world_size`` processes on ``env`` (default: this machine);
+    ``task`` (``fbt sft``) sets the recipe's task. Raises :class:`PlanError` listing every problem.
+    ``recipe`` is not changed: the plan holds a resolved copy. ``data_files=False`` (``fbt plan``, sizing
+    a run where its data is not): the tokenizer and the sources are named, not read."""
+    env = env or Environment.here()
+    problems: list[str] = []
+
+    def check(fn, *args):
+        try:
+            return fn(*args)
+        except RecipeError as e:
+            problems.append(str(e))
+            return None
+
+    recipe = recipe.model_copy(deep=True)
+    if task is not None and recipe.task != task:
+        recipe.task = task
+    recipe = check(resolve_init_sections, recipe) or recipe
+
+    # -- layout, batch, precision
+    dp = check(check_layout, recipe, world_size)
+    p = recipe.parallel
+    layout = Layout(world_size, p.tensor, p.pipeline, dp or 0, p.zero_stage, p.sequence_parallel)
+    precision = recipe.precision if recipe.precision != "auto" else env.dtype
+
+    # -- data
+    problems += check_sft_layout(recipe)
+    data = check(_data_plan, recipe, data_files) or DataPlan(recipe.data.source, None, None, {}, None)
+
+    # -- the checkpoint resumed and the rule it was trained with
+    resume, adopted = check(_resume, recipe) or (None, None)
+    warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted) if w]
+
+    if problems:
+        raise PlanError(problems)
+    from fbt_megatron.passes import PassSchedule
+
+    deepest = PassSchedule(recipe.schedule).max_passes
+    depth = recipe.eval.feedback_passes or (deepest if recipe.feedback.fusion != "off" else 1)
+    eval_passes = [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, depth]
+    return RunPlan(
+        recipe=recipe, layout=layout, micro_batches_per_step=recipe.accumulation_steps(dp), precision=precision,
+        data=data, resume=resume, feedback_depth=depth, eval_passes=tuple(eval_passes), max_passes=deepest,
+        total_steps=min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps),
+        warnings=tuple(warnings))
+
+
+def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
+    """The data pipeline's config (the embedded mix's section when the recipe names no sources), the
+    tokenizer checked against ``model.vocab_size``, the checkpoint's tokenizer files, the chat template."""
+    d = recipe.data
+    if d.source != "pipeline":
+        return DataPlan(d.source, None, None, {}, None)
+    from data_pipeline import embedded
+    from data_pipeline.config import DataConfig
+    from data_pipeline.errors import DataError
+    from data_pipeline.tokenizer import load_tokenizer, tokenizer_files
+
+    build = None
+    if d.pipeline is None:
+        build = d.embedded_dir
+        section = embedded.embedded_section(d.embedded_dir)
+    else:
+        section = dict(d.pipeline)
+    config = DataConfig.model_validate(dict(section, seq_length=d.seq_length))
+    tokenizer = Path(config.tokenizer)
+    if not read_files:
+        return DataPlan(d.source, config.model_dump(mode="json"), build, {}, None)
+    if build is not None and not tokenizer.is_file():  # built at start-up with the default vocabulary
+        files, vocab, template = {"tokenizer.model": str(tokenizer)}, embedded.VOCAB_SIZE, None
+    else:
+        try:
+            files = {name: str(path) for name, path in tokenizer_files(config.tokenizer).items()}
+            vocab = load_tokenizer(config.tokenizer).get_piece_size()
+        except DataError as e:
+            raise RecipeError(f"recipe key 'data.pipeline.tokenizer': {e}") from None
+        template = chat_template(recipe, config)
+    if vocab > recipe.model.vocab_size:
+        raise RecipeError(f"recipe key 'model.vocab_size': {recipe.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary ({vocab})")
+    return DataPlan(d.source, config.model_dump(mode="json"), build, files, template)
+
+
+def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
+    """The run's latest checkpoint (``checkpoint.resume``), the feedback rule adopted from it, and
+    ``init_from`` (weights only) when there is none; a new run never mixes into an older run's checkpoints."""
+    from fbt_megatron.checkpoint.discovery import (LATEST, CheckpointError, read_checkpoint_state, resolve_checkpoint,
+                                                   step_dirs)
+
+    root = recipe.resolved_run_dir() / "checkpoints"
+    has = (root / LATEST).exists() or (root.is_dir() and bool(step_dirs(root)))
+    if not recipe.checkpoint.resume:
+        if has:  # pruning and `latest` would interleave the two runs' checkpoints
+            raise RecipeError(f"recipe key 'checkpoint.resume': checkpoint.resume=false, but {root} already holds "
+                              f"checkpoints; choose another run_dir or remove {root}")
+        return ResumePlan(None, (), recipe.init_from), None
+    if not (root / LATEST).exists():
+        return ResumePlan(None, (), recipe.init_from), None
+    try:
+        latest = resolve_checkpoint(root)
+        saved = read_checkpoint_state(latest).get("recipe", {})
+    except (CheckpointError, OSError, ValueError) as e:
+        raise RecipeError(f"recipe key 'run_dir': cannot resume: {e}") from None
+    before = recipe.feedback.model_dump()
+    message = adopt_checkpoint_rule(recipe, saved, latest)  # sets the adopted fields on recipe.feedback
+    after = recipe.feedback.model_dump()
+    adopted = tuple(f"feedback.{k}={after[k]!r}" for k in after if after[k] != before[k])
+    return ResumePlan(latest, adopted, None), message

@@ -1,0 +1,193 @@
+"""A run is resolved once, before launch: recipe + world size + environment -> the run plan, with every
+problem at once; `fbt train --dry-run` prints it and writes nothing; `fbt slurm submit` queues nothing that
+the plan refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import yaml
+
+from fbt_megatron.recipe import RecipeError, load_recipe
+from fbt_megatron.resolve.plan import Environment, PlanError
+from fbt_megatron.resolve.resolver import resolve_run
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = Environment("cpu", "fp32")
+
+
+def _tree(root: Path) -> dict[str, tuple[int, float]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime) for p in root.rglob("*")}
+
+
+def _no_process_group(monkeypatch):
+    """torch.distributed refuses every call: the plan must need none of them."""
+    def refuse(*a, **k):
+        raise AssertionError("the run plan called torch.distributed")
+
+    for name in ("init_process_group", "get_rank", "get_world_size", "barrier", "broadcast_object_list"):
+        monkeypatch.setattr(dist, name, refuse)
+
+
+def test_the_plan_is_built_without_a_process_group_or_megatron_state(monkeypatch, tmp_path):
+    _no_process_group(monkeypatch)
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run_dir={tmp_path / 'run'}", "parallel.tensor=2",
+                                                          "parallel.zero_stage=2", "precision=bf16",
+                                                          "batch.micro_batch_size=4"])
+    plan = resolve_run(recipe, 4, CPU)
+    assert not dist.is_initialized()
+    ps = sys.modules.get("megatron.core.parallel_state")
+    assert ps is None or not ps.model_parallel_is_initialized()
+    # derived from the formulas: DP = 4 processes / TP 2; micro-batches = global 16 / (micro 4 x DP 2)
+    assert (plan.layout.tensor, plan.layout.data) == (2, 2)
+    assert plan.micro_batches_per_step == 2
+    assert plan.precision == "bf16" and plan.feedback_depth == 3 and plan.eval_passes == (1, 3)
+    assert any("zero_stage=2 with bf16" in w for w in plan.warnings)
+    assert plan.data.build_embedded == "data/embedded"
+    assert [s["weight"] for s in plan.data.config["sources"]] == [0.4, 0.3, 0.3]
+    assert plan.resume.checkpoint is None and recipe.parallel.tensor == 2  # the recipe itself is not changed
+
+
+def test_three_independent_mistakes_are_reported_at_once(tmp_path):
+    """A layout the process count cannot hold, missing data, and a new run on a used run directory: one
+    error, three lines, each naming its recipe key."""
+    used = tmp_path / "run" / "checkpoints"
+    (used / "step_00000002").mkdir(parents=True)
+    recipe = load_recipe(data={
+        "run_dir": str(tmp_path / "run"), "parallel": {"tensor": 2}, "checkpoint": {"resume": False},
+        "data": {"source": "pipeline", "pipeline": {"tokenizer": str(tmp_path / "nowhere.model"),
+                                                    "sources": [{"name": "a", "path": str(tmp_path / "a"),
+                                                                 "weight": 1.0}]}}})
+    with pytest.raises(PlanError) as e:
+        resolve_run(recipe, 3, CPU)
+    problems = e.value.problems
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("recipe key 'parallel.tensor': tensor=2 x pipeline=1 does not divide the process "
+                                  "count 3")
+    assert problems[1].startswith("recipe key 'data.pipeline.tokenizer': tokenizer model not found")
+    assert problems[2].startswith("recipe key 'checkpoint.resume': checkpoint.resume=false, but")
+    assert str(e.value).startswith("invalid run plan (3 errors):\n  recipe key 'parallel.tensor'")
+    assert isinstance(e.value, RecipeError)
+
+
+def test_the_recipes_own_cross_section_checks_report_every_problem():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"parallel": {"pipeline": 3}, "data": {"seq_length": 4096},
+                          "batch": {"global_batch_size": 10, "micro_batch_size": 4}})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "invalid recipe:" and len(lines) == 4, lines
+    assert [line.split("=")[0].strip() for line in lines[1:]] == ["batch.global_batch_size", "data.seq_length",
+                                                                  "parallel.pipeline"]
+
+
+def test_the_plan_names_the_checkpoint_it_resumes_and_the_rule_it_adopts(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_00000004\n")
+    (step / "state.json").write_text(json.dumps({"recipe": {"feedback": {"first_input": "state"}}}))
+    plan = resolve_run(load_recipe(data={"run_dir": str(tmp_path / "run")}), 1, CPU)
+    assert plan.resume.checkpoint == step and plan.resume.adopted == ("feedback.first_input='state'",)
+    assert plan.recipe.feedback.first_input == "state"
+    assert any("feedback.first_input='state'" in w for w in plan.warnings)
+    with pytest.raises(PlanError, match=r"recipe key 'feedback.first_input': the checkpoint .* was trained with"):
+        resolve_run(load_recipe(data={"run_dir": str(tmp_path / "run"),
+                                      "feedback": {"first_input": "embedding"}}), 1, CPU)
+
+
+def test_dry_run_prints_the_plan_writes_nothing_and_reloads_to_the_same_plan(tmp_path, monkeypatch, capsys):
+    from fbt_megatron.cli import main
+
+    shutil.copy(ROOT / "recipes" / "tiny.yaml", tmp_path / "tiny.yaml")
+    monkeypatch.chdir(tmp_path)  # the recipe's relative paths (data/embedded, runs/tiny) land here
+    monkeypatch.setenv("FBT_DEVICE", "cpu")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = _tree(tmp_path)
+    assert main(["train", "tiny.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert _tree(tmp_path) == before and not dist.is_initialized()
+    printed = yaml.safe_load(out)
+    resolved = printed["resolved"]
+    assert resolved["layout"]["data"] == 1 and resolved["batch"]["micro_batches_per_step"] == 16 // 8
+    assert resolved["data"]["build_embedded"] == "data/embedded" and resolved["precision"] == "fp32"
+    again = resolve_run(load_recipe(data=printed["recipe"]), 1)
+    assert again.to_dict() == printed
+    # the same for 4 processes on H100s, with fbt plan's figures
+    assert main(["train", "tiny.yaml", "parallel.tensor=2", "--dry-run", "--world-size", "4", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["resolved"]["layout"]["data"] == 2 and "# fbt plan:\n#   plan: tiny on 4 x h100" in out
+    assert "memory/GPU" in out and _tree(tmp_path) == before
+
+
+def test_dry_run_exits_2_with_every_problem(tmp_path, monkeypatch, capsys):
+    from fbt_megatron.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    before = _tree(tmp_path)
+    args = ["train", str(ROOT / "recipes" / "tiny.yaml"), "--dry-run", "--world-size", "3", "parallel.tensor=2",
+            "model.vocab_size=1000", "task=sft"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fbt train: invalid run plan (3 errors):"), err
+    for key in ("parallel.tensor", "data.pipeline", "model.vocab_size"):
+        assert f"recipe key '{key}'" in err, key
+    assert _tree(tmp_path) == before
+
+
+def test_fbt_plan_sizes_the_same_plan_without_reading_the_data(capsys):
+    """`fbt plan` resolves the plan `fbt train` starts from (its layout problems refused the same way), but
+    sizes a cluster recipe whose data is not on this machine."""
+    from fbt_megatron.cli import main
+
+    assert main(["plan", str(ROOT / "recipes" / "fbt-1b-400b.yaml"), "--gpus", "64", "--gpu", "h100"]) == 0
+    assert "plan: fbt-1b-400b on 64 x h100" in capsys.readouterr().out
+    assert main(["plan", str(ROOT / "recipes" / "tiny.yaml"), "parallel.tensor=2", "--gpus", "3"]) == 2
+    assert "recipe key 'parallel.tensor': tensor=2 x pipeline=1 does not divide the process count 3" in \
+        capsys.readouterr().err
+
+
+FAKE_SBATCH = """#!/bin/sh
+echo "$@" >> "{calls}"
+echo 4242
+"""
+
+
+def test_slurm_submit_refuses_before_sbatch_with_the_dry_runs_message(tmp_path, monkeypatch, capsys):
+    """TP=4 does not divide 6 heads: `fbt slurm submit` says what `fbt train --dry-run` says for the
+    job's 4 processes and never calls sbatch; a good recipe reaches the (recording) sbatch."""
+    from fbt_megatron.cli import main
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH.format(calls=calls))
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    recipe = str(ROOT / "recipes" / "tiny.yaml")
+    bad = ["data.source=synthetic", "model.hidden_size=192", "model.num_attention_heads=6", "parallel.tensor=4",
+           f"run_dir={tmp_path / 'run'}"]
+    assert main(["train", recipe, *bad, "--dry-run", "--world-size", "4"]) == 2
+    dry = capsys.readouterr().err.removeprefix("fbt train: ").strip()
+    assert "model.num_attention_heads=6 is not divisible by tensor parallel size 4" in dry
+    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "4", *bad]) == 2
+    assert dry in capsys.readouterr().err
+    assert not calls.exists() and not (tmp_path / "run").exists()
+    # what only the plan reads before launch: the tokenizer the nodes would load first
+    section = f"{{tokenizer: {tmp_path / 'tok.model'}, sources: [{{name: a, path: {tmp_path}, weight: 1}}]}}"
+    missing = [*bad[1:2], "model.num_attention_heads=4", *bad[3:], "data.source=pipeline", f"data.pipeline={section}"]
+    assert main(["train", recipe, *missing, "--dry-run", "--world-size", "4"]) == 2
+    dry = capsys.readouterr().err.removeprefix("fbt train: ").strip()
+    assert "recipe key 'data.pipeline.tokenizer': tokenizer model not found" in dry
+    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "4", *missing]) == 2
+    assert dry in capsys.readouterr().err
+    assert not calls.exists() and not (tmp_path / "run").exists()
+
+    good = [*bad[:2], "model.num_attention_heads=4", *bad[3:]]
+    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "4", *good]) == 0
+    assert "submitted tiny: job 4242" in capsys.readouterr().out
+    assert len(calls.read_text().splitlines()) == 1
