@@ -20,34 +20,29 @@ class SourceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
-    path: str = Field(min_length=1)
-    weight: float = Field(gt=0)
-
+    name: str = Field(min_length=1, description="The source's name in logs, metrics and checkpoints; unique.")
+    path: str = Field(min_length=1, description="A prepared dataset directory (it holds index.json).")
+    weight: float = Field(gt=0, description="This source's share of the stream: weight / sum of weights.")
 
 class DataConfig(BaseModel):
     """The ``data:`` section of a recipe."""
 
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[SourceConfig] = Field(min_length=1)
-    tokenizer: str = Field(min_length=1)  # a sentencepiece .model, a tokenizer.json, or a directory of either
-    seq_length: int = Field(ge=1)
-    seed: int = 0
-    # What the sources' weights share out: "tokens" (default; what a mix usually states) or "documents".
-    weight_by: Literal["tokens", "documents"] = "tokens"
-    num_workers: int = Field(0, ge=0)
-    # When True, a shard that fails the structural check at build time is excluded (logged, counted in
-    # the loader's stats) and a sample whose bytes are corrupt is replaced by a loss-masked EOS run of
-    # the same length (logged, counted). When False (default) either raises, naming the file.
-    allow_skip_corrupt: bool = False
-    # Held-out validation documents per source: the last ``valid_documents`` sample ids of each source's
-    # index (by position in ``index.json``, so every rank, worker and resume agrees). The ``train``
-    # split never reads them; the ``valid`` split reads only them. ``None`` (default) = automatic:
-    # ``min(200, ceil(5% of the source))`` for a source of >= 2 documents, 0 for a single-document one.
-    # ``0`` disables the split (the ``valid`` split then refuses to build). An explicit count must
-    # leave every source at least one training document.
-    valid_documents: int | None = Field(None, ge=0)
+    sources: list[SourceConfig] = Field(min_length=1, description="The datasets of the token mix.")
+    tokenizer: str = Field(
+        min_length=1, description="A sentencepiece .model, a tokenizer.json, or a directory holding either.")
+    seq_length: int = Field(ge=1, description="Tokens per row (set from the recipe's data.seq_length).")
+    seed: int = Field(0, description="Seed of the shuffle and the mix's draws: the data order.")
+    weight_by: Literal["tokens", "documents"] = Field(
+        "tokens", description="What the weights share out: tokens (what a mix usually states) or documents.")
+    num_workers: int = Field(0, ge=0, description="Loader worker processes per rank.")
+    allow_skip_corrupt: bool = Field(
+        False, description="Skip a shard that fails its check and mask a corrupt sample, counting both; "
+        "false raises, naming the file.")
+    valid_documents: int | None = Field(
+        None, ge=0, description="Held-out documents per source, the last of its index (None: min(200, 5 %); "
+        "0: no validation split).")
 
     @field_validator("sources")
     @classmethod

@@ -31,10 +31,10 @@ class RopeScaling(StrictModel):
     ``RotaryEmbedding._apply_scaling`` (the same formula), with its four parameters, so an imported Llama
     3.x keeps its positions (Llama 3.2: factor 32, low 1, high 4, original 8192)."""
 
-    factor: float = Field(8.0, gt=0.0)
-    low_freq_factor: float = Field(1.0, gt=0.0)
-    high_freq_factor: float = Field(4.0, gt=0.0)
-    original_max_position_embeddings: int = Field(8192, ge=1)
+    factor: float = Field(8.0, gt=0.0, description="How far the long wavelengths are stretched.")
+    low_freq_factor: float = Field(1.0, gt=0.0, description="Wavelengths past original / this are scaled fully.")
+    high_freq_factor: float = Field(4.0, gt=0.0, description="Wavelengths under original / this are kept.")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="The context the model was trained at.")
 
     @model_validator(mode="after")
     def _factors_ordered(self):
@@ -53,39 +53,40 @@ class ModelConfig(StrictModel):
     (recipes/1b.yaml, recipes/fbt-*.yaml and docs/architecture.md).
     """
 
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(128, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    # Grouped-query attention: heads share this many key/value heads (None: one per head, i.e. MHA;
-    # 1: multi-query attention). Must divide num_attention_heads.
-    num_query_groups: int | None = Field(None, ge=1)
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size (Llama-style SwiGLU: ~8/3 * hidden)
-    # gelu: fc2(gelu(fc1 x)); swiglu: fc2(silu(x W_gate) * (x W_up)), Megatron's gated linear unit.
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    add_bias_linear: bool = True  # biases in every linear layer of the stack (Llama: false)
-    add_qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2; Megatron's add_qkv_bias)
-    # The tokenizer's (logical) vocabulary. The embedding and LM head are padded to a multiple of
-    # vocab_pad_multiple x TP rows (padded_vocab_size); padded logits are -inf, never predicted.
-    vocab_size: int = Field(4096, ge=2)
-    vocab_pad_multiple: int = Field(128, ge=1)
-    max_sequence_length: int = Field(256, ge=2)
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
-    rotary_base: int = Field(10000, ge=1)  # RoPE theta (Llama 2: 10000, Llama 3: 500000)
-    rope_scaling: RopeScaling | None = None  # Llama 3.x's scaled RoPE (None: plain RoPE)
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    norm_epsilon: float = Field(1e-5, gt=0.0)
-    hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # Packed rows: "document_causal" = each document attends only to itself, positions restart per
-    # document (as in generation); "causal" = attention spans the row (model/attention.py, docs/feedback.md).
-    attention_mask: Literal["document_causal", "causal"] = "document_causal"
-    init_method_std: float = Field(0.02, gt=0.0)
-    # Weight tying (a stabiliser, see FeedbackConfig): input embedding == output layer, so the fed-back
-    # top state and the token embeddings live in one space.
-    tie_embeddings: bool = True
-    # Activation recomputation in every pass: selective (Megatron's) recomputes core attention in
-    # backward, full keeps only each layer's input and recomputes the layer (model/recompute.py).
-    recompute: Literal["none", "selective", "full"] = "none"
+    num_layers: int = Field(4, ge=1, description="Transformer layers in the stack.")
+    hidden_size: int = Field(128, ge=1, description="Width of the residual stream.")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads; must divide hidden_size.")
+    num_query_groups: int | None = Field(
+        None, ge=1, description="Grouped-query attention: key/value heads shared by the query heads (None: one per "
+        "head; 1: multi-query). Must divide num_attention_heads.")
+    ffn_hidden_size: int | None = Field(
+        None, description="MLP width (None: 4 x hidden_size; Llama-style SwiGLU uses about 8/3 x hidden_size).")
+    activation: Literal["gelu", "swiglu"] = Field(
+        "gelu", description="gelu: fc2(gelu(fc1 x)); swiglu: fc2(silu(x W_gate) * (x W_up)), Megatron's gated unit.")
+    add_bias_linear: bool = Field(True, description="Biases in every linear layer of the stack (Llama: false).")
+    add_qkv_bias: bool = Field(False, description="Biases on the query/key/value projection only (Qwen2).")
+    vocab_size: int = Field(
+        4096, ge=2, description="The tokenizer's vocabulary. Embedding and LM head are padded to a multiple of "
+        "vocab_pad_multiple x TP rows; padded logits are never predicted.")
+    vocab_pad_multiple: int = Field(128, ge=1, description="Pad the vocabulary rows to a multiple of this times TP.")
+    max_sequence_length: int = Field(256, ge=2, description="Longest sequence the positions cover.")
+    position_embedding_type: Literal["rope", "learned_absolute"] = Field(
+        "rope", description="Rotary position embeddings, or learned absolute positions.")
+    rotary_base: int = Field(10000, ge=1, description="RoPE theta (Llama 2: 10000, Llama 3: 500000).")
+    rope_scaling: RopeScaling | None = Field(None, description="Llama 3.x's scaled RoPE (None: plain RoPE).")
+    normalization: Literal["LayerNorm", "RMSNorm"] = Field("LayerNorm", description="The norm of every block.")
+    norm_epsilon: float = Field(1e-5, gt=0.0, description="Epsilon of the norms.")
+    hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the residual branches.")
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the attention probabilities.")
+    attention_mask: Literal["document_causal", "causal"] = Field(
+        "document_causal", description="Packed rows: document_causal lets each document attend only to itself "
+        "(positions restart per document); causal spans the whole row.")
+    init_method_std: float = Field(0.02, gt=0.0, description="Standard deviation of the normal weight init.")
+    tie_embeddings: bool = Field(
+        True, description="Input embedding == output layer, so the fed-back state and the embeddings share a space.")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation in every pass: selective recomputes core attention; full "
+        "keeps only each layer's input.")
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
@@ -140,32 +141,33 @@ class FeedbackConfig(StrictModel):
     against, for ablation), ``off`` x = e (a standard GPT; no fusion weights exist).
     """
 
-    fusion: str = "glu"
-    bias: bool = False
-    # Where no previous top state exists — pass 1 at every position, position 0 and every document
-    # start in later passes — the stack reads ``embedding`` (e_t: pass 1 is the ordinary transformer)
-    # or ``state`` (fuse(h_init, e_t), the ablation). docs/feedback.md, "The first pass".
-    first_input: Literal["embedding", "state"] = "embedding"
-    # Initialisation of the fusion (it is first used at the switch to multi-pass batches; docs/feedback.md).
-    # W_U: ``normal`` N(0, init_method_std), divided by sqrt(2 L) with depth_scaling; ``identity``
-    # value_init_scale * I (default 2 * init_method_std: with the gate near 1/2 the fused input starts
-    # at the embeddings' initial scale; with tied embeddings a state is read like the embedding of the
-    # token it predicts). W_G: ``normal`` N(0, init_method_std) (sigmoid(W_G e) ~ 1/2 for every token);
-    # ``unit_spread`` N(0, 1 / (sqrt(D) * init_method_std)), so W_G e has unit spread for embeddings at
-    # their initial scale and the gate carries the token.
-    value_init: Literal["normal", "identity"] = "identity"
-    value_init_scale: float | None = Field(None, gt=0.0)
-    gate_init: Literal["normal", "unit_spread"] = "unit_spread"
-    # Stabilisers. Each is our documented interpretation of the paper's switch (docs/feedback.md).
-    prefix_mixin: float = Field(0.1, ge=0.0, le=1.0)  # fed-back h <- (1-a) h + a h_init
-    # ``affine``: W_U((1-a) h + a h_init), which W_U can undo by growing (it bounds nothing);
-    # ``bounded``: W_U divided by max(1, its spectral norm), so ||d x_t / d h_{t-1}|| <= 1 - a
-    # (the gate is < 1): the fusion's share of the pass-to-pass map is a contraction by 1 - a.
-    mixin: Literal["affine", "bounded"] = "affine"
-    depth_scaling: bool = True  # W_U initialised with std / sqrt(2 * num_layers)
-    jitter_std: float = Field(0.02, ge=0.0)  # Gaussian noise on the fed-back state, training only
-    grad_mode: str = "all"  # "all": backprop through every pass; "last": earlier passes detached
-    loss_on: Literal["last", "mean"] = "last"  # loss of the last pass, or averaged over passes
+    fusion: str = Field(
+        "glu", description="glu: x = (W_U h) * sigmoid(W_G e), the paper's; additive: x = W_U h + W_G e (ablation); "
+        "off: x = e, a standard GPT with no fusion weights.", json_schema_extra={"allowed": list(FUSION_MODES)})
+    bias: bool = Field(False, description="Biases on the fusion's W_U and W_G.")
+    first_input: Literal["embedding", "state"] = Field(
+        "embedding", description="What the stack reads where no previous state exists (pass 1, position 0, document "
+        "starts): embedding e_t, so pass 1 is the ordinary transformer; or state fuse(h_init, e_t), an ablation.")
+    value_init: Literal["normal", "identity"] = Field(
+        "identity", description="W_U init: normal N(0, init_method_std), depth-scaled; or identity, "
+        "value_init_scale x I, so a state is read like the embedding of the token it predicts (tied).")
+    value_init_scale: float | None = Field(
+        None, gt=0.0, description="Scale of the identity W_U (None: 2 x init_method_std, the embeddings' scale).")
+    gate_init: Literal["normal", "unit_spread"] = Field(
+        "unit_spread", description="W_G init: normal N(0, init_method_std) gives a gate near 1/2 for every token; "
+        "unit_spread gives W_G e unit spread, so the gate carries the token.")
+    prefix_mixin: float = Field(
+        0.1, ge=0.0, le=1.0, description="Stabiliser: the fed-back h becomes (1-a) h + a h_init.")
+    mixin: Literal["affine", "bounded"] = Field(
+        "affine", description="affine: W_U((1-a) h + a h_init), which W_U can undo; bounded: W_U divided by "
+        "max(1, its spectral norm), so the fusion contracts by 1 - a.")
+    depth_scaling: bool = Field(True, description="Initialise W_U with std / sqrt(2 x num_layers).")
+    jitter_std: float = Field(0.02, ge=0.0, description="Gaussian noise on the fed-back state, in training only.")
+    grad_mode: str = Field(
+        "all", description="all: backpropagate through every pass; last: earlier passes run without gradient.",
+        json_schema_extra={"allowed": list(GRAD_MODES)})
+    loss_on: Literal["last", "mean"] = Field(
+        "last", description="The loss of the last pass, or the mean over the passes.")
 
     @field_validator("fusion", mode="before")
     @classmethod
@@ -214,9 +216,11 @@ class PassScheduleConfig(StrictModel):
     written before that keeps the seed it was trained with: :meth:`PassSchedule.load_state_dict`).
     """
 
-    feedback_start_step: int = Field(0, ge=0)
-    mix: list[float] = Field(default_factory=lambda: [0.75, 0.22, 0.03])
-    seed: int = 0
+    feedback_start_step: int = Field(0, ge=0, description="Optimiser step of the switch to multi-pass batches.")
+    mix: list[float] = Field(
+        default_factory=lambda: [0.75, 0.22, 0.03],
+        description="After the switch, mix[i] is the probability of i+1 passes; sums to 1.")
+    seed: int = Field(0, description="Keys the pass-count draws (unset: the recipe's seed).")
     # True when ``seed`` was taken from the recipe's seed rather than set (Recipe's validator).
     _seed_follows_recipe: bool = PrivateAttr(False)
 
@@ -258,14 +262,17 @@ class SyntheticDataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    vocab_size: int = Field(256, ge=4)
-    seq_length: int = Field(64, ge=2)
-    seed: int = 0
-    mean_doc_length: int = Field(48, ge=2)
-    noise: float = Field(0.05, ge=0.0, le=1.0)
-    task: Literal["affine", "state_tracking"] = "affine"
-    group: Literal["cyclic", "symmetric"] = "cyclic"
-    group_size: int = Field(5, ge=2)
+    vocab_size: int = Field(256, ge=4, description="Tokens the generator draws from.")
+    seq_length: int = Field(64, ge=2, description="Tokens per row (the recipe's data.seq_length sets it).")
+    seed: int = Field(0, description="Seed of the generated data.")
+    mean_doc_length: int = Field(48, ge=2, description="Mean document length of the affine task.")
+    noise: float = Field(0.05, ge=0.0, le=1.0, description="Share of tokens replaced at random (affine task).")
+    task: Literal["affine", "state_tracking"] = Field(
+        "affine", description="affine: documents following random affine recurrences; state_tracking: running "
+        "products in a finite group, one element per token.")
+    group: Literal["cyclic", "symmetric"] = Field(
+        "cyclic", description="state_tracking: cyclic (a running sum mod group_size) or symmetric (permutations).")
+    group_size: int = Field(5, ge=2, description="state_tracking: the group's size parameter.")
 
     @model_validator(mode="after")
     def _group_fits_vocabulary(self):

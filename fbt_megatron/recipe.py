@@ -27,80 +27,76 @@ class Section(BaseModel):
 
 
 class ParallelConfig(Section):
-    tensor: int = Field(1, ge=1)
-    pipeline: int = Field(1, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = 1
-    sequence_parallel: bool = False  # with tensor > 1; data.seq_length must divide by tensor
-    # bf16 only: dtype of the data-parallel gradient reduction (fp32 = Megatron's fp32 main grads).
-    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-
+    tensor: int = Field(1, ge=1, description="Tensor-parallel size (Megatron TP).")
+    pipeline: int = Field(1, ge=1, description="Pipeline-parallel stages; must divide model.num_layers.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage over the data-parallel ranks.")
+    sequence_parallel: bool = Field(
+        False, description="Megatron sequence parallelism with tensor > 1; data.seq_length must divide by tensor.")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 only: dtype of the data-parallel gradient reduction.")
 
 class BatchConfig(Section):
     """Global batch in sequences (or tokens); accumulation is derived from the DP size."""
 
-    global_batch_size: int | None = Field(None, ge=1)  # sequences per optimiser step
-    global_batch_tokens: int | None = Field(None, ge=1)  # alternative: tokens per step
-    micro_batch_size: int = Field(4, ge=1)
-    accumulation_steps: int | None = Field(None, ge=1)  # if given, checked against the layout
-
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimiser step (None: 4 x micro_batch_size, or from global_batch_tokens).")
+    global_batch_tokens: int | None = Field(
+        None, ge=1, description="Tokens per optimiser step, instead of global_batch_size; a multiple of seq_length.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward on one data-parallel rank.")
+    accumulation_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per step; derived from the DP size, checked against it if given.")
 
 class OptimizerConfig(Section):
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
-    # Norms, biases and h_init are never decayed; embeddings (tied: also the LM head) only if true.
-    decay_embeddings: bool = False
-    # The fusion's W_U and W_G step at lr x this (Adam moves an entry by ~lr a step whatever its scale).
-    fusion_lr_multiplier: float = Field(1.0, gt=0)
-
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (norms, biases and h_init never decay).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables clipping.")
+    decay_embeddings: bool = Field(False, description="Decay the embeddings too (tied: also the LM head).")
+    fusion_lr_multiplier: float = Field(
+        1.0, gt=0, description="The fusion's W_U and W_G step at lr x this (Adam moves an entry by about lr a step).")
 
 class LRScheduleConfig(Section):
-    kind: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    decay_fraction: float = Field(0.2, gt=0, le=1)  # wsd: last fraction of steps decays
-
+    kind: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="cosine decay, warmup-stable-decay (wsd), or constant after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The final learning rate as a fraction of lr.")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays.")
 
 class DataSection(Section):
-    source: Literal["synthetic", "pipeline"] = "synthetic"
-    seq_length: int = Field(64, ge=2)
-    synthetic: SyntheticDataConfig = Field(default_factory=SyntheticDataConfig)
-    # The data pipeline's DataConfig (validated by data_pipeline.config when source == "pipeline").
-    pipeline: dict[str, Any] | None = None
-    # With source=pipeline and no `pipeline` section: the embedded token mix in this directory, built
-    # offline on first use (`fbt data embedded --out DIR`).
-    embedded_dir: str = "data/embedded"
-    valid_sequences: int = Field(64, ge=1)
-
+    source: Literal["synthetic", "pipeline"] = Field(
+        "synthetic", description="synthetic: generated data (data.synthetic); pipeline: prepared datasets.")
+    seq_length: int = Field(64, ge=2, description="Tokens per training row.")
+    synthetic: SyntheticDataConfig = Field(
+        default_factory=SyntheticDataConfig, description="The generator's settings (source: synthetic).")
+    pipeline: dict[str, Any] | None = Field(
+        None, description="The data pipeline's sources, weights and tokenizer (source: pipeline; see data.pipeline.*).")
+    embedded_dir: str = Field(
+        "data/embedded", description="source: pipeline with no pipeline section: the embedded token mix, built "
+        "offline here on first use.")
+    valid_sequences: int = Field(64, ge=1, description="Held-out sequences read at each evaluation.")
 
 class TrainLoopConfig(Section):
-    steps: int = Field(100, ge=1)  # the schedule's length (LR decay, feedback switch)
-    stop_at_step: int | None = Field(None, ge=1)  # end this invocation early (budgets, tests)
-    max_nonfinite_in_row: int = Field(5, ge=1)
-    # A rank that stops responding (a hung collective, a stopped or wedged process) fails every process
-    # group's collectives after this many seconds (gloo's timeout; NCCL's watchdog with
-    # TORCH_NCCL_ASYNC_ERROR_HANDLING=1): the worker exits with an error and torchrun restarts the group
-    # from `latest` instead of the job hanging until its time limit. Keep it above the longest wait of a
-    # healthy run (rank 0 building the embedded data or writing a checkpoint while the others wait) and
-    # above the start-up skew between ranks (gloo's connect at init waits this long for the last rank).
-    collective_timeout_s: float = Field(600.0, gt=0)
-
+    steps: int = Field(100, ge=1, description="The schedule's length in optimiser steps (LR decay, feedback switch).")
+    stop_at_step: int | None = Field(None, ge=1, description="End this invocation early, at this step.")
+    max_nonfinite_in_row: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row.")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds before a hung collective fails every rank, so torchrun restarts the group "
+        "from latest; keep it above the longest healthy wait (data build, checkpoint write).")
 
 class LoggingConfig(Section):
-    log_every: int = Field(10, ge=1)
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "fbt"
-    peak_flops: float | None = Field(None, gt=0)  # per device, for the MFU estimate
-
+    log_every: int = Field(10, ge=1, description="Steps between log lines.")
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars under the run directory.")
+    wandb: bool = Field(False, description="Log to Weights & Biases.")
+    wandb_project: str = Field("fbt", description="The Weights & Biases project.")
+    peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s per device, for the MFU estimate.")
 
 class EvalConfig(Section):
-    every: int = Field(50, ge=1)
-    feedback_passes: int | None = Field(None, ge=1)  # default: the schedule's deepest pass count
-    # Pass counts validated at each evaluation (default: 1 and feedback_passes).
-    passes: list[int] | None = None
+    every: int = Field(50, ge=1, description="Steps between evaluations.")
+    feedback_passes: int | None = Field(
+        None, ge=1, description="Passes of the fed-back evaluation (None: the schedule's deepest pass count).")
+    passes: list[int] | None = Field(
+        None, description="Pass counts validated at each evaluation (None: 1 and feedback_passes).")
 
     @field_validator("passes")
     @classmethod
@@ -108,34 +104,32 @@ class EvalConfig(Section):
         if v is not None and (not v or any(k < 1 for k in v)):
             raise ValueError(f"eval.passes={v} must list pass counts >= 1")
         return v
-    at_end: bool = True
+    at_end: bool = Field(True, description="Evaluate once more after the last step.")
 
 
 class CheckpointConfig(Section):
-    every: int = Field(100, ge=1)
-    keep_last: int = Field(2, ge=1)
-    async_save: bool = False
-    at_end: bool = True
-    resume: bool = True
-
+    every: int = Field(100, ge=1, description="Steps between checkpoints.")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    async_save: bool = Field(False, description="Write checkpoints in the background.")
+    at_end: bool = Field(True, description="Save a checkpoint after the last step.")
+    resume: bool = Field(True, description="Resume from the run directory's latest checkpoint.")
 
 class ProfileConfig(Section):
-    enabled: bool = False
-    start_step: int = Field(5, ge=0)
-    num_steps: int = Field(3, ge=1)
-
+    enabled: bool = Field(False, description="Record a torch profiler trace.")
+    start_step: int = Field(5, ge=0, description="First profiled step.")
+    num_steps: int = Field(3, ge=1, description="Profiled steps.")
 
 class Recipe(Section):
-    name: str = "run"
-    run_dir: str | None = None  # default runs/<name>
-    # sft: instruction tuning on chat datasets (fbt_megatron/train/sft.py; `fbt sft RECIPE`)
-    task: Literal["pretrain", "sft"] = "pretrain"
-    # a run dir or checkpoint whose weights start this run (weights only; see train/sft.py)
-    init_from: str | None = None
-    seed: int = 1234
-    # auto: bf16 on GPU, fp32 on CPU. bf16 = bf16 weights/activations, fp32 masters, fp32 gradient
-    # accumulation (DeepSpeed bf16; runs on CPU too, for tests).
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    name: str = Field("run", description="The run's name (default run directory runs/NAME).")
+    run_dir: str | None = Field(None, description="Where checkpoints, logs and metrics go (None: runs/NAME).")
+    task: Literal["pretrain", "sft"] = Field(
+        "pretrain", description="sft: instruction tuning on chat datasets (fbt sft).")
+    init_from: str | None = Field(
+        None, description="A run directory or checkpoint whose weights start this run (weights only).")
+    seed: int = Field(1234, description="Seed of the model's initialisation (and of the pass schedule, unless set).")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 on GPU, fp32 on CPU; bf16: bf16 weights and activations, fp32 masters "
+        "and gradient accumulation (DeepSpeed bf16).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     schedule: PassScheduleConfig = Field(default_factory=PassScheduleConfig)
