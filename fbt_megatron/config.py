@@ -59,7 +59,7 @@ class ModelConfig(StrictModel):
     # Grouped-query attention: heads share this many key/value heads (None: one per head, i.e. MHA;
     # 1: multi-query attention). Must divide num_attention_heads.
     num_query_groups: int | None = Field(None, ge=1)
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size (Llama-style SwiGLU: ~8/3 * hidden)
+    ffn_hidden_size: int | None = Field(None, ge=1)  # default 4 * hidden_size (Llama-style SwiGLU: ~8/3 * hidden)
     # gelu: fc2(gelu(fc1 x)); swiglu: fc2(silu(x W_gate) * (x W_up)), Megatron's gated linear unit.
     activation: Literal["gelu", "swiglu"] = "gelu"
     add_bias_linear: bool = True  # biases in every linear layer of the stack (Llama: false)
@@ -216,7 +216,7 @@ class PassScheduleConfig(StrictModel):
 
     feedback_start_step: int = Field(0, ge=0)
     mix: list[float] = Field(default_factory=lambda: [0.75, 0.22, 0.03])
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     # True when ``seed`` was taken from the recipe's seed rather than set (Recipe's validator).
     _seed_follows_recipe: bool = PrivateAttr(False)
 
@@ -260,7 +260,7 @@ class SyntheticDataConfig(BaseModel):
 
     vocab_size: int = Field(256, ge=4)
     seq_length: int = Field(64, ge=2)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     mean_doc_length: int = Field(48, ge=2)
     noise: float = Field(0.05, ge=0.0, le=1.0)
     task: Literal["affine", "state_tracking"] = "affine"

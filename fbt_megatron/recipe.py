@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fbt_megatron.errors import UserError
 from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig, SyntheticDataConfig
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe that cannot run; the message names the key."""
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class Section(BaseModel):
@@ -47,7 +51,7 @@ class BatchConfig(Section):
 class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)  # Adam's moment decays, each in [0, 1)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     # Norms, biases and h_init are never decayed; embeddings (tied: also the LM head) only if true.
@@ -132,7 +136,7 @@ class Recipe(Section):
     task: Literal["pretrain", "sft"] = "pretrain"
     # a run dir or checkpoint whose weights start this run (weights only; see train/sft.py)
     init_from: str | None = None
-    seed: int = 1234
+    seed: int = Field(1234, ge=0)
     # auto: bf16 on GPU, fp32 on CPU. bf16 = bf16 weights/activations, fp32 masters, fp32 gradient
     # accumulation (DeepSpeed bf16; runs on CPU too, for tests).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -283,13 +287,33 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def read_recipe_yaml(path: str | Path) -> Any:
+    """The YAML document of a recipe file; a missing file or a syntax error is a :class:`RecipeError`
+    naming the file and the line (yaml names only ``<unicode string>`` when given the text)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist" if not path.exists() else f"recipe {path} is not a file")
+    try:
+        with path.open(encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = getattr(err, "problem", None) or str(err)
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if context and start is not None:
+            what += f" ({context} at line {start.line + 1})"
+        raise RecipeError(f"{where}: not valid YAML: {what}") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {err.start})") from None
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
                 data: dict | None = None) -> Recipe:
     if data is None:
         data = {}
         if path is not None:
-            text = Path(path).read_text()
-            data = yaml.safe_load(text) or {}
+            data = read_recipe_yaml(path)
             if not isinstance(data, dict):
                 raise RecipeError(f"recipe {path} must be a mapping of sections")
             data.setdefault("name", Path(path).stem)
