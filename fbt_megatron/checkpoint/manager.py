@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fbt_megatron.errors import UserError
 from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
 from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
 from fbt_megatron.checkpoint.shards import Fragment, ParamSpec, StateFragments, storage_key
@@ -51,7 +52,7 @@ FORMAT_VERSION = 2
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used as asked (missing, truncated, wrong shapes, ...)."""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from fbt_megatron.recipe import Recipe
+from fbt_megatron.recipe import Recipe, RecipeError
 
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 
@@ -102,13 +102,26 @@ def data_pipeline_config(recipe: Recipe):
 
 
 def check_tokenizer(recipe: Recipe) -> None:
+    """The data the recipe names is there, each problem named by its recipe key: every source's
+    dataset directory, and a tokenizer whose vocabulary fits ``model.vocab_size``."""
     if recipe.data.source != "pipeline":
         return
+    from pathlib import Path
+
+    from data_pipeline.errors import DataError
     from data_pipeline.tokenizer import load_tokenizer
 
-    vocab = load_tokenizer(data_pipeline_config(recipe).tokenizer).get_piece_size()
+    cfg = data_pipeline_config(recipe)
+    for i, source in enumerate(cfg.sources):
+        if not Path(source.path).is_dir():
+            raise RecipeError(f"data.pipeline.sources[{i}].path: the dataset directory {source.path} of source "
+                              f"{source.name!r} does not exist (prepare it with `fbt data prepare --out DIR`)")
+    try:
+        vocab = load_tokenizer(cfg.tokenizer).get_piece_size()
+    except DataError as e:
+        raise RecipeError(f"data.pipeline.tokenizer: {e}") from None
     if vocab > recipe.model.vocab_size:
-        raise ValueError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
+        raise RecipeError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
                          f"vocabulary ({vocab})")
 
 

@@ -29,21 +29,25 @@ def sft_recipe(recipe, task: str | None):
     return recipe
 
 
+def recipe_task_name(task: str | None) -> str:
+    return "sft" if task == "sft" else "train"
+
+
 def main(argv: list[str] | None = None, task: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or "-h" in argv or "--help" in argv:
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    from fbt_megatron.recipe import RecipeError, check_layout, load_recipe
+    from fbt_megatron import errors
+    from fbt_megatron.recipe import check_layout, load_recipe
 
     recipe_path, overrides = argv[0], argv[1:]
     try:
         recipe = load_recipe(recipe_path, overrides)
         recipe = sft_recipe(recipe, task)
         check_layout(recipe, int(os.environ.get("WORLD_SIZE", "1")))
-    except (RecipeError, FileNotFoundError) as e:
-        print(f"fbt train: {e}", file=sys.stderr)
-        return 2
+    except errors.UserError as e:  # before any process group: every rank sees it, rank 0 says it
+        return errors.report(f"fbt {recipe_task_name(task)}", e)
 
     import torch
 
@@ -56,14 +60,12 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     runtime.init_distributed(timeout_s=recipe.train.collective_timeout_s)
     from fbt_megatron.train.run import format_summary, train
-    from fbt_megatron.train.run_lock import RunDirLocked
 
     try:
         try:
             result = train(recipe)
-        except RunDirLocked as e:
-            print(f"fbt train: {e}", file=sys.stderr)
-            return 2
+        except errors.UserError as e:  # raised on every rank (a missing path, a locked run dir, ...)
+            return errors.report(f"fbt {recipe_task_name(task)}", e)
         if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
             print(format_summary(result), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher

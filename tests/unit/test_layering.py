@@ -22,6 +22,8 @@ LAYERS = {
     "fbt_megatron.runtime": 1,
     "fbt_megatron.logs": 1,
     "fbt_megatron.config": 1,
+    "fbt_megatron.errors": 1,
+    "fbt_megatron.argtypes": 1,
     "fbt_megatron.recipe": 1,
     "data_pipeline.config": 1,
     "data_pipeline.errors": 1,
