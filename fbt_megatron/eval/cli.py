@@ -157,7 +157,7 @@ def to_markdown(table: dict, modes: list[str], checkpoint: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from fbt_megatron import runtime
+    from fbt_megatron import errors, runtime
     from fbt_megatron.generate.loading import CheckpointNotFound, load_for_inference
 
     try:
@@ -170,15 +170,13 @@ def main(argv=None) -> int:
         include = list(args.include_path)
         tasks = task_names(args.tasks, include)
     except (ValueError, FileNotFoundError) as e:
-        print(f"fbt eval: {e}", file=sys.stderr)
-        return 2
+        return errors.report("fbt eval", e)
     runtime.quiet_known_warnings()
     try:
         loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
     except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
-        print(f"fbt eval: {e}", file=sys.stderr)
         runtime.shutdown()
-        return 2
+        return errors.report("fbt eval", e)
     import torch.distributed as dist
 
     try:
@@ -187,9 +185,8 @@ def main(argv=None) -> int:
                          allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0,
                          chat=args.apply_chat_template, system_instruction=args.system_instruction,
                          fewshot_as_multiturn=args.fewshot_as_multiturn)
-    except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line
-        print(f"fbt eval: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line (-v: traceback)
+        return errors.report("fbt eval", e, message=f"{type(e).__name__}: {e}")
     finally:
         runtime.shutdown()
     if int(os.environ.get("RANK", "0")) != 0:
