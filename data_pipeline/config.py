@@ -24,6 +24,7 @@ class SourceConfig(BaseModel):
     path: str = Field(min_length=1, description="A prepared dataset directory (it holds index.json).")
     weight: float = Field(gt=0, description="This source's share of the stream: weight / sum of weights.")
 
+
 class DataConfig(BaseModel):
     """The ``data:`` section of a recipe."""
 

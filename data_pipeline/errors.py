@@ -1,9 +1,19 @@
-"""Errors of the data pipeline. Each message names the file (or path) concerned."""
+"""Errors of the data pipeline. Each message names the file (or path) concerned.
+
+:class:`UserError` is the root of every error a user can fix (bad input, a missing file, a bad value),
+for the whole project: ``fbt`` prints its message as one sentence and exits 2 (``fbt -v`` adds the
+traceback; see ``fbt_megatron.errors``). It lives here, in the lowest layer, so that the data pipeline
+stays free of ``fbt_megatron`` imports.
+"""
 
 from __future__ import annotations
 
 
-class DataError(Exception):
+class UserError(Exception):
+    """A cause the user can fix. The message is one sentence naming the file and the key concerned."""
+
+
+class DataError(UserError):
     """Base class: bad input to the data pipeline."""
 
 

@@ -4,6 +4,8 @@
 
 Progress and diagnostics are logged to stderr (rank 0 only unless ``--log-all-ranks``); results meant
 for pipes stay on stdout. ``FBT_LOG_LEVEL`` sets the default level (e.g. for jobs started by torchrun).
+A user error (``fbt_megatron.errors``) is one sentence from rank 0 and exit status 2, also under
+torchrun (``-m fbt_megatron.cli``); ``-v`` adds its traceback.
 """
 
 from __future__ import annotations
@@ -72,11 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(COMMANDS[a.command][0])
+    from fbt_megatron import errors
+
     try:
+        module = importlib.import_module(COMMANDS[a.command][0])
         return int(module.main(a.args) or 0)
     except SystemExit as e:  # argparse inside a command (--help: 0, a usage error: 2)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except Exception as e:  # a cause the user can fix: one sentence; anything else keeps its traceback
+        if errors.user_error_message(e) is None:
+            raise
+        return errors.report(f"fbt {a.command}", e)
 
 
 if __name__ == "__main__":

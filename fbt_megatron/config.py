@@ -60,7 +60,7 @@ class ModelConfig(StrictModel):
         None, ge=1, description="Grouped-query attention: key/value heads shared by the query heads (None: one per "
         "head; 1: multi-query). Must divide num_attention_heads.")
     ffn_hidden_size: int | None = Field(
-        None, description="MLP width (None: 4 x hidden_size; Llama-style SwiGLU uses about 8/3 x hidden_size).")
+        None, ge=1, description="MLP width (None: 4 x hidden_size; Llama-style SwiGLU uses about 8/3 x hidden_size).")
     activation: Literal["gelu", "swiglu"] = Field(
         "gelu", description="gelu: fc2(gelu(fc1 x)); swiglu: fc2(silu(x W_gate) * (x W_up)), Megatron's gated unit.")
     add_bias_linear: bool = Field(True, description="Biases in every linear layer of the stack (Llama: false).")
@@ -220,7 +220,7 @@ class PassScheduleConfig(StrictModel):
     mix: list[float] = Field(
         default_factory=lambda: [0.75, 0.22, 0.03],
         description="After the switch, mix[i] is the probability of i+1 passes; sums to 1.")
-    seed: int = Field(0, description="Keys the pass-count draws (unset: the recipe's seed).")
+    seed: int = Field(0, ge=0, description="Keys the pass-count draws (unset: the recipe's seed).")
     # True when ``seed`` was taken from the recipe's seed rather than set (Recipe's validator).
     _seed_follows_recipe: bool = PrivateAttr(False)
 
@@ -264,7 +264,7 @@ class SyntheticDataConfig(BaseModel):
 
     vocab_size: int = Field(256, ge=4, description="Tokens the generator draws from.")
     seq_length: int = Field(64, ge=2, description="Tokens per row (the recipe's data.seq_length sets it).")
-    seed: int = Field(0, description="Seed of the generated data.")
+    seed: int = Field(0, ge=0, description="Seed of the generated data.")
     mean_doc_length: int = Field(48, ge=2, description="Mean document length of the affine task.")
     noise: float = Field(0.05, ge=0.0, le=1.0, description="Share of tokens replaced at random (affine task).")
     task: Literal["affine", "state_tracking"] = Field(

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from fbt_megatron.argtypes import number
+
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="fbt demo", description=__doc__)
-    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--seq", type=number(int, ge=2), default=16, help="tokens per sequence (>= 2)")
     args = ap.parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
     import torch

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fbt_megatron.errors import UserError
 from fbt_megatron.config import FeedbackConfig, ModelConfig, PassScheduleConfig, SyntheticDataConfig
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe that cannot run; the message names the key."""
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class Section(BaseModel):
@@ -35,6 +39,7 @@ class ParallelConfig(Section):
     grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 only: dtype of the data-parallel gradient reduction.")
 
+
 class BatchConfig(Section):
     """Global batch in sequences (or tokens); accumulation is derived from the DP size."""
 
@@ -46,15 +51,17 @@ class BatchConfig(Section):
     accumulation_steps: int | None = Field(
         None, ge=1, description="Micro-batches per step; derived from the DP size, checked against it if given.")
 
+
 class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (norms, biases and h_init never decay).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables clipping.")
     decay_embeddings: bool = Field(False, description="Decay the embeddings too (tied: also the LM head).")
     fusion_lr_multiplier: float = Field(
         1.0, gt=0, description="The fusion's W_U and W_G step at lr x this (Adam moves an entry by about lr a step).")
+
 
 class LRScheduleConfig(Section):
     kind: Literal["cosine", "wsd", "constant"] = Field(
@@ -62,6 +69,7 @@ class LRScheduleConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The final learning rate as a fraction of lr.")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays.")
+
 
 class DataSection(Section):
     source: Literal["synthetic", "pipeline"] = Field(
@@ -76,6 +84,7 @@ class DataSection(Section):
         "offline here on first use.")
     valid_sequences: int = Field(64, ge=1, description="Held-out sequences read at each evaluation.")
 
+
 class TrainLoopConfig(Section):
     steps: int = Field(100, ge=1, description="The schedule's length in optimiser steps (LR decay, feedback switch).")
     stop_at_step: int | None = Field(None, ge=1, description="End this invocation early, at this step.")
@@ -84,12 +93,14 @@ class TrainLoopConfig(Section):
         600.0, gt=0, description="Seconds before a hung collective fails every rank, so torchrun restarts the group "
         "from latest; keep it above the longest healthy wait (data build, checkpoint write).")
 
+
 class LoggingConfig(Section):
     log_every: int = Field(10, ge=1, description="Steps between log lines.")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under the run directory.")
     wandb: bool = Field(False, description="Log to Weights & Biases.")
     wandb_project: str = Field("fbt", description="The Weights & Biases project.")
     peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s per device, for the MFU estimate.")
+
 
 class EvalConfig(Section):
     every: int = Field(50, ge=1, description="Steps between evaluations.")
@@ -114,10 +125,12 @@ class CheckpointConfig(Section):
     at_end: bool = Field(True, description="Save a checkpoint after the last step.")
     resume: bool = Field(True, description="Resume from the run directory's latest checkpoint.")
 
+
 class ProfileConfig(Section):
     enabled: bool = Field(False, description="Record a torch profiler trace.")
     start_step: int = Field(5, ge=0, description="First profiled step.")
     num_steps: int = Field(3, ge=1, description="Profiled steps.")
+
 
 class Recipe(Section):
     name: str = Field("run", description="The run's name (default run directory runs/NAME).")
@@ -126,7 +139,7 @@ class Recipe(Section):
         "pretrain", description="sft: instruction tuning on chat datasets (fbt sft).")
     init_from: str | None = Field(
         None, description="A run directory or checkpoint whose weights start this run (weights only).")
-    seed: int = Field(1234, description="Seed of the model's initialisation (and of the pass schedule, unless set).")
+    seed: int = Field(1234, ge=0, description="Seed of the model's initialisation (and of the pass schedule, unless set).")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 on GPU, fp32 on CPU; bf16: bf16 weights and activations, fp32 masters "
         "and gradient accumulation (DeepSpeed bf16).")
@@ -284,13 +297,33 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def read_recipe_yaml(path: str | Path) -> Any:
+    """The YAML document of a recipe file; a missing file or a syntax error is a :class:`RecipeError`
+    naming the file and the line (yaml names only ``<unicode string>`` when given the text)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist" if not path.exists() else f"recipe {path} is not a file")
+    try:
+        with path.open(encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = getattr(err, "problem", None) or str(err)
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if context and start is not None:
+            what += f" ({context} at line {start.line + 1})"
+        raise RecipeError(f"{where}: not valid YAML: {what}") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {err.start})") from None
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
                 data: dict | None = None) -> Recipe:
     if data is None:
         data = {}
         if path is not None:
-            text = Path(path).read_text()
-            data = yaml.safe_load(text) or {}
+            data = read_recipe_yaml(path)
             if not isinstance(data, dict):
                 raise RecipeError(f"recipe {path} must be a mapping of sections")
             data.setdefault("name", Path(path).stem)

@@ -9,11 +9,13 @@ import json
 import re
 from pathlib import Path
 
+from fbt_megatron.errors import UserError
+
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used as asked (missing, truncated, wrong shapes, ...)."""
 
 

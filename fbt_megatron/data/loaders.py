@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from fbt_megatron.recipe import Recipe
+from fbt_megatron.recipe import Recipe, RecipeError
 
 VALID_OFFSET = 1 << 40  # the synthetic validation stream lives far from the training stream
 

@@ -28,6 +28,8 @@ import os
 import sys
 from pathlib import Path
 
+from fbt_megatron.argtypes import number, positive_int
+
 MODES = {"standard": ("standard", 1), "feedback": ("feedback", 1), "fused": ("feedback", 2),
          "exact": ("feedback", "exact")}
 TITLES = {"standard": "standard", "feedback": "feedback", "fused": "FUSED", "exact": "exact"}
@@ -40,16 +42,16 @@ def parse_args(argv):
     p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or a checkpoint step_N directory")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names or task YAML files")
     p.add_argument("--modes", default="standard,feedback,fused", help=f"comma-separated, of {list(MODES)}")
-    p.add_argument("--limit", type=float, help="documents per task (or a fraction)")
-    p.add_argument("--num-fewshot", type=int)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=number(float, gt=0), help="documents per task (or a fraction)")
+    p.add_argument("--num-fewshot", type=number(int, ge=0))
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--out", help="output directory (default: <run dir>/eval)")
     p.add_argument("--include-path", action="append", default=[], help="extra directory of task YAMLs")
     p.add_argument("--data-dir", default="data/eval", help="local files of the bundled tasks")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="run model-generated programs (sandboxed subprocess) for code tasks")
     p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, ge=0), default=0)
     p.add_argument("--apply-chat-template", action="store_true",
                    help="render each prompt with the checkpoint's chat template (lm-eval's flag; an `fbt sft` run)")
     p.add_argument("--system-instruction", help="with --apply-chat-template: a system prompt")
@@ -155,7 +157,7 @@ def to_markdown(table: dict, modes: list[str], checkpoint: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from fbt_megatron import runtime
+    from fbt_megatron import errors, runtime
     from fbt_megatron.generate.loading import CheckpointNotFound, load_for_inference
 
     try:
@@ -168,15 +170,13 @@ def main(argv=None) -> int:
         include = list(args.include_path)
         tasks = task_names(args.tasks, include)
     except (ValueError, FileNotFoundError) as e:
-        print(f"fbt eval: {e}", file=sys.stderr)
-        return 2
+        return errors.report("fbt eval", e)
     runtime.quiet_known_warnings()
     try:
         loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
     except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
-        print(f"fbt eval: {e}", file=sys.stderr)
         runtime.shutdown()
-        return 2
+        return errors.report("fbt eval", e)
     import torch.distributed as dist
 
     try:
@@ -185,9 +185,8 @@ def main(argv=None) -> int:
                          allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0,
                          chat=args.apply_chat_template, system_instruction=args.system_instruction,
                          fewshot_as_multiturn=args.fewshot_as_multiturn)
-    except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line
-        print(f"fbt eval: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line (-v: traceback)
+        return errors.report("fbt eval", e, message=f"{type(e).__name__}: {e}")
     finally:
         runtime.shutdown()
     if int(os.environ.get("RANK", "0")) != 0:

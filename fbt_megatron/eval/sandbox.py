@@ -18,6 +18,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from fbt_megatron.errors import UserError
+
 OPT_IN_HINT = ("running model-generated code is off by default; opt in explicitly "
                "(fbt eval --allow-code-execution, or allow=True)")
 
@@ -25,7 +27,7 @@ OPT_IN_HINT = ("running model-generated code is off by default; opt in explicitl
 DEFAULT_TIMEOUT_S = 10.0
 
 
-class CodeExecutionNotAllowed(PermissionError):
+class CodeExecutionNotAllowed(UserError, PermissionError):
     pass
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fbt_megatron.errors import UserError
 from fbt_megatron.generate.decoder import FeedbackDecoder
 from fbt_megatron.generate.loading import LoadedModel, load_for_inference
 from fbt_megatron.generate.sampling import SamplingParams
@@ -22,6 +23,13 @@ class Completion:
     text: str  # generated text, cut before the first stop string
     tokens: list[int]
     finish_reason: str  # "length", "eos" or "stop"
+
+
+TRUNCATE = ("none", "left")
+
+
+class PromptTooLong(UserError, ValueError):
+    """A prompt that does not fit the model's context with the tokens asked for (and no truncation)."""
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -52,16 +60,44 @@ class TextGenerator:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    @property
+    def context_length(self) -> int:
+        return self.loaded.model.model_config.max_sequence_length
+
+    def fit_prompts(self, encoded: list[list[int]], max_new_tokens: int, truncate: str = "none") -> list[list[int]]:
+        """The prompts' token ids as decoded: each with the last ``max_new_tokens - 1`` generated tokens
+        must fit the model's context. ``truncate="left"`` keeps a longer prompt's last tokens; ``"none"``
+        refuses it with :class:`PromptTooLong` (before anything is generated), naming the prompt."""
+        if truncate not in TRUNCATE:
+            raise ValueError(f"truncate={truncate!r} is not one of {TRUNCATE}")
+        limit = self.context_length
+        room = limit - (max_new_tokens - 1)  # the last sampled token is returned, never fed
+        if room < 1:
+            raise PromptTooLong(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                                f"context of {limit} tokens (max_sequence_length); use at most {limit}")
+        if truncate == "left":
+            return [list(e[-room:]) for e in encoded]
+        for i, e in enumerate(encoded, 1):
+            if len(e) > room:
+                raise PromptTooLong(f"prompt {i} has {len(e)} tokens, but the model's context of {limit} tokens "
+                                    f"leaves room for {room} with --max-new-tokens {max_new_tokens}; shorten it, "
+                                    f"lower --max-new-tokens, or use --truncate left to keep its last {room} tokens")
+        return [list(e) for e in encoded]
+
     def generate(self, prompts: Sequence[str], params: SamplingParams | None = None, *,
                  padding: str = "left", stream: Callable[[int, str], None] | None = None,
-                 max_prompt_tokens: int | None = None, prompt_ids: list[list[int]] | None = None) -> list[Completion]:
+                 max_prompt_tokens: int | None = None, prompt_ids: list[list[int]] | None = None,
+                 truncate: str | None = None) -> list[Completion]:
         """Complete each prompt. ``stream(b, text_delta)`` receives text as it is generated;
         ``max_prompt_tokens`` keeps only a prompt's last tokens (lm-eval's truncation); ``prompt_ids``:
-        the prompts already tokenized (chat templates, generate/chat.py)."""
+        the prompts already tokenized (chat templates, generate/chat.py); ``truncate``: see
+        :meth:`fit_prompts` (None: no check here, the decoder refuses what does not fit)."""
         params = params or SamplingParams()
         encoded = [list(e) for e in prompt_ids] if prompt_ids is not None else [self.encode(p) for p in prompts]
         if max_prompt_tokens is not None:
             encoded = [e[-max_prompt_tokens:] for e in encoded]
+        if truncate is not None:
+            encoded = self.fit_prompts(encoded, params.max_new_tokens, truncate)
         shown = [""] * len(prompts)
 
         def text_of(b, ids):

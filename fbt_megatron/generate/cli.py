@@ -8,6 +8,7 @@ with tensor parallelism over the processes (rank 0 prints):
     fbt generate runs/tiny --prompt "def "
     fbt generate runs/tiny --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1
     fbt generate runs/tiny --prompt "x = " --mode standard            # no feedback, for comparison
+    fbt generate runs/tiny --prompts-file long.txt --truncate left    # keep each prompt's last tokens
     fbt generate runs/tiny_sft --chat --system "Answer briefly." --prompt "What is 3 + 4?"
     torchrun --nproc-per-node 2 -m fbt_megatron.cli generate runs/tiny --prompt "def "
 """
@@ -19,6 +20,8 @@ import json
 import os
 import sys
 
+from fbt_megatron.argtypes import number, positive_int
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="fbt generate", description=__doc__.split("\n\n")[1],
@@ -27,16 +30,19 @@ def parse_args(argv):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable); \\n and \\t escapes are read")
     src.add_argument("--prompts-file", help="one prompt per line, or a .jsonl with a 'prompt' field per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=number(float, ge=0), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=number(int, ge=0), default=0, help="0 = off")
+    p.add_argument("--top-p", type=number(float, gt=0, le=1), default=1.0)
+    p.add_argument("--seed", type=number(int, ge=0), default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--mode", choices=["feedback", "standard"], default="feedback")
     p.add_argument("--prefill-passes", default="2", help="1, 2 (FUSED, default), any K, or 'exact'")
     p.add_argument("--padding", choices=["left", "right"], default="left")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    p.add_argument("--truncate", choices=["none", "left"], default="none",
+                   help="a prompt longer than the context leaves room for: refuse it (none, default) or keep "
+                        "its last tokens (left)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded together")
     p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
     p.add_argument("--chat", action="store_true",
                    help="apply the checkpoint's chat template (an `fbt sft` run): each prompt is a user turn")
@@ -58,7 +64,10 @@ def read_prompts(args) -> list[str]:
         prompts = []
         for i, line in enumerate(lines, 1):
             if line.strip():
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not JSON ({e.msg}, column {e.colno})") from None
                 if "prompt" not in row:
                     raise ValueError(f"{path}:{i}: no 'prompt' field")
                 prompts.append(row["prompt"])
@@ -68,8 +77,8 @@ def read_prompts(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from fbt_megatron import runtime
-    from fbt_megatron.generate.api import TextGenerator
+    from fbt_megatron import errors, runtime
+    from fbt_megatron.generate.api import PromptTooLong, TextGenerator
     from fbt_megatron.generate.decoder import parse_prefill_passes
     from fbt_megatron.generate.loading import CheckpointNotFound
     from fbt_megatron.generate.sampling import SamplingParams
@@ -84,17 +93,15 @@ def main(argv=None) -> int:
         if args.system and not args.chat:
             raise ValueError("--system applies to --chat")
     except (ValueError, FileNotFoundError) as e:
-        print(f"fbt generate: {e}", file=sys.stderr)
-        return 2
+        return errors.report("fbt generate", e)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not runtime.use_cuda() else "cuda")
     runtime.quiet_known_warnings()
     try:
         gen = TextGenerator.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, mode=args.mode,
                                             prefill_passes=passes)
     except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
-        print(f"fbt generate: {e}", file=sys.stderr)
         runtime.shutdown()
-        return 2
+        return errors.report("fbt generate", e)
     import torch.distributed as dist
 
     chat_ids, shown = None, prompts  # shown: each prompt as echoed, the text the model sees
@@ -106,9 +113,15 @@ def main(argv=None) -> int:
             chat_ids = chat_prompt_ids(gen.tokenizer, template, prompts, args.system)
             shown = chat_prompt_texts(gen.tokenizer, template, prompts, args.system)
         except FileNotFoundError as e:
-            print(f"fbt generate: {e}", file=sys.stderr)
             runtime.shutdown()
-            return 2
+            return errors.report("fbt generate", e)
+
+    try:  # every prompt must fit before the first is generated (or be cut: --truncate left)
+        gen.fit_prompts(chat_ids if chat_ids is not None else [gen.encode(p) for p in prompts],
+                        params.max_new_tokens, args.truncate)
+    except PromptTooLong as e:
+        runtime.shutdown()
+        return errors.report("fbt generate", e)
 
     rank0 = dist.get_rank() == 0
     say = print if rank0 else (lambda *a, **k: None)
@@ -120,7 +133,7 @@ def main(argv=None) -> int:
             if stream:
                 sys.stdout.write(shown[start])
                 sys.stdout.flush()
-            done = gen.generate(chunk, params, padding=args.padding, prompt_ids=ids,
+            done = gen.generate(chunk, params, padding=args.padding, prompt_ids=ids, truncate=args.truncate,
                                 stream=(lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
             for j, c in enumerate(done):
                 if args.json:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from fbt_megatron.errors import UserError
 from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, saved_feedback_section
 
 
-class CheckpointNotFound(FileNotFoundError):
+class CheckpointNotFound(UserError, FileNotFoundError):
     pass
 
 

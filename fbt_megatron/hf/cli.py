@@ -23,7 +23,13 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]?I?B?)\s*", text.upper())
     if not m or m.group(2) not in UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; examples: 2GB, 500MB, 100000")
-    return int(float(m.group(1)) * UNITS[m.group(2)])
+    size = int(float(m.group(1)) * UNITS[m.group(2)])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: a size must be > 0 bytes")
+    return size
+
+
+parse_size.bounds = {"gt": 0}  # (fbt_megatron.argtypes: every numeric flag names its range)
 
 
 def main(argv=None) -> int:

@@ -38,28 +38,51 @@ class HFTensors:
         self.root = root
         index = root / "model.safetensors.index.json"
         if index.is_file():
-            self.files = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: no 'weight_map' mapping of tensor names to files")
+            self.files = {k: root / v for k, v in weight_map.items()}
         elif (root / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(root / "model.safetensors"), "pt") as f:
+            with open_safetensors(root / "model.safetensors") as f:
                 self.files = {k: root / "model.safetensors" for k in f.keys()}
         else:
             raise ConversionError(f"{root} has no model.safetensors or model.safetensors.index.json "
                                   "(only safetensors weights are read)")
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self.files:
             raise ConversionError(f"{self.root}: tensor {name!r} is missing from the weights")
         file = self.files[name]
         if not file.is_file():
             raise ConversionError(f"{self.root}: weight shard {file.name} (holds {name!r}) is missing")
-        with safe_open(str(file), "pt") as f:
+        with open_safetensors(file) as f:
             if name not in f.keys():
                 raise ConversionError(f"{file}: tensor {name!r} is missing (the index says it is here)")
             return f.get_tensor(name).to(torch.float32)
+
+
+def open_safetensors(file: Path):
+    """``safe_open(file)``; a truncated or corrupt file is a :class:`ConversionError` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), "pt")
+    except SafetensorError as err:
+        raise ConversionError(f"{file}: not a readable safetensors file ({err}); is it truncated? "
+                              "download it again") from None
+
+
+def read_json(file: Path) -> dict:
+    """A JSON object from ``file``; bad JSON is a :class:`ConversionError` naming the file and line."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{file}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError as err:
+        raise ConversionError(f"{file}: not UTF-8 text (byte {err.start})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{file}: a JSON object was expected, not {type(data).__name__}")
+    return data
 
 
 def read_hf_config(root: Path) -> tuple[dict, bool]:
@@ -67,7 +90,7 @@ def read_hf_config(root: Path) -> tuple[dict, bool]:
     file = root / "config.json"
     if not file.is_file():
         raise ConversionError(f"{file} is missing: not a Hugging Face model directory")
-    cfg = json.loads(file.read_text())
+    cfg = read_json(file)
     kind = cfg.get("model_type")
     if kind == "fbt_llama":
         return cfg, False

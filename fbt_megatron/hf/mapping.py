@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
+from fbt_megatron.errors import UserError
 from fbt_megatron.config import LEGACY_FIRST_INPUT, FeedbackConfig, ModelConfig
 
 LAYERS = "gpt.decoder.layers."
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint or HF directory that cannot be converted; the message names what and why."""
 
 

@@ -28,6 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fbt_megatron.argtypes import number, positive_int
 from fbt_megatron.launch.submit import JobSpec, SubmitError, resolve_job, submit
 
 
@@ -35,14 +36,14 @@ def _submit_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fbt slurm submit", description="Render and submit a training job.")
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--min-nodes", type=int, default=None, help="elastic: start on MIN..NODES nodes (sbatch --nodes=MIN-NODES, torchrun --nnodes MIN:NODES); "
+    ap.add_argument("--nodes", type=positive_int, default=1)
+    ap.add_argument("--min-nodes", type=positive_int, default=None, help="elastic: start on MIN..NODES nodes (sbatch --nodes=MIN-NODES, torchrun --nnodes MIN:NODES); "
                     "a node lost mid-job still ends the job (docs/slurm.md)")
-    ap.add_argument("--gpus-per-node", type=int, default=8, help="processes per node (one per GPU)")
-    ap.add_argument("--cpus-per-task", type=int, default=None)
+    ap.add_argument("--gpus-per-node", type=positive_int, default=8, help="processes per node (one per GPU)")
+    ap.add_argument("--cpus-per-task", type=positive_int, default=None)
     ap.add_argument("--time", default="24:00:00", help="time limit per job (a preempted job requeues)")
-    ap.add_argument("--signal-seconds", type=int, default=300, help="USR1 this long before the limit")
-    ap.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a worker failure")
+    ap.add_argument("--signal-seconds", type=positive_int, default=300, help="USR1 this long before the limit")
+    ap.add_argument("--max-restarts", type=number(int, ge=0), default=3, help="torchrun restarts after a worker failure")
     ap.add_argument("--phases", action="store_true", help="single-pass phase and feedback phase as 2 chained jobs")
     ap.add_argument("--partition")
     ap.add_argument("--account")
@@ -60,18 +61,18 @@ def _submit_parser() -> argparse.ArgumentParser:
 def _prepare_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fbt slurm submit-prepare",
                                  description="`fbt data prepare` as SLURM job arrays: count, tokenize (N tasks), merge.")
-    ap.add_argument("--array", type=int, required=True, metavar="N", help="array tasks: slices of the input")
+    ap.add_argument("--array", type=positive_int, required=True, metavar="N", help="array tasks: slices of the input")
     ap.add_argument("--input", nargs="+", required=True, help="as `fbt data prepare --input`")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True, help="the dataset directory (work and logs in OUT.array/)")
     ap.add_argument("--name")
-    ap.add_argument("--shard-mb", type=float, default=16.0)
+    ap.add_argument("--shard-mb", type=number(float, gt=0), default=16.0)
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--id-field", default="id")
     ap.add_argument("--skip-bad-rows", action="store_true")
     ap.add_argument("--bos", choices=("no", "yes", "auto"), default="no", help="as `fbt data prepare --bos`")
-    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes per tokenize task")
-    ap.add_argument("--cpus-per-task", type=int, default=None, help="default: --workers (tokenize), 1 (count, merge)")
+    ap.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes per tokenize task")
+    ap.add_argument("--cpus-per-task", type=positive_int, default=None, help="default: --workers (tokenize), 1 (count, merge)")
     ap.add_argument("--time", default="24:00:00", help="time limit of each task")
     ap.add_argument("--partition")
     ap.add_argument("--account")

@@ -13,6 +13,8 @@ import socket
 import sys
 from pathlib import Path
 
+from fbt_megatron.argtypes import number
+
 
 def check(run_dir: Path, gpus: int, min_free_gb: float = 5.0) -> list[str]:
     problems = []
@@ -42,10 +44,10 @@ def check(run_dir: Path, gpus: int, min_free_gb: float = 5.0) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fbt_megatron.launch.health", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--gpus", type=int, default=0)
-    ap.add_argument("--min-free-gb", type=float, default=5.0)
+    ap.add_argument("--gpus", type=number(int, ge=0), default=0)
+    ap.add_argument("--min-free-gb", type=number(float, ge=0), default=5.0)
     a = ap.parse_args(argv)
     problems = check(a.run_dir, a.gpus, a.min_free_gb)
     host = socket.gethostname()

@@ -38,6 +38,8 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
+from fbt_megatron.argtypes import number, positive_int
+
 GB = 1e9
 
 # Dense bf16 peak FLOP/s and memory per device. "cpu" is measured (a matmul rate) when asked for.
@@ -389,12 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fbt plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
-    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpus", type=positive_int, required=True)
     ap.add_argument("--gpu", default="h100", choices=[*DEVICES, "cpu"])
-    ap.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed (default 0.40)")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak")
-    ap.add_argument("--memory-gb", type=float, default=None, help="override the device's memory")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--mfu", type=number(float, gt=0, le=1), default=0.40, help="model FLOPs utilisation assumed (default 0.40)")
+    ap.add_argument("--peak-tflops", type=number(float, gt=0), default=None, help="override the device's peak")
+    ap.add_argument("--memory-gb", type=number(float, gt=0), default=None, help="override the device's memory")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=8)
     ap.add_argument("--no-te", action="store_true",
                     help="the GPUs run without transformer-engine (Megatron's local layers, torch SDPA)")
     a = ap.parse_intermixed_args(argv)

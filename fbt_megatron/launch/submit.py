@@ -24,10 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fbt_megatron.errors import UserError
+
 DEFAULT_TEMPLATE = Path(__file__).with_name("train.sbatch")  # shipped in the wheel (package data)
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     pass
 
 

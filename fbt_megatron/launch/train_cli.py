@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
         return 0 if argv else 2
     prog = "fbt sft" if task == "sft" else "fbt train"
     a = _parser(prog).parse_intermixed_args(argv)
-    from fbt_megatron.recipe import RecipeError, load_recipe
+    from fbt_megatron import errors
+    from fbt_megatron.recipe import load_recipe
     from fbt_megatron.resolve.plan import Environment
     from fbt_megatron.resolve.resolver import resolve_run
 
@@ -71,9 +72,8 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
     try:
         recipe = load_recipe(a.recipe, a.overrides)
         plan = resolve_run(recipe, world, env, task=task)  # every problem at once, before any process group
-    except (RecipeError, FileNotFoundError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+    except errors.UserError as e:  # before any process group: every rank sees it, rank 0 says it
+        return errors.report(prog, e)
     if a.dry_run:
         print(dry_run_text(plan, a.gpu, a.mfu), end="")
         return 0
@@ -92,14 +92,12 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     runtime.init_distributed(timeout_s=plan.recipe.train.collective_timeout_s)
     from fbt_megatron.train.run import format_summary, train
-    from fbt_megatron.train.run_lock import RunDirLocked
 
     try:
         try:
             result = train(recipe, task=task)  # resolved again under the run directory's lock
-        except (RunDirLocked, RecipeError) as e:
-            print(f"{prog}: {e}", file=sys.stderr)
-            return 2
+        except errors.UserError as e:  # raised on every rank (a missing path, a locked run dir, ...)
+            return errors.report(prog, e)
         if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
             print(format_summary(result), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher

@@ -92,6 +92,11 @@ def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
     tokenizer = Path(config.tokenizer)
     if not read_files:
         return DataPlan(d.source, config.model_dump(mode="json"), build, {}, None)
+    if build is None:
+        for i, source in enumerate(config.sources):
+            if not Path(source.path).is_dir():
+                raise RecipeError(f"recipe key 'data.pipeline.sources[{i}].path': the dataset directory {source.path} "
+                                  f"of source {source.name!r} does not exist (prepare it with `fbt data prepare --out DIR`)")
     if build is not None and not tokenizer.is_file():  # built at start-up with the default vocabulary
         files, vocab, template = {"tokenizer.model": str(tokenizer)}, embedded.VOCAB_SIZE, None
     else:

@@ -27,11 +27,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from fbt_megatron.errors import UserError
+
 LOCK_NAME = "run.lock"
 log = logging.getLogger(__name__)
 
 
-class RunDirLocked(RuntimeError):
+class RunDirLocked(UserError, RuntimeError):
     """Another live run holds the run directory."""
 
 

@@ -22,10 +22,12 @@ LAYERS = {
     "fbt_megatron.runtime": 1,
     "fbt_megatron.logs": 1,
     "fbt_megatron.config": 1,
+    "fbt_megatron.argtypes": 1,
     # 2: the data pipeline, the recipe schema (it validates the data pipeline's section), the model (with
     # the feedback rule and the HF model class every export ships as remote code)
     "data_pipeline": 2,
     "fbt_megatron.recipe": 2,
+    "fbt_megatron.errors": 2,  # the user-error root lives in data_pipeline.errors (layer 2), re-exported here
     "fbt_megatron.data": 2,
     "fbt_megatron.model": 2,
     "fbt_megatron.passes": 2,
