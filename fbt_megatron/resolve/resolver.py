@@ -52,6 +52,8 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
     # -- data
     problems += check_sft_layout(recipe)
     data = check(_data_plan, recipe, data_files) or DataPlan(recipe.data.source, None, None, {}, None)
+    if data_files:
+        problems += _missing_sources(recipe)
 
     # -- the checkpoint resumed and the rule it was trained with
     resume, adopted = check(_resume, recipe) or (None, None)
@@ -92,11 +94,6 @@ def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
     tokenizer = Path(config.tokenizer)
     if not read_files:
         return DataPlan(d.source, config.model_dump(mode="json"), build, {}, None)
-    if build is None:
-        for i, source in enumerate(config.sources):
-            if not Path(source.path).is_dir():
-                raise RecipeError(f"recipe key 'data.pipeline.sources[{i}].path': the dataset directory {source.path} "
-                                  f"of source {source.name!r} does not exist (prepare it with `fbt data prepare --out DIR`)")
     if build is not None and not tokenizer.is_file():  # built at start-up with the default vocabulary
         files, vocab, template = {"tokenizer.model": str(tokenizer)}, embedded.VOCAB_SIZE, None
     else:
@@ -110,6 +107,18 @@ def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
         raise RecipeError(f"recipe key 'model.vocab_size': {recipe.model.vocab_size} is smaller than the "
                           f"tokenizer's vocabulary ({vocab})")
     return DataPlan(d.source, config.model_dump(mode="json"), build, files, template)
+
+
+def _missing_sources(recipe: Recipe) -> list[str]:
+    """One problem per dataset directory of ``data.pipeline.sources`` that does not exist."""
+    sources = (recipe.data.pipeline or {}).get("sources") if recipe.data.source == "pipeline" else None
+    problems = []
+    for i, source in enumerate(sources if isinstance(sources, list) else []):
+        path = source.get("path") if isinstance(source, dict) else None
+        if path and not Path(path).is_dir():
+            problems.append(f"recipe key 'data.pipeline.sources[{i}].path': the dataset directory {path} of source "
+                            f"{source.get('name')!r} does not exist (prepare it with `fbt data prepare --out DIR`)")
+    return problems
 
 
 def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:

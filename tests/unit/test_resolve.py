@@ -54,9 +54,9 @@ def test_the_plan_is_built_without_a_process_group_or_megatron_state(monkeypatch
     assert plan.resume.checkpoint is None and recipe.parallel.tensor == 2  # the recipe itself is not changed
 
 
-def test_three_independent_mistakes_are_reported_at_once(tmp_path):
-    """A layout the process count cannot hold, missing data, and a new run on a used run directory: one
-    error, three lines, each naming its recipe key."""
+def test_independent_mistakes_are_reported_at_once(tmp_path):
+    """A layout the process count cannot hold, a missing tokenizer, a missing dataset directory, and a new
+    run on a used run directory: one error, four lines, each naming its recipe key."""
     used = tmp_path / "run" / "checkpoints"
     (used / "step_00000002").mkdir(parents=True)
     recipe = load_recipe(data={
@@ -67,12 +67,13 @@ def test_three_independent_mistakes_are_reported_at_once(tmp_path):
     with pytest.raises(PlanError) as e:
         resolve_run(recipe, 3, CPU)
     problems = e.value.problems
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
     assert problems[0].startswith("recipe key 'parallel.tensor': tensor=2 x pipeline=1 does not divide the process "
                                   "count 3")
     assert problems[1].startswith("recipe key 'data.pipeline.tokenizer': tokenizer model not found")
-    assert problems[2].startswith("recipe key 'checkpoint.resume': checkpoint.resume=false, but")
-    assert str(e.value).startswith("invalid run plan (3 errors):\n  recipe key 'parallel.tensor'")
+    assert problems[2].startswith("recipe key 'data.pipeline.sources[0].path': the dataset directory")
+    assert problems[3].startswith("recipe key 'checkpoint.resume': checkpoint.resume=false, but")
+    assert str(e.value).startswith("invalid run plan (4 errors):\n  recipe key 'parallel.tensor'")
     assert isinstance(e.value, RecipeError)
 
 
@@ -134,7 +135,7 @@ def test_dry_run_exits_2_with_every_problem(tmp_path, monkeypatch, capsys):
             "model.vocab_size=1000", "task=sft"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("fbt train: invalid run plan (3 errors):"), err
+    assert err.startswith("fbt train: error: invalid run plan (3 errors):"), err
     for key in ("parallel.tensor", "data.pipeline", "model.vocab_size"):
         assert f"recipe key '{key}'" in err, key
     assert _tree(tmp_path) == before
@@ -172,7 +173,7 @@ def test_slurm_submit_refuses_before_sbatch_with_the_dry_runs_message(tmp_path, 
     bad = ["data.source=synthetic", "model.hidden_size=192", "model.num_attention_heads=6", "parallel.tensor=4",
            f"run_dir={tmp_path / 'run'}"]
     assert main(["train", recipe, *bad, "--dry-run", "--world-size", "4"]) == 2
-    dry = capsys.readouterr().err.removeprefix("fbt train: ").strip()
+    dry = capsys.readouterr().err.removeprefix("fbt train: error: ").strip()
     assert "model.num_attention_heads=6 is not divisible by tensor parallel size 4" in dry
     assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "4", *bad]) == 2
     assert dry in capsys.readouterr().err
@@ -181,7 +182,7 @@ def test_slurm_submit_refuses_before_sbatch_with_the_dry_runs_message(tmp_path, 
     section = f"{{tokenizer: {tmp_path / 'tok.model'}, sources: [{{name: a, path: {tmp_path}, weight: 1}}]}}"
     missing = [*bad[1:2], "model.num_attention_heads=4", *bad[3:], "data.source=pipeline", f"data.pipeline={section}"]
     assert main(["train", recipe, *missing, "--dry-run", "--world-size", "4"]) == 2
-    dry = capsys.readouterr().err.removeprefix("fbt train: ").strip()
+    dry = capsys.readouterr().err.removeprefix("fbt train: error: ").strip()
     assert "recipe key 'data.pipeline.tokenizer': tokenizer model not found" in dry
     assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "4", *missing]) == 2
     assert dry in capsys.readouterr().err
