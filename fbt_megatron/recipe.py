@@ -117,6 +117,10 @@ class CheckpointConfig(Section):
     async_save: bool = False
     at_end: bool = True
     resume: bool = True
+    # check every checkpoint file's CRC-32 before a resume or init_from loads it (as `fbt ckpt verify` does)
+    verify_on_load: bool = True
+    # resume although a dataset's index changed since the checkpoint (the change is logged in metrics.jsonl)
+    allow_data_change: bool = False
 
 
 class ProfileConfig(Section):

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
     if not runtime.use_cuda():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     runtime.init_distributed(timeout_s=recipe.train.collective_timeout_s)
+    from fbt_megatron.checkpoint import CheckpointError
+    from fbt_megatron.data.fingerprint import DataChangedError
     from fbt_megatron.train.run import format_summary, train
     from fbt_megatron.train.run_lock import RunDirLocked
 
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
             result = train(recipe)
         except RunDirLocked as e:
             print(f"fbt train: {e}", file=sys.stderr)
+            return 2
+        except (CheckpointError, DataChangedError) as e:  # damaged, unsaveable or other-data checkpoints
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"fbt train: {e}", file=sys.stderr)
             return 2
         if int(os.environ.get("RANK", "0")) == 0:  # the result: stdout (progress went to the log)
             print(format_summary(result), flush=True)

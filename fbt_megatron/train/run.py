@@ -163,7 +163,8 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     if bf16_accumulation_warning(recipe):
         log(bf16_accumulation_warning(recipe))
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
-                             async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
+                             async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook,
+                             verify_on_load=recipe.checkpoint.verify_on_load)
     if not recipe.checkpoint.resume and ckpt.has_checkpoints():
         # Never mix a new run's checkpoints with an older run's (pruning and `latest` would interleave).
         raise CheckpointError(f"checkpoint.resume=false, but {ckpt.root} already holds checkpoints; "
@@ -173,6 +174,7 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
         adopted = adopt_checkpoint_rule(recipe, read_checkpoint_state(latest).get("recipe", {}), latest)
         if adopted:
             log(adopted)
+    data_record, data_changed = _data_record(recipe, latest, run_dir, log)
     dtype = torch.bfloat16 if recipe.resolved_precision() == "bf16" else torch.float32
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
                         dtype=dtype)
@@ -188,6 +190,8 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)
         checkpoint_state.load_state_dict(saved)
+        if data_changed:  # the saved loader position names documents of the old data: continue by the cursor
+            loader.load_state_dict(None)
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
             f"tp={recipe.parallel.tensor} pp={recipe.parallel.pipeline} dp={dp_size} "
             f"zero={recipe.parallel.zero_stage})")
@@ -213,7 +217,7 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     tokenizer_file = sft.checkpoint_files(recipe, run_dir, tokenizer_file, dist.get_rank())  # + chat template
 
     def save(st: TrainState):  # st is the trainer's state, which checkpoint_state holds
-        return ckpt.save(st.step, zero, checkpoint_state.state_dict(), files=tokenizer_file)
+        return ckpt.save(st.step, zero, dict(checkpoint_state.state_dict(), data=data_record), files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
                                [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, feedback_depth],
@@ -234,6 +238,32 @@ def build(recipe: Recipe, preemption, *, print_fn=log_info, checkpoint_fault_hoo
     return Run(recipe=recipe, run_dir=run_dir, log=log, trainer=trainer, checkpoints=ckpt, latest=latest,
                validation=validation, feedback_depth=feedback_depth, num_params=n_params, layout=layout,
                dp_size=dp_size)
+
+
+def _data_record(recipe: Recipe, latest: Path | None, run_dir: Path, log) -> tuple[dict, bool]:
+    """The datasets' fingerprints the run's checkpoints record (``state.json``'s ``data``), checked against
+    the resumed checkpoint's: a change is refused in one sentence, or with ``checkpoint.allow_data_change``
+    logged and written to ``metrics.jsonl`` (rank 0) and kept in ``data.changes``. Returns (record, changed)."""
+    import time
+
+    from fbt_megatron.checkpoint import read_checkpoint_state
+    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
+
+    now = data_fingerprints(recipe)
+    saved = read_checkpoint_state(latest).get("data") or {} if latest is not None else {}
+    changes = check_resume_data(str(latest), saved.get("fingerprints"), now,
+                                recipe.checkpoint.allow_data_change) if latest is not None else []
+    history = list(saved.get("changes", []))
+    if changes:
+        step = read_checkpoint_state(latest)["train_state"]["step"]
+        row = {"event": "data_changed", "step": step, "time": time.time(), "changes": changes}
+        history.append({k: row[k] for k in ("step", "changes")})
+        log(f"data changed since {latest} (checkpoint.allow_data_change=true): {'; '.join(changes)}")
+        if dist.get_rank() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return {"fingerprints": now, "changes": history}, bool(changes)
 
 
 def _flops_fn(recipe: Recipe, n_params: int):

@@ -106,5 +106,5 @@ def init_weights(recipe: Recipe, model, resuming: bool, log) -> None:
         return
     from fbt_megatron.checkpoint.manager import load_model_weights
 
-    path = load_model_weights(recipe.init_from, model)
+    path = load_model_weights(recipe.init_from, model, verify=recipe.checkpoint.verify_on_load)
     log(f"initialised from {path} (weights only: new optimiser, LR schedule and data cursor)")
