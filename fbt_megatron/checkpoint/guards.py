@@ -128,7 +128,9 @@ def check_before_save(root: Path, step: int, fragments, dp_rank: int, latest: Pa
     if bad is not None:
         raise SaveRefused(f"refusing to save step {step} to {root}: the {bad}, so training diverged or "
                           f"loaded a damaged state; {kept}, and a rerun resumes from it")
-    needed = checkpoint_bytes(latest) if latest is not None else sum(f["bytes"] for f in found)
+    needed = sum(f["bytes"] for f in found)
+    if latest is not None and (latest / "manifest.json").exists():  # also counts state.json, rng, tokenizer
+        needed = max(needed, checkpoint_bytes(latest))
     free = min(f["free"] for f in found)
     if free < needed:
         raise SaveRefused(out_of_space_message(root, step, needed, free, kept))
