@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fbt_megatron.checkpoint.manager import LATEST, STEP_DIR, CheckpointError, file_crc32, step_dirs
+from fbt_megatron.checkpoint.files import LATEST, STEP_DIR, CheckpointError, file_crc32, step_dirs
 
 
 class CheckpointCorrupted(CheckpointError):

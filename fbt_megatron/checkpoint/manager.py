@@ -31,28 +31,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fbt_megatron.checkpoint.files import LATEST, STEP_DIR, CheckpointError, file_crc32, step_dirs
 from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
 from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
 from fbt_megatron.checkpoint.shards import Fragment, ParamSpec, StateFragments, storage_key
 from fbt_megatron.engine.zero_state import STATE_NAMES
 
-LATEST = "latest"
 FORMAT_VERSION = 2
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked (missing, truncated, wrong shapes, ...)."""
 
 
 # ---------------------------------------------------------------------- discovery (no process group needed)
@@ -87,21 +80,7 @@ def read_checkpoint_state(path: str | Path) -> dict:
     return json.loads((path / "state.json").read_text())
 
 
-def step_dirs(root: Path) -> list[Path]:
-    """Published checkpoints under ``root``, oldest step first."""
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
 # ---------------------------------------------------------------------- file checks
-def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
-
-
 def check_files_present(path: Path) -> dict:
     """Every file the manifest lists exists with its recorded size (cheap; ``fbt ckpt verify`` also
     checks the CRCs). Returns the manifest."""
