@@ -4,7 +4,8 @@ as ``benchmarks.harness``, a script here as ``harness``, its own directory being
 - ``run_distributed(fn, world_size, *args, layout=ParallelLayout(tensor=2))`` starts world_size processes
   (forkserver, so torch/megatron are imported once), initialises torch.distributed over gloo and Megatron's
   parallel state, calls ``fn(*args)`` on every rank and returns the results ordered by rank; a failure on
-  any rank raises with that rank's traceback.
+  any rank raises with that rank's traceback. A collective that waits past ``collective_timeout_s`` (default
+  180 s, also in TINY's recipe) fails naming the rank, the collective and its process group.
 - ``tiny_recipe(run_dir, **sections)``: the tiny recipe of the tests and checks (TINY), sections merged in.
 - ``train_summary(recipe_data)``: ``fbt train`` of a recipe in this (already distributed) process, its summary.
 - ``repo_module(path)``: a repository file that is not on the path (a test support module) loaded by path.
@@ -30,7 +31,73 @@ class DistributedTestFailure(RuntimeError):
     pass
 
 
-def _worker(rank, world_size, port, layout, seed, fn, args, queue):
+COLLECTIVE_TIMEOUT_S = 180  # a rank left waiting fails well within pytest's 900 s, naming what it waited for
+_COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                "broadcast_object_list", "gather", "gather_object", "scatter", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "monitored_barrier")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective that waited past the timeout (or whose peer left), with the rank, the collective and its
+    process group."""
+
+
+def group_label(group) -> str:
+    """A process group as a reader knows it: Megatron's name for it (when it is one of its groups) and its ranks."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.GroupMember.WORLD:
+        return f"the default (world) group, ranks 0-{dist.get_world_size() - 1}"
+    names = []
+    try:
+        from megatron.core import parallel_state as ps
+
+        for label, getter in (("data-parallel", "get_data_parallel_group"),
+                              ("data-parallel (gloo)", "get_data_parallel_group_gloo"),
+                              ("tensor-parallel", "get_tensor_model_parallel_group"),
+                              ("pipeline-parallel", "get_pipeline_model_parallel_group"),
+                              ("model-parallel", "get_model_parallel_group"), ("embedding", "get_embedding_group"),
+                              ("context-parallel", "get_context_parallel_group")):
+            try:
+                if getattr(ps, getter)() is group:
+                    names.append(label)
+            except (AttributeError, AssertionError, RuntimeError, TypeError):
+                continue
+    except ImportError:
+        pass
+    ranks = dist.get_process_group_ranks(group)
+    return f"{' / '.join(names) or 'a sub-group'} group, ranks {ranks}"
+
+
+def name_collective_timeouts(timeout_s: float) -> None:
+    """Make a collective of torch.distributed that times out raise :class:`CollectiveTimeout` naming this
+    rank, the collective and its process group (gloo's own message names none of them)."""
+    import torch.distributed as dist
+
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "_names_timeouts", False):
+            continue
+
+        def wrapped(*args, _fn=fn, _name=name, **kwargs):
+            try:
+                return _fn(*args, **kwargs)
+            except Exception as e:
+                text = str(e).lower()
+                timed_out = "timed out" in text or "timeout" in text
+                if not timed_out and "closed by peer" not in text:
+                    raise
+                group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+                what = (f"waited {timeout_s:g} s in {_name} over {group_label(group)}, and a peer never joined (a "
+                        f"collective over the wrong group, or a rank that took another path)" if timed_out else
+                        f"was in {_name} over {group_label(group)} when a peer left (it failed first)")
+                raise CollectiveTimeout(f"rank {dist.get_rank()} {what}: {str(e).splitlines()[0]}") from e
+
+        wrapped._names_timeouts = True
+        setattr(dist, name, wrapped)
+
+
+def _worker(rank, world_size, port, layout, seed, fn, args, queue, collective_timeout_s=COLLECTIVE_TIMEOUT_S):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FBT_DEVICE="cpu",
@@ -39,9 +106,10 @@ def _worker(rank, world_size, port, layout, seed, fn, args, queue):
 
     torch.set_num_threads(1)  # 2 cores shared by N processes: no oversubscription
     try:
-        runtime.init_distributed(timeout_minutes=3)
+        name_collective_timeouts(collective_timeout_s)
+        runtime.init_distributed(timeout_s=collective_timeout_s)
         if layout is not None:
-            runtime.init_parallel_state(layout, seed=seed)
+            runtime.init_parallel_state(layout, seed=seed, timeout_s=collective_timeout_s)
         # Plain pickle: multiprocessing's pickler would share tensors through file descriptors
         # that die with this process before the parent reads them.
         queue.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -54,13 +122,14 @@ def _worker(rank, world_size, port, layout, seed, fn, args, queue):
             pass
 
 
-def run_distributed(fn, world_size: int, *args, layout=None, seed: int = 1234, timeout: float = 600):
+def run_distributed(fn, world_size: int, *args, layout=None, seed: int = 1234, timeout: float = 600,
+                    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     queue = ctx.Queue()
     port = runtime._free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, layout, seed, fn, args, queue))
+        ctx.Process(target=_worker, args=(r, world_size, port, layout, seed, fn, args, queue, collective_timeout_s))
         for r in range(world_size)
     ]
     for p in procs:
@@ -98,7 +167,7 @@ TINY = {
     "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
     "lr_schedule": {"kind": "cosine", "warmup_steps": 2},
     "data": {"seq_length": 32, "synthetic": {"vocab_size": 128}, "valid_sequences": 8},
-    "train": {"steps": 6},
+    "train": {"steps": 6, "collective_timeout_s": COLLECTIVE_TIMEOUT_S},
     "logging": {"log_every": 100, "tensorboard": False},
     "eval": {"every": 1000, "at_end": False},
     "checkpoint": {"every": 1000, "at_end": False, "keep_last": 2},

@@ -124,6 +124,12 @@ class CheckpointConfig(Section):
     async_save: bool = Field(False, description="Write checkpoints in the background.")
     at_end: bool = Field(True, description="Save a checkpoint after the last step.")
     resume: bool = Field(True, description="Resume from the run directory's latest checkpoint.")
+    verify_on_load: bool = Field(
+        True, description="Check every checkpoint file's checksum before a resume or init_from loads it, as fbt ckpt "
+        "verify does.")
+    allow_data_change: bool = Field(
+        False, description="Resume although a dataset's index changed since the checkpoint; the change is "
+        "recorded in metrics.jsonl and the checkpoint.")
 
 
 class ProfileConfig(Section):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 
 from fbt_megatron.errors import UserError
@@ -55,3 +56,12 @@ def step_dirs(root: Path) -> list[Path]:
     """Published checkpoints under ``root``, oldest step first."""
     found = [(int(m.group(1)), p) for p in root.glob("step_*") if p.is_dir() and (m := STEP_DIR.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
+    """The CRC-32 of a file, as the manifest records it."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"

@@ -33,40 +33,31 @@ import json
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
-from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
-from fbt_megatron.checkpoint.shards import Fragment, ParamSpec, StateFragments, storage_key
-from fbt_megatron.engine.zero_state import STATE_NAMES
-
 from fbt_megatron.checkpoint.discovery import (  # noqa: F401 (public here too)
     LATEST,
     STEP_DIR,
     CheckpointError,
+    file_crc32,
     follow_latest,
     read_checkpoint_state,
     resolve_checkpoint,
     step_dirs,
 )
+from fbt_megatron.checkpoint.rng import rng_state, set_rng_state
+from fbt_megatron.checkpoint.safe_load import install_safe_metadata_reader
+from fbt_megatron.checkpoint.shards import Fragment, ParamSpec, StateFragments, storage_key
+from fbt_megatron.engine.zero_state import STATE_NAMES
 
 FORMAT_VERSION = 2
 
 
 # ---------------------------------------------------------------------- file checks
-def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
-
-
 def check_files_present(path: Path) -> dict:
     """Every file the manifest lists exists with its recorded size (cheap; ``fbt ckpt verify`` also
     checks the CRCs). Returns the manifest."""
@@ -150,13 +141,18 @@ def _load_fragments(path: Path, fragments: list[Fragment], which=STATE_NAMES) ->
 
 # ---------------------------------------------------------------------- weights only
 @torch.no_grad()
-def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
+def load_model_weights(path: str | Path, model: torch.nn.Module, verify: bool = True) -> Path:
     """Fill a bare (not DeepSpeed-wrapped) model's parameters from a checkpoint's fp32 master weights,
-    in the current TP layout (call on every rank of the process group). Returns the checkpoint dir."""
+    in the current TP layout (call on every rank of the process group). Returns the checkpoint dir.
+    ``verify``: check every file's CRC-32 first (see :mod:`.guards`)."""
     from fbt_megatron.checkpoint.shards import param_specs, whole_tensor_fragment
 
     path = resolve_checkpoint(path)
     check_files_present(path)
+    if verify:
+        from fbt_megatron.checkpoint.guards import verify_checksums
+
+        verify_checksums(path, init_from=True)
     specs = param_specs(model)
     check_shapes(path, specs, which=("param",))
     fragments, copies = [], []
@@ -220,8 +216,9 @@ FaultHook = Callable[[str, int], None]  # (point, step): tests kill or raise at 
 
 class CheckpointManager:
     def __init__(self, root: str | Path, keep_last: int = 2, async_save: bool = False,
-                 fault_hook: FaultHook | None = None):
+                 fault_hook: FaultHook | None = None, verify_on_load: bool = True):
         self.root = Path(root)
+        self.verify_on_load = verify_on_load
         self.keep_last = keep_last
         self.async_save = async_save
         self.fault_hook = fault_hook
@@ -244,13 +241,39 @@ class CheckpointManager:
     def save(self, step: int, zero: StateFragments, state: dict, files: dict[str, Path] | None = None) -> Path:
         """Write this rank's fragments; publish when every rank's write is complete (at once, or for an
         async save at the first :meth:`poll` that finds it done). ``files``: {name: source} copied into
-        the checkpoint by rank 0 (e.g. the tokenizer), listed in the manifest. Collective."""
-        from megatron.core import dist_checkpointing
+        the checkpoint by rank 0 (e.g. the tokenizer), listed in the manifest. Refused (``SaveRefused``,
+        ``latest`` kept) when the state is not finite or the disk has no room (:mod:`.guards`). Collective."""
+        from megatron.core import parallel_state as ps
+
+        from fbt_megatron.checkpoint.guards import check_before_save
 
         self.wait()  # one save in flight at a time
-        rank = dist.get_rank()
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / f"{name}.tmp"
+        latest = self.latest()
+        check_before_save(self.root, step, zero.fragments(), ps.get_data_parallel_rank(), latest)
+        try:
+            return self._save(step, zero, state, files, final, tmp)
+        except Exception as e:
+            self._out_of_space(e, step, tmp, latest)
+            raise
+
+    def _out_of_space(self, e: Exception, step: int, tmp: Path, latest: Path | None) -> None:
+        """An out-of-space error during a save becomes one sentence; the partial ``.tmp`` is removed."""
+        from fbt_megatron.checkpoint.guards import SaveRefused, free_bytes, is_out_of_space, out_of_space_message
+
+        if not is_out_of_space(e):
+            return
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"{self.root / LATEST} still names {latest.name}" if latest is not None else "no checkpoint is published"
+        raise SaveRefused(out_of_space_message(self.root, step, None, free_bytes(self.root), kept)) from e
+
+    def _save(self, step: int, zero: StateFragments, state: dict, files, final: Path, tmp: Path) -> Path:
+        """The save itself: write into ``tmp``, publish as ``final`` (see :meth:`save`)."""
+        from megatron.core import dist_checkpointing
+
+        rank = dist.get_rank()
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._clean_leftovers()
@@ -362,6 +385,10 @@ class CheckpointManager:
         path = Path(path)
         state = json.loads((path / "state.json").read_text())
         check_files_present(path)
+        if self.verify_on_load:
+            from fbt_megatron.checkpoint.guards import verify_checksums
+
+            verify_checksums(path)
         check_shapes(path, zero.specs)
         _load_fragments(path, zero.fragments())
         zero.masters_to_model()

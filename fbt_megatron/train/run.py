@@ -166,12 +166,15 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     for warning in plan.warnings:
         log(warning)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last,
-                             async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook)
+                             async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook,
+                             verify_on_load=recipe.checkpoint.verify_on_load)
     latest = plan.resume.checkpoint  # the model is built with the rule it was trained under (plan.recipe)
+    data_record, data_changed = _data_record(recipe, data, latest, run_dir, log)
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
                         dtype=dtype)
-    sft.init_weights(plan.resume.init_from, model, log=log)  # init_from: weights only, when not resuming
+    sft.init_weights(plan.resume.init_from, model, log=log,  # init_from: weights only, when not resuming
+                     verify=recipe.checkpoint.verify_on_load)
     specs = param_specs(model)  # before DeepSpeed wraps (ZeRO-3 empties the parameters)
     engine = Engine(model, recipe)
     zero = StateFragments(engine, specs)
@@ -186,6 +189,8 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     if latest is not None:
         saved = ckpt.load_training_state(latest, zero)
         checkpoint_state.load_state_dict(saved)
+        if data_changed:  # the saved loader position names documents of the old data: continue by the cursor
+            loader.load_state_dict(None)
         log(f"resumed from {latest} at step {state.step} (saved with {saved['layout']}, now "
             f"tp={recipe.parallel.tensor} pp={recipe.parallel.pipeline} dp={dp_size} "
             f"zero={recipe.parallel.zero_stage})")
@@ -206,7 +211,7 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     tokenizer_file = sft.checkpoint_files(plan.data, run_dir, dist.get_rank())
 
     def save(st: TrainState):  # st is the trainer's state, which checkpoint_state holds
-        return ckpt.save(st.step, zero, checkpoint_state.state_dict(), files=tokenizer_file)
+        return ckpt.save(st.step, zero, dict(checkpoint_state.state_dict(), data=data_record), files=tokenizer_file)
 
     validation = cb.Validation(recipe.eval.every, lambda k: evaluate(runner, valid, k, device).loss,
                                list(plan.eval_passes),
@@ -226,6 +231,32 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     return Run(plan=plan, recipe=recipe, run_dir=run_dir, log=log, trainer=trainer, checkpoints=ckpt, latest=latest,
                validation=validation, feedback_depth=feedback_depth, num_params=n_params, layout=layout,
                dp_size=dp_size)
+
+
+def _data_record(recipe: Recipe, data_config, latest: Path | None, run_dir: Path, log) -> tuple[dict, bool]:
+    """The datasets' fingerprints the run's checkpoints record (``state.json``'s ``data``), checked against
+    the resumed checkpoint's: a change is refused in one sentence, or with ``checkpoint.allow_data_change``
+    logged and written to ``metrics.jsonl`` (rank 0) and kept in ``data.changes``. Returns (record, changed)."""
+    import time
+
+    from fbt_megatron.checkpoint import read_checkpoint_state
+    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
+
+    now = data_fingerprints(data_config)
+    saved = read_checkpoint_state(latest).get("data") or {} if latest is not None else {}
+    changes = check_resume_data(str(latest), saved.get("fingerprints"), now,
+                                recipe.checkpoint.allow_data_change) if latest is not None else []
+    history = list(saved.get("changes", []))
+    if changes:
+        step = read_checkpoint_state(latest)["train_state"]["step"]
+        row = {"event": "data_changed", "step": step, "time": time.time(), "changes": changes}
+        history.append({k: row[k] for k in ("step", "changes")})
+        log(f"data changed since {latest} (checkpoint.allow_data_change=true): {'; '.join(changes)}")
+        if dist.get_rank() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return {"fingerprints": now, "changes": history}, bool(changes)
 
 
 def _flops_fn(recipe: Recipe, n_params: int):

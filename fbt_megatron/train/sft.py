@@ -43,13 +43,13 @@ def checkpoint_files(data_plan, run_dir: Path, rank: int) -> dict | None:
     return dict(files or {}, **{TEMPLATE_FILE: path})
 
 
-def init_weights(init_from: str | None, model, log) -> None:
+def init_weights(init_from: str | None, model, log, verify: bool = True) -> None:
     """``init_from`` (the plan's: None when the run resumes its own checkpoints): load the checkpoint's
     weights into the bare model (before DeepSpeed wraps it, so the fp32 masters start from them);
-    nothing else of it is read."""
+    nothing else of it is read. ``verify``: check the files' checksums first (checkpoint.verify_on_load)."""
     if not init_from:
         return
     from fbt_megatron.checkpoint.manager import load_model_weights
 
-    path = load_model_weights(init_from, model)
+    path = load_model_weights(init_from, model, verify=verify)
     log(f"initialised from {path} (weights only: new optimiser, LR schedule and data cursor)")

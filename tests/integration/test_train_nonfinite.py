@@ -71,3 +71,23 @@ def test_a_nonfinite_loss_alone_skips_the_step(tmp_path):
     assert not math.isfinite(losses(summary)[1]) and math.isfinite(grad_norms(summary)[1])  # the gradient was fine
     same_state(states[0], states[1], "step 1 (NaN loss, finite gradient)")
     assert states[2]["adam_step"] == states[1]["adam_step"] + 1
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_a_bf16_run_whose_steps_are_all_skipped_changes_nothing(tmp_path, zero_stage):
+    """Every step skipped (a NaN loss, a NaN gradient, an inf gradient, a NaN loss after a finite backward):
+    each rank's model parameters, fp32 masters (its ZeRO partitions), AdamW moments and step count are
+    bitwise what they were before training, in bf16 (DeepSpeed's bf16 optimisers; fp32: the test above);
+    the weight decay of a skipped step is skipped too."""
+    recipe = tiny_recipe(tmp_path, parallel={"zero_stage": zero_stage}, train={"steps": 4, "max_nonfinite_in_row": 10},
+                         optimizer={"lr": 3e-3, "weight_decay": WEIGHT_DECAY, "grad_clip": 1.0})
+    faults = {0: "loss:nan", 1: "grad:nan", 2: "grad:inf", 3: "reported:nan"}
+    for rank, summary in enumerate(run_distributed(train_fn, 2, recipe, faults, {"FBT_DTYPE": "bf16"}, None,
+                                                   "unchanged_state")):
+        probe = summary["probe"]
+        assert summary["skipped_steps"] == 4 and [h[3] for h in summary["history"]] == [True] * 4
+        assert probe["param_dtype"] == "torch.bfloat16", probe
+        assert any(k.endswith("/exp_avg_sq") for k in probe["compared"]) and any(k.startswith("model/") for k in
+                                                                                    probe["compared"])
+        assert probe["changed"] == [], (f"rank {rank}, ZeRO-{zero_stage} bf16 ({probe['optimizer']}): {len(probe['changed'])} tensors changed, "
+                                   f"e.g. {probe['changed'][:4]}")

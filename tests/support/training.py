@@ -242,7 +242,46 @@ def _tp_all_reduces_in_backward(engine):
     return TPAllReduces()
 
 
+def local_training_state(engine) -> dict:
+    """This rank's whole training state as DeepSpeed holds it, at any ZeRO stage and precision: the model's
+    parameters (ZeRO-3: this rank's partition), the fp32 masters AdamW steps (ZeRO-1/2/3: this rank's
+    partitions; bf16: the optimiser's fp32 copies) and their AdamW state (moments, step count); as bytes."""
+    import torch
+
+    def raw(t):
+        return t.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+
+    opt, ds_opt = engine.torch_optimizer, engine.ds.optimizer
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    masters += [p for p in getattr(ds_opt, "fp32_partitioned_groups_flat", None) or [] if all(p is not m for m in masters)]
+    out = {f"model/{n}": raw(p.ds_tensor if hasattr(p, "ds_tensor") else p) for n, p in engine.model.named_parameters()}
+    for i, p in enumerate(masters):
+        out[f"master/{i}"] = raw(p)
+        for key, value in opt.state.get(p, {}).items():
+            out[f"master/{i}/{key}"] = raw(value)
+    return out
+
+
+def _unchanged_state(engine):
+    from fbt_megatron.train.callbacks import Callback
+
+    class UnchangedState(Callback):
+        """Which parts of this rank's training state differ, bitwise, between the start and the end."""
+
+        def on_train_start(self, trainer):
+            self.before = local_training_state(engine)
+
+        def on_train_end(self, trainer):
+            after = local_training_state(engine)
+            trainer.metrics["probe"] = {
+                "compared": sorted(self.before), "changed": sorted(k for k in self.before if not after[k].equal(self.before[k])),
+                "optimizer": type(engine.ds.optimizer).__name__, "param_dtype": str(next(engine.model.parameters()).dtype)}
+
+    return UnchangedState()
+
+
 PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info,
+          "unchanged_state": _unchanged_state,
           "tp_all_reduces_in_backward": _tp_all_reduces_in_backward}
 
 

@@ -262,3 +262,14 @@ def test_cli_passes_the_shard_size_given_and_otherwise_the_librarys_default(monk
     assert cli.main(["to-hf", "ck", "out", "--max-shard-size", "1GiB"]) == 0
     assert cli.main(["to-hf", "ck", "out"]) == 0
     assert [c.get("max_shard_bytes") for c in calls] == [500 * 10**6, 2**30, None]
+
+
+def test_standard_export_of_a_family_with_implied_fields_falls_back_to_llama():
+    """A model imported from Qwen2 that no longer has q/k/v-only biases is not a Qwen2 (whose modelling
+    code implies those biases): its --standard export is written as Llama. Mistral implies nothing and stays."""
+    from fbt_megatron.hf.families import FAMILIES, standard_family
+
+    plain = SimpleNamespace(add_qkv_bias=False, add_bias_linear=False)
+    assert standard_family(plain, "qwen2") is FAMILIES["llama"]
+    assert standard_family(plain, "mistral") is FAMILIES["mistral"]
+    assert standard_family(SimpleNamespace(add_qkv_bias=True, add_bias_linear=False), None) is FAMILIES["qwen2"]

@@ -106,3 +106,24 @@ def test_pipeline_activation_memory_follows_the_schedule():
         got = memory_per_gpu(shape, Layout(1, pp, 1, 2), 1, k).activations
         assert got == pytest.approx(per_pass / pp * held), (pp, k)
     assert memory_per_gpu(shape, Layout(1, 1, 1, 2), 1, 3).activations == pytest.approx(3 * per_pass)
+
+
+def test_pipeline_zero2_keeps_whole_gradients():
+    """Under a pipeline ZeRO-2 holds the step's gradients whole (as ZeRO-1 does); without one it shards them."""
+    s = Shape(layers=2, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=2048)
+    n = 60_060_672 / 2  # per stage (PP=2), TP=1
+    piped = memory_per_gpu(s, Layout(tp=1, pp=2, zero=2, micro_batch=1), dp=4, passes_kept=1)
+    assert piped.grads == 4 * n and piped.optimizer == 12 * n / 4
+    flat = memory_per_gpu(s, Layout(tp=1, pp=1, zero=2, micro_batch=1), dp=4, passes_kept=1)
+    assert flat.grads == 4 * 2 * n / 4
+
+
+def test_suggestion_with_tensor_and_pipeline_parallelism_uses_sequence_parallelism():
+    """6 heads (TP=4 does not divide them) and 14 GB per GPU: only TP=2 x PP=4 fits, and a suggestion with
+    TP > 1 turns sequence parallelism on whatever the pipeline size."""
+    from fbt_megatron.launch.plan import suggest_layout
+
+    s = Shape(layers=16, hidden=3072, heads=6, ffn=12288, vocab=32000, seq=4096)
+    layout, mem = suggest_layout(s, 8, 64, 14 * GB, 1, {}, allow_pp=True)
+    assert (layout.tp, layout.pp, layout.sequence_parallel) == (2, 4, True)
+    assert mem == memory_per_gpu(s, layout, 1, 1)

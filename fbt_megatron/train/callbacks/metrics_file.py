@@ -18,7 +18,8 @@ class MetricsFile(Logger):
     loggers get (``train/...``, ``feedback/...``, ``perf/...``). Metrics logged outside a step (the
     validation losses, ``val/loss_kK``) get a line of their own with ``"event": "metrics"``.
     ``fbt slurm status`` reads it; the preemption and elastic tests compare its sample stream with an
-    uninterrupted run's."""
+    uninterrupted run's. At the start of a (resumed) run the rows of steps after the resumed one are
+    removed: those steps are trained again, and each step keeps one row."""
 
     priority = 50
 
@@ -35,6 +36,10 @@ class MetricsFile(Logger):
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
+    def on_train_start(self, trainer) -> None:
+        if is_rank0():
+            drop_rows_after(self.path, trainer.state.step)
+
     def on_step_end(self, trainer, r) -> None:
         if not is_rank0():
             return
@@ -48,6 +53,29 @@ class MetricsFile(Logger):
         if is_rank0():
             self._write({"event": "metrics", "step": trainer.state.step, "tokens_seen": trainer.state.tokens_seen,
                          "time": time.time(), **metrics})
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Rewrite the metrics file without the rows of steps after ``step`` (the run resumes there and trains
+    them again) and without lines cut by a kill; atomic (a temporary file renamed over it). Returns how
+    many lines went."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or row.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 def read_rows(path: Path) -> list[dict]:
