@@ -2,7 +2,7 @@
 one-sentence message, the exit code, and that nothing was lost (the run directory unchanged, or `latest`
 kept and still sound).
 
-Every case calls `fbt train`'s entry point (``fbt_megatron.train.cli.main``) in one process, each call a
+Every case calls `fbt train`'s entry point (``fbt_megatron.launch.train_cli.main``) in one process, each call a
 world of one; faults are injected by the test (a flipped byte, a replaced dataset, a patched free-space
 probe or writer, a state damaged after loading)."""
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 # ---------------------------------------------------------------------- helpers (in the worker process)
 def _fbt_train(recipe: dict, where: Path) -> tuple[int, str]:
     """``fbt train RECIPE`` in this process: (exit code, stderr)."""
-    from fbt_megatron.train import cli
+    from fbt_megatron.launch import train_cli as cli
 
     path = where / f"recipe_{len(list(where.glob('recipe_*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(recipe))
