@@ -25,6 +25,7 @@ LAYERS = {
     "fbt_megatron.recipe": 1,
     "data_pipeline.config": 1,
     "data_pipeline.errors": 1,
+    "data_pipeline.output_dir": 1,  # the rule for directories a command writes (also hf export, research runs)
     # 2: the data pipeline and the model
     "data_pipeline": 2,
     "fbt_megatron.data": 2,
