@@ -271,3 +271,21 @@ def test_merge_names_a_missing_count(corpus, tmp_path):
     (adir / "counts" / "slice-00001.json").unlink()
     with pytest.raises(SourceError, match=r"slice 1 has not been counted"):
         array.merge(adir)
+
+
+def test_merge_refuses_a_slice_record_whose_samples_do_not_follow_on(corpus, tmp_path):
+    """A done record whose shard starts at another sample than the shards before it end at (a record
+    edited or from another run) is refused by the merge, naming the shard and both sample ids."""
+    import json
+
+    adir = _planned_and_tokenized(corpus, tmp_path / "out", corpus["tok"])
+    record = array._slice_file(adir, "done", 1)
+    rec = json.loads(record.read_text())
+    info = rec["infos"][0]
+    k, want = info["shard"], info["first_sample"]
+    info["first_sample"] = want + 1
+    record.write_text(json.dumps(rec))
+    with pytest.raises(SourceError, match=rf"shard-{k:06d}\.tar is shard {k} from sample {want + 1}, expected shard "
+                                          rf"{k} from {want}: run the tasks again"):
+        array.merge(adir)
+    assert not (tmp_path / "out").exists()
