@@ -44,7 +44,9 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SourceError
-from .prepare import _finished, _shard_tasks, _write_index, drop_shard_meta, exclusive_lock, run_shard_tasks
+from .output_dir import OutputDirError, earlier_output
+from .prepare import (DATASET_ENTRIES, WRITER, _finished, _shard_tasks, _write_index, drop_shard_meta, exclusive_lock,
+                      run_shard_tasks)
 from .shards import FORMAT_VERSION, INDEX_FILE, Dataset, DatasetReader, shard_name
 from .sources import Unit, expand_paths, fingerprint_files, iter_units, list_units
 from .tokenizer import load_tokenizer, resolve_bos, tokenizer_hash
@@ -100,11 +102,12 @@ def _fingerprint(sources: list[Path]) -> list:
 def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os.PathLike, num_tasks: int, *,
                name: str | None = None, shard_bytes: int = 16 << 20, text_field: str = "text",
                id_field: str | None = "id", skip_bad_rows: bool = False, bos: str = "no",
-               write: bool = True) -> tuple[Path, dict, str]:
+               write: bool = True, overwrite: bool = False) -> tuple[Path, dict, str]:
     """Write (or keep) ``<out>.array/plan.json``; returns ``(array dir, plan, state)`` with state "new"
     (a fresh plan; work left by other settings removed), "resume" (the same plan: finished work is kept)
     or "merged" (the same plan, already merged into ``out_dir``). ``write=False``: the plan and its
-    state only, nothing written or removed (a dry run)."""
+    state only, nothing written or removed (a dry run). ``out_dir`` holding another dataset is refused
+    unless ``overwrite``, and anything but a dataset always (:mod:`output_dir`), before anything is written."""
     if num_tasks < 1:
         raise SourceError(f"a job array needs at least one task (got {num_tasks})")
     if not paths:
@@ -126,7 +129,11 @@ def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os
     if old is not None and old.get("id") == plan["id"]:
         merged = _read_json(adir / MERGED_FILE)
         done = merged is not None and merged.get("id") == plan["id"] and (out_dir / INDEX_FILE).is_file()
-        return adir, old, "merged" if done else "resume"
+        if done:
+            return adir, old, "merged"
+        _check_out(out_dir, plan["id"], overwrite)
+        return adir, old, "resume"
+    _check_out(out_dir, plan["id"], overwrite)
     if not write:
         return adir, plan, "new"
     for sub in ("shards", "counts", "done"):  # another plan's work
@@ -134,6 +141,18 @@ def write_plan(paths: list[str], out_dir: str | os.PathLike, tokenizer: str | os
     (adir / MERGED_FILE).unlink(missing_ok=True)
     _write_json(adir / PLAN_FILE, plan)
     return adir, plan, "new"
+
+
+def _check_out(out_dir: Path, plan_id: str, overwrite: bool) -> None:
+    """Refuse an ``out_dir`` holding anything but a dataset, or (without ``overwrite``) a dataset this plan
+    did not merge."""
+    if not earlier_output(out_dir, markers=(INDEX_FILE,), patterns=DATASET_ENTRIES, writer=WRITER) or overwrite:
+        return
+    index = _read_json(out_dir / INDEX_FILE)
+    if isinstance(index, dict) and (index.get("prepare") or {}).get("plan") == plan_id:
+        return  # a merge of this plan stopped after its move
+    raise OutputDirError(f"--out {out_dir} holds a dataset of other inputs or settings: nothing was changed; "
+                         f"pass --overwrite to replace it, or choose another directory")
 
 
 def load_plan(adir: str | os.PathLike) -> dict:
@@ -318,8 +337,8 @@ def merge(adir: str | os.PathLike) -> dict:
     _verify(shards)
     # The shards' meta files (what a resumed task reads) go only after the move: a merge stopped before
     # it keeps every finished shard, and one stopped after it is finished by the next merge.
-    if out.exists():
-        os.replace(out, aside)
+    if earlier_output(out, markers=(INDEX_FILE,), patterns=DATASET_ENTRIES, writer=WRITER):  # else refused
+        os.replace(out, aside)  # a dataset (the plan was checked against it when submitted)
     os.replace(shards, out)
     return _finish_merge(adir, plan, out, aside, infos, index)
 

@@ -222,8 +222,9 @@ def iter_conversations(paths, tok, *, max_tokens: int, bad: dict, strict: bool =
 
 def prepare_chat(paths, out_dir, tokenizer, *, chat_template: str | None = None, max_tokens: int = 2048,
                  strict: bool = False, name: str | None = None, shard_bytes: int = 16 << 20,
-                 num_workers: int = 1, progress: bool = True) -> dict:
-    """Write a chat dataset (see the module docstring); returns its index, ``meta.bad_rows`` included."""
+                 num_workers: int = 1, progress: bool = True, overwrite: bool = False) -> dict:
+    """Write a chat dataset (see the module docstring); returns its index, ``meta.bad_rows`` included.
+    ``out_dir`` and ``overwrite``: as :func:`prepare.prepare_dataset`."""
     from .prepare import _input_fingerprint, prepare_dataset
     from .tokenizer import load_tokenizer
 
@@ -237,7 +238,8 @@ def prepare_chat(paths, out_dir, tokenizer, *, chat_template: str | None = None,
             "max_tokens": int(max_tokens), "inputs": _input_fingerprint(list(paths)), "bad_rows": bad}
     docs = iter_conversations(paths, tok, max_tokens=max_tokens, bad=bad, strict=strict)
     index = prepare_dataset(list(paths), out_dir, tokenizer, name=name, shard_bytes=shard_bytes,
-                            num_workers=num_workers, progress=progress, documents=docs, extra_meta=meta)
+                            num_workers=num_workers, progress=progress, documents=docs, extra_meta=meta,
+                            overwrite=overwrite)
     nbad = sum(bad["counts"].values())
     if nbad:
         log.warning("chat source %s: %d bad conversations not written: %s (first of each: %s)", index["name"],

@@ -14,6 +14,29 @@ import yaml
 from .errors import DataError
 
 
+def _bounded(kind, low, *, strict: bool = False):
+    """An argparse type: a ``kind`` number at least ``low`` (above it when ``strict``), else one sentence."""
+    word = "an integer" if kind is int else "a number"
+    bound = f"{'>' if strict else '>='} {low}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
+        if value != value or value < low or (strict and value == low) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {word} {bound} (got {text})")
+        return value
+
+    parse.__name__ = f"{word} {bound}"  # argparse names the type by it in its other messages
+    return parse
+
+
+COUNT = _bounded(int, 1)  # workers, sizes, counts: at least one
+INDEX = _bounded(int, 0)  # a task, a start position, a seed
+MEGABYTES = _bounded(float, 0, strict=True)
+
+
 def _cmd_tokenizer(a) -> int:
     from .tokenizer import load_tokenizer, tokenizer_files, tokenizer_hash, train_tokenizer
 
@@ -53,7 +76,7 @@ def _cmd_prepare(a) -> int:
         raise DataError("--chat-template, --strict and --max-tokens apply to --format chat")
     idx = prepare_dataset(a.input, a.out, a.tokenizer, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
                           num_workers=a.workers, text_field=a.text_field, id_field=a.id_field or None,
-                          progress=not a.quiet, skip_bad_rows=a.skip_bad_rows, bos=a.bos)
+                          progress=not a.quiet, skip_bad_rows=a.skip_bad_rows, bos=a.bos, overwrite=a.overwrite)
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "skipped_empty_documents",
                                            "skipped_bad_rows", "bos_added_id",
                                            "tokenizer_hash", "seconds", "prepare")} | {"shards": idx["num_shards"]}))
@@ -75,7 +98,7 @@ def _prepare_chat(a) -> int:
         template = path.read_text()
     idx = prepare_chat(a.input, a.out, a.tokenizer, chat_template=template, max_tokens=a.max_tokens or 2048,
                        strict=a.strict, name=a.name, shard_bytes=int(a.shard_mb * (1 << 20)),
-                       num_workers=a.workers, progress=not a.quiet)
+                       num_workers=a.workers, progress=not a.quiet, overwrite=a.overwrite)
     bad = idx["meta"]["bad_rows"]
     print(json.dumps({k: idx[k] for k in ("name", "num_samples", "num_tokens", "tokenizer_hash", "seconds")}
                      | {"format": "chat", "shards": idx["num_shards"], "bad_rows": bad["counts"],
@@ -165,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--input", nargs="*", default=[], help="JSONL files, text files or directories")
     t.add_argument("--load", help="an existing .model to validate (and copy to --out)")
     t.add_argument("--out", required=True, help="output .model path")
-    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--vocab-size", type=COUNT, default=4096)
     t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    t.add_argument("--max-sentences", type=int, default=300_000)
+    t.add_argument("--max-sentences", type=COUNT, default=300_000)
     t.add_argument("--text-field", default="text")
     t.set_defaults(fn=_cmd_tokenizer)
 
@@ -180,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a sentencepiece .model, a Hugging Face tokenizer.json, or a model directory holding either")
     q.add_argument("--out", required=True, help="dataset directory to write")
     q.add_argument("--name", help="source name (default: the output directory's name)")
-    q.add_argument("--shard-mb", type=float, default=16.0,
+    q.add_argument("--shard-mb", type=MEGABYTES, default=16.0,
                    help="about this many MB per shard (estimated from the text; shards are the unit of parallel work)")
-    q.add_argument("--workers", type=int, default=2, help="tokenizer/shard-writer processes")
+    q.add_argument("--workers", type=COUNT, default=2, help="tokenizer/shard-writer processes")
     q.add_argument("--text-field", default="text", help="the text field (JSONL) or column (Parquet, Arrow)")
     q.add_argument("--id-field", default="id")
     q.add_argument("--skip-bad-rows", action="store_true",
@@ -192,13 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a BOS token before each document: no (default), yes (the tokenizer's BOS), auto (what the "
                         "tokenizer's own post-processor adds: Llama 3, Llama 2 and Mistral tokenizer.json a BOS, "
                         "Qwen2 none; a sentencepiece model none); recorded as bos_added_id in index.json")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset of other inputs or settings at --out (a directory holding anything but "
+                        "a dataset is never replaced; the same dataset is kept as it is)")
     q.add_argument("--quiet", action="store_true")
     q.add_argument("--format", choices=("text", "chat"), default="text",
                    help="text: documents (--text-field); chat: JSONL {\"messages\": [{\"role\", \"content\"}, ...]} "
                         "with a per-token loss mask on the assistant turns (docs/data.md)")
     q.add_argument("--chat-template", help="chat: a Jinja template file (default: the built-in one; assistant "
                                            "turns inside {%% generation %%} ... {%% endgeneration %%})")
-    q.add_argument("--max-tokens", type=int, default=None,
+    q.add_argument("--max-tokens", type=COUNT, default=None,
                    help="chat: longer conversations are bad rows (default 2048; use the recipe's seq_length)")
     q.add_argument("--strict", action="store_true", help="chat: a bad conversation is an error, not a counted skip")
     q.set_defaults(fn=_cmd_prepare)
@@ -207,19 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
                                             "them; data_pipeline/array.py)")
     r.add_argument("stage", choices=("count", "tokenize", "merge"))
     r.add_argument("--plan", required=True, help="the array directory <out>.array holding plan.json")
-    r.add_argument("--task", type=int, default=None, help="the slice (default: $SLURM_ARRAY_TASK_ID)")
-    r.add_argument("--workers", type=int, default=1, help="tokenize: tokenizer/shard-writer processes")
+    r.add_argument("--task", type=INDEX, default=None, help="the slice (default: $SLURM_ARRAY_TASK_ID)")
+    r.add_argument("--workers", type=COUNT, default=1, help="tokenize: tokenizer/shard-writer processes")
     r.set_defaults(fn=_cmd_prepare_task)
 
     e = sub.add_parser("embedded", help="build the embedded default mix offline (stdlib code, docs, math)")
     e.add_argument("--out", default="data/embedded")
-    e.add_argument("--vocab-size", type=int, default=4096)
-    e.add_argument("--code-mb", type=float, default=6.0)
-    e.add_argument("--prose-mb", type=float, default=3.0)
-    e.add_argument("--math-docs", type=int, default=20_000)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--seq-length", type=int, default=256)
-    e.add_argument("--workers", type=int, default=None)
+    e.add_argument("--vocab-size", type=COUNT, default=4096)
+    e.add_argument("--code-mb", type=MEGABYTES, default=6.0)
+    e.add_argument("--prose-mb", type=MEGABYTES, default=3.0)
+    e.add_argument("--math-docs", type=COUNT, default=20_000)
+    e.add_argument("--seed", type=INDEX, default=0)
+    e.add_argument("--seq-length", type=COUNT, default=256)
+    e.add_argument("--workers", type=COUNT, default=None)
     e.add_argument("--force", action="store_true", help="rebuild even if built with the same settings")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(fn=_cmd_embedded)
@@ -231,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("peek", help="decode the first sequences of the stream of a recipe/mix.yaml")
     k.add_argument("recipe")
-    k.add_argument("--sequences", type=int, default=2)
-    k.add_argument("--start", type=int, default=0)
+    k.add_argument("--sequences", type=COUNT, default=2)
+    k.add_argument("--start", type=INDEX, default=0)
     k.add_argument("--split", choices=("train", "valid"), default="train",
                    help="train (default) or the held-out valid split (data.valid_documents)")
     k.set_defaults(fn=_cmd_peek)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from .output_dir import earlier_output
 from .prepare import prepare_dataset
 from .shards import INDEX_FILE
 from .tokenizer import train_tokenizer, tokenizer_hash
@@ -37,6 +38,9 @@ EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", 
                 "turtledemo", "lib2to3"}
 # Share of *tokens* per source, written into mix.yaml as the weights (data.weight_by: tokens).
 TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
+# what a build writes into its directory: only a directory holding these (and embedded.json) is built over
+EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
+                    *(f"{n}{suffix}" for n in TOKEN_SHARES for suffix in ("", ".tmp", ".lock")))
 
 
 def stdlib_files() -> list[Path]:
@@ -183,12 +187,15 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
                    prose_mb: float = 3.0, math_docs: int = 20_000, seed: int = 0,
                    num_workers: int | None = None, seq_length: int = 256, force: bool = False,
                    progress: bool = True, log=print) -> dict:
-    """Build (or find already built) the embedded mix under ``out``. Returns the ``data:`` section."""
+    """Build (or find already built) the embedded mix under ``out``. Returns the ``data:`` section.
+    ``out`` must be absent, empty or an earlier build's (``embedded.json``): anything else is refused
+    (:class:`output_dir.OutputDirError`), nothing written."""
     out = Path(out)
     settings = {"version": BUILD_VERSION, "vocab_size": vocab_size, "code_mb": code_mb, "prose_mb": prose_mb,
                 "math_docs": math_docs, "seed": seed, "python": sys.version.split()[0],
                 "stdlib": sysconfig.get_paths()["stdlib"]}
     stamp = out / "embedded.json"
+    earlier_output(out, markers=(stamp.name,), patterns=EMBEDDED_ENTRIES, writer="fbt data embedded")  # else refused
     if not force and stamp.is_file():
         try:
             prev = json.loads(stamp.read_text())
@@ -201,7 +208,7 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
             return yaml.safe_load((out / "mix.yaml").read_text())["data"]
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
+    stamp.write_text(json.dumps({"building": settings}))  # the directory is a build's from now on (not done yet)
     files = stdlib_files()
     workers = num_workers or max(1, os.cpu_count() or 1)
     makers = {
@@ -226,7 +233,7 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
     for name, make in makers.items():
         idx = prepare_dataset([], out / name, out / "tokenizer.model", name=name, shard_bytes=1 << 20,
                               num_workers=workers, progress=progress, documents=make(),
-                              extra_meta={"embedded": settings})
+                              extra_meta={"embedded": settings}, overwrite=True)  # a dataset of this build
         summary[name] = {"samples": idx["num_samples"], "tokens": idx["num_tokens"], "shards": idx["num_shards"]}
         log(f"  {name}: {idx['num_samples']} documents, {idx['num_tokens']} tokens, {idx['num_shards']} shards")
     data = embedded_section(out, seq_length=seq_length, seed=seed)

@@ -31,3 +31,7 @@ class TokenizerMismatchError(DataError):
 
 class IndexError_(DataError):
     """A dataset directory has no (or an unreadable) index."""
+
+
+class OutOfSpaceError(DataError):
+    """The disk filled while writing: the message names the path, the space free and what was kept."""

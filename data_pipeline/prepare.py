@@ -20,13 +20,16 @@ How the work is split, and why:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
+import hashlib
 import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import sys
 import time
 import zlib
@@ -37,14 +40,20 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from .errors import SourceError
-from .shards import ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDS_FILE, sample_key, shard_name
+from .errors import OutOfSpaceError, SourceError
+from .output_dir import OutputDirError, earlier_output, replace_dir
+from .shards import (ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, LEGACY_SAMPLES_FILE, SHARDS_FILE, sample_key,
+                     shard_name)
 from .sources import expand_paths, fingerprint_files, iter_documents
 from .tokenizer import load_tokenizer, resolve_bos, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
 SETTINGS_FILE = "prepare.json"
+# what `fbt data prepare` writes into a dataset directory (and its <out>.tmp): only such a directory is replaced
+DATASET_ENTRIES = (INDEX_FILE, SETTINGS_FILE, SHARDS_FILE, LEGACY_SAMPLES_FILE, *ARRAY_FILES.values(), "shard-*.tar",
+                   "shard-*.tar.part", "shard-*.meta.npz", "shard-*.meta.part.npz")
+WRITER = "fbt data prepare"
 TAR_OVERHEAD = 1536  # tar headers and padding of a sample's two members (estimate)
 
 
@@ -168,6 +177,7 @@ def prepare_dataset(
     extra_meta: dict | None = None,
     skip_bad_rows: bool = False,
     bos: str = "no",
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize the documents behind ``paths`` (or the iterable ``documents`` of ``(doc_id, text)``) in
     ``num_workers`` processes into shards of about ``shard_bytes`` bytes in ``out_dir``; returns the index.
@@ -178,6 +188,10 @@ def prepare_dataset(
     row (``sources.py``; ``skip_bad_rows``: skipped and counted in the index instead). ``bos``: a BOS
     before each text document, ``no``/``yes``/``auto`` (``tokenizer.resolve_bos``; recorded in the index as
     ``bos_added_id``, null for none).
+
+    ``out_dir`` (:mod:`output_dir`'s rule): absent or empty, it is written; holding a dataset of the same
+    inputs, tokenizer and settings, that dataset's index is returned and nothing is written; holding
+    another dataset, it is replaced only with ``overwrite``; holding anything else, :class:`OutputDirError`.
     """
     out_dir = Path(out_dir)
     name = name or out_dir.name
@@ -198,6 +212,15 @@ def prepare_dataset(
     settings = {"format_version": FORMAT_VERSION, "name": name, "tokenizer_hash": thash, "shard_bytes": shard_bytes,
                 "text_field": text_field, "id_field": id_field, "inputs": inputs, "meta": extra_meta,
                 "skip_bad_rows": skip_bad_rows, "bos_added_id": bos_id}
+    # the dataset's identity, recorded in its index: taken now (a chat source's meta fills in while it is read)
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    # documents from a caller that describes none of them (no inputs, no meta) cannot be told the same
+    same = _earlier_dataset(out_dir, settings_hash if inputs is not None or extra_meta else None, overwrite)
+    if same is not None:
+        if progress:
+            print(f"prepare {name}: {out_dir} already holds this dataset (the same inputs, tokenizer and settings; "
+                  f"{same['num_samples']:,} documents): nothing written", file=sys.stderr)
+        return same
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     # two runs writing the same <out>.tmp would corrupt it
     lock = exclusive_lock(out_dir.with_name(out_dir.name + ".lock"),
@@ -205,33 +228,161 @@ def prepare_dataset(
     try:
         return _prepare(documents, out_dir, tmp, tokenizer, name=name, thash=thash, vocab=vocab, eos=sp.eos_id(), bos=bos_id,
                         dtype=dtype, counts=counts, settings=settings, shard_bytes=shard_bytes,
-                        num_workers=num_workers, progress=progress, paths=paths, extra_meta=extra_meta)
+                        num_workers=num_workers, progress=progress, paths=paths, extra_meta=extra_meta,
+                        settings_hash=settings_hash)
+    except OSError as exn:
+        if exn.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OutOfSpaceError(_out_of_space(tmp, exn, inputs)) from None
     finally:
         Path(lock.name).unlink(missing_ok=True)
         lock.close()
 
 
-def exclusive_lock(path: Path, busy: str):
-    """An exclusive lock on ``path`` (created, with its directory), holding this process's pid; the open
-    file is the lock (close it to release). Taken already: SourceError ``"{busy} (pid P; lock PATH)"``.
-    On a file system without locks (some shared ones) it warns and goes on unlocked, since refusing would
-    stop every run there: the caller's other checks then stand alone."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(path, "a+")
+PLAIN_TEXT = (".jsonl", ".json", ".txt", ".md")  # inputs whose size tells the text's size (not compressed)
+
+
+def _out_of_space(tmp: Path, exn: OSError, inputs: list | None) -> str:
+    """The sentence for a full disk: where, the space free against an estimate of what is still to be
+    written (plain-text inputs only: about 2 bytes per 4 characters, as :func:`_shard_tasks` estimates), what
+    was kept, and that a rerun resumes."""
+    where = Path(exn.filename) if exn.filename else tmp
+    kept = sorted(tmp.glob("shard-*.tar")) if tmp.is_dir() else []
+    written = sum(f.stat().st_size for f in kept)
     try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        free = f"{shutil.disk_usage(tmp if tmp.is_dir() else tmp.parent).free / 1e6:,.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    need = ""
+    if inputs and all(Path(f).suffix in PLAIN_TEXT for f, _, _ in inputs):
+        more = max(0, sum(size for _, size, _ in inputs) // 2 - written)
+        need = f" against about {more / 1e6:,.1f} MB still to write (estimated from the inputs' size)"
+    shards = f"{len(kept)} finished shard" + ("" if len(kept) == 1 else "s")
+    return (f"no space left on the device writing {where} ({free}{need}): {shards} kept in {tmp}; "
+            f"free space and run the same command again to resume")
+
+
+def _earlier_dataset(out_dir: Path, settings_hash: str | None, overwrite: bool) -> dict | None:
+    """The index of the dataset at ``out_dir`` when it is the one these settings write (``settings_hash``;
+    None: never the same); None when ``out_dir`` is free to write (absent, empty, or another dataset and
+    ``overwrite``). Another dataset without ``overwrite``, or anything else there: :class:`OutputDirError`."""
+    if not earlier_output(out_dir, markers=(INDEX_FILE,), patterns=DATASET_ENTRIES, writer=WRITER):
+        return None
+    try:
+        index = json.loads((out_dir / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        index = None
+    if isinstance(index, dict) and settings_hash is not None and index.get("settings_hash") == settings_hash:
+        return index
+    if overwrite:
+        return None
+    what = (f"a dataset of other inputs or settings ({index.get('num_samples', '?')} documents of "
+            f"{index.get('name', '?')!r})" if isinstance(index, dict) else f"a dataset with an unreadable {INDEX_FILE}")
+    raise OutputDirError(f"--out {out_dir} holds {what}: nothing was changed; pass --overwrite to replace it, "
+                         f"or choose another directory")
+
+
+_HELD_LOCKS: list = []  # this process's open locks: a forked worker closes its copies (:func:`_init_forked_worker`)
+
+
+def _holder(text: str) -> tuple[str, str | None, int | None]:
+    """(pid, host, process group) from a lock file's ``PID HOST PGID`` (an older one holds the pid only)."""
+    parts = text.split()
+    pid = parts[0] if parts else "?"
+    host = parts[1] if len(parts) > 1 else None
+    pgid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+    return pid, host, pgid
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live group
+        return True
+    return True
+
+
+def _dead_holder(text: str) -> bool:
+    """Whether the lock's holder is known dead: on this host, and no process of its group is left."""
+    _, host, pgid = _holder(text)
+    return host == socket.gethostname() and pgid is not None and not _group_alive(pgid)
+
+
+def _live_holder(text: str) -> bool:
+    """Whether the lock file names another process of this host that is still running."""
+    pid, host, _ = _holder(text)
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def exclusive_lock(path: Path, busy: str):
+    """An exclusive lock on ``path`` (created, with its directory), holding ``PID HOST PGID`` of this
+    process; the open file is the lock (close it to release). Held by a live process:
+    SourceError ``"{busy} (pid P on HOST; lock PATH)"``. Held by a process group that is gone (its
+    processes killed, on this host): taken over with a warning. On a file system without locks (some
+    shared ones) a holder still running on this host is refused the same way; else it warns and goes on
+    unlocked, since refusing would stop every run there: the caller's other checks then stand alone."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _HELD_LOCKS[:] = [f for f in _HELD_LOCKS if not f.closed]
+    for attempt in (0, 1):
+        fh = open(path, "a+")
         fh.seek(0)
-        holder = fh.read().strip() or "?"
-        fh.close()
-        raise SourceError(f"{busy} (pid {holder}; lock {path})") from None
-    except OSError as exn:
-        log.warning("%s: no lock on this file system (%s): two runs at once would not be stopped", path, exn)
+        text = fh.read().strip()
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            if attempt == 0 and _dead_holder(text):  # a lock is an inode: a new file is a new lock
+                log.warning("%s: taking over the lock of pid %s, whose process group is gone", path, _holder(text)[0])
+                path.unlink(missing_ok=True)
+                continue
+            pid, host, _ = _holder(text)
+            raise SourceError(f"{busy} (pid {pid}{f' on {host}' if host else ''}; lock {path})") from None
+        except OSError as exn:
+            if _live_holder(text):  # no lock to test: the file's holder (a finished run leaves its file behind)
+                fh.close()
+                pid, host, _ = _holder(text)
+                raise SourceError(f"{busy} (pid {pid} on {host}; lock {path})") from None
+            log.warning("%s: no lock on this file system (%s): two runs at once would not be stopped", path, exn)
+        break
     fh.seek(0)
     fh.truncate()
-    fh.write(str(os.getpid()))
+    fh.write(f"{os.getpid()} {socket.gethostname()} {os.getpgid(0)}")
     fh.flush()
+    _HELD_LOCKS.append(fh)
     return fh
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: this process is killed when ``parent`` ends (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a
+    killed prepare leaves no worker behind blocked on its pipe; it exits now if ``parent`` is gone already."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _init_forked_worker(parent: int, *init) -> None:
+    """A pool worker's start: it dies with ``parent``, and closes its copies of the parent's locks (a
+    lock is released only when every copy is closed)."""
+    _die_with_parent(parent)
+    for fh in _HELD_LOCKS:
+        if not fh.closed:
+            fh.close()
+    _HELD_LOCKS.clear()
+    _init_worker(*init)
 
 
 def run_shard_tasks(tasks, init: tuple, num_workers: int, finished=None):
@@ -245,8 +396,8 @@ def run_shard_tasks(tasks, init: tuple, num_workers: int, finished=None):
             # forked workers would otherwise copy the parent's heap page by page as their garbage
             # collector walks the inherited objects (torch is imported by webdataset): freeze them first
             gc.freeze()
-            pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
-                                       initargs=init)
+            pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"),
+                                       initializer=_init_forked_worker, initargs=(os.getpid(), *init))
             submit = pool.submit
         else:
             _init_worker(*init)
@@ -277,9 +428,11 @@ def run_shard_tasks(tasks, init: tuple, num_workers: int, finished=None):
 
 
 def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, vocab, eos, bos, dtype, counts, settings,
-             shard_bytes, num_workers, progress, paths, extra_meta) -> dict:
+             shard_bytes, num_workers, progress, paths, extra_meta, settings_hash) -> dict:
     resumed = False
-    if tmp.is_dir():
+    # <out>.tmp is removed or resumed only when an earlier prepare left it (refused when it holds other files)
+    if earlier_output(tmp, markers=(SETTINGS_FILE, INDEX_FILE), patterns=DATASET_ENTRIES, writer=WRITER,
+                      option="the work directory"):
         try:
             resumed = json.loads((tmp / SETTINGS_FILE).read_text()) == settings
         except (OSError, json.JSONDecodeError):
@@ -331,6 +484,7 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
     index = _write_index(tmp, infos, name=name, thash=thash, tokenizer=tokenizer, vocab=vocab, eos=eos, bos=bos,
                          dtype=dtype, counts=counts, paths=paths, extra_meta=extra_meta)
     seconds = time.time() - t0
+    index["settings_hash"] = settings_hash
     index["seconds"] = round(seconds, 3)
     index["prepare"] = {"workers": num_workers, "resumed_shards": kept,
                         "tokens_per_s": round(done_tokens / max(seconds, 1e-9))}
@@ -340,9 +494,7 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
         log.warning("source %s: skipped %d bad rows (first: %s)", name, index["skipped_bad_rows"], index["first_bad_row"])
     if index["skipped_empty_documents"]:
         log.warning("source %s: skipped %d empty documents", name, index["skipped_empty_documents"])
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    replace_dir(tmp, out_dir, markers=(INDEX_FILE,), patterns=DATASET_ENTRIES, writer=WRITER)
     if progress:
         again = f" ({kept} finished shards kept from an interrupted run)" if kept else ""
         print(f"prepare {name}: {index['num_samples']:,} documents, {index['num_tokens']:,} tokens, "

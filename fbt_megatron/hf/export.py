@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.output_dir import describe
 from data_pipeline.tokenizer import HF_TOKENIZER_FILES  # noqa: F401 (the importer's list too)
 from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
@@ -261,8 +262,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     from fbt_megatron.checkpoint import read_checkpoint_state
 
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConversionError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR "
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never written over (data_pipeline.output_dir)
+        held = f" (it holds {describe(sorted(e.name for e in out.iterdir()))})" if out.is_dir() else ""
+        raise ConversionError(f"{out} already exists and is not an empty directory{held}; choose a new OUT_DIR "
                               "(nothing is overwritten)")
     path = resolve_checkpoint(checkpoint)
     state = read_checkpoint_state(path)

@@ -71,6 +71,7 @@ def _prepare_parser() -> argparse.ArgumentParser:
     ap.add_argument("--id-field", default="id")
     ap.add_argument("--skip-bad-rows", action="store_true")
     ap.add_argument("--bos", choices=("no", "yes", "auto"), default="no", help="as `fbt data prepare --bos`")
+    ap.add_argument("--overwrite", action="store_true", help="as `fbt data prepare --overwrite`")
     ap.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes per tokenize task")
     ap.add_argument("--cpus-per-task", type=positive_int, default=None, help="default: --workers (tokenize), 1 (count, merge)")
     ap.add_argument("--time", default="24:00:00", help="time limit of each task")
@@ -89,7 +90,8 @@ def _submit_prepare(argv: list[str]) -> int:
     a = _prepare_parser().parse_args(argv)
     spec = PrepareSpec(inputs=a.input, out=a.out, tokenizer=a.tokenizer, tasks=a.array, name=a.name,
                        shard_mb=a.shard_mb, text_field=a.text_field, id_field=a.id_field or None,
-                       skip_bad_rows=a.skip_bad_rows, bos=a.bos, workers=a.workers, cpus_per_task=a.cpus_per_task,
+                       skip_bad_rows=a.skip_bad_rows, bos=a.bos, overwrite=a.overwrite, workers=a.workers,
+                       cpus_per_task=a.cpus_per_task,
                        time=a.time,
                        partition=a.partition, account=a.account, sbatch_args=a.sbatch_arg, python=a.python,
                        module=a.module)

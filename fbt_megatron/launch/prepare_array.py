@@ -38,6 +38,7 @@ class PrepareSpec:
     id_field: str | None = "id"
     skip_bad_rows: bool = False
     bos: str = "no"  # fbt data prepare --bos
+    overwrite: bool = False  # fbt data prepare --overwrite: replace another dataset at out
     workers: int = 1  # tokenizer processes per tokenize task
     cpus_per_task: int | None = None  # default: workers
     time: str = "24:00:00"
@@ -115,7 +116,7 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
         adir, plan, state = array.write_plan(spec.inputs, spec.out, spec.tokenizer, spec.tasks, name=spec.name,
                                              shard_bytes=int(spec.shard_mb * (1 << 20)), text_field=spec.text_field,
                                              id_field=spec.id_field, skip_bad_rows=spec.skip_bad_rows, bos=spec.bos,
-                                             write=not dry_run)
+                                             write=not dry_run, overwrite=spec.overwrite)
     except DataError as e:
         raise SubmitError(str(e)) from None
     if state == "merged":

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from data_pipeline.output_dir import earlier_output
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,16 +19,20 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
               resume: bool = False) -> dict:
     """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary`. From scratch,
     unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe and overrides: then the run
-    continues from its latest checkpoint (a study interrupted mid-run loses no steps)."""
+    continues from its latest checkpoint (a study interrupted mid-run loses no steps). A ``run_dir`` that
+    this function did not start (no ``command.json``) and that is not empty is refused, nothing removed
+    (:class:`data_pipeline.output_dir.OutputDirError`)."""
     run_dir = Path(run_dir)
     cmd = [sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / recipe), f"run_dir={run_dir}", *overrides]
     started = run_dir / "command.json"  # what the run was started with: resume only the same run
     same = started.exists() and json.loads(started.read_text()) == cmd[3:]
     resuming = resume and same and (run_dir / "checkpoints" / "latest").exists()
     if not resuming:
-        if run_dir.exists():
+        # a folder this function started (command.json) is the run's own; anything else there is refused
+        if earlier_output(run_dir, markers=(started.name,), patterns=("*",), writer="a research run",
+                          option="run folder"):
             shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
         started.write_text(json.dumps(cmd[3:]))
     env = dict(os.environ, FBT_DEVICE=os.environ.get("FBT_DEVICE", "cpu"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

@@ -5,6 +5,11 @@
 ``FBT_TEST_HOLD_PREPARE_TASK=I`` and ``FBT_TEST_HOLD_PREPARE_SHARDS=K``: array task I, before writing its
 (K+1)-th shard, writes ``<out>.array/held_I`` (the PID) and sleeps for ten minutes: a test kills the task
 in that window, knowing that exactly K of its shards are finished, then submits again.
+
+    python -m tests.support.hold_prepare data prepare --workers N ...
+
+``FBT_TEST_HOLD_PREPARE_WORKERS=DIR``: every shard writer (a pool worker) writes ``DIR/worker-PID`` and sleeps
+for ten minutes instead of writing its shard: a test kills the parent and watches the workers.
 """
 
 from __future__ import annotations
@@ -35,8 +40,22 @@ def _install() -> None:
     prepare._write_shard = held
 
 
+def _held_worker_shard(task_args):
+    """A shard writer that announces its pid and never finishes (a module function: the pool pickles it)."""
+    Path(os.environ["FBT_TEST_HOLD_PREPARE_WORKERS"], f"worker-{os.getpid()}").write_text("")
+    time.sleep(600)
+
+
+def _install_workers() -> None:
+    if os.environ.get("FBT_TEST_HOLD_PREPARE_WORKERS"):
+        from data_pipeline import prepare
+
+        prepare._write_shard = _held_worker_shard
+
+
 def main() -> int:
     _install()
+    _install_workers()
     from fbt_megatron.cli import main as fbt_main
 
     return fbt_main(sys.argv[1:])

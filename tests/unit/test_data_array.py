@@ -196,8 +196,8 @@ def test_merge_refuses_a_missing_or_rewritten_shard(corpus, tmp_path):
     assert_same_stream(tmp_path / "out", corpus["ref"], corpus["tok"])
 
 
-def _planned_and_tokenized(corpus, out, tok, n=2):
-    adir, _, _ = array.write_plan(corpus["inputs"], out, tok, n, name="corpus", shard_bytes=SHARD)
+def _planned_and_tokenized(corpus, out, tok, n=2, **kw):
+    adir, _, _ = array.write_plan(corpus["inputs"], out, tok, n, name="corpus", shard_bytes=SHARD, **kw)
     for stage in (array.count_slice, array.tokenize_slice):
         for i in range(n):
             stage(adir, i)
@@ -235,11 +235,19 @@ def test_a_tokenizer_changed_after_the_plan_is_refused(corpus, tmp_path):
 def test_a_merge_stopped_before_or_after_its_move_loses_nothing(corpus, tmp_path, monkeypatch):
     """Stopped before the move (here: in the verification), every shard stays finished for the tasks and
     the next merge goes through; stopped after it, the next merge finishes it. An earlier dataset at the
-    output is replaced only then."""
+    output is replaced only then (and only with overwrite: a plan onto another dataset is refused)."""
+    import json
+
+    from data_pipeline.output_dir import OutputDirError
+
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("an earlier dataset")
-    adir = _planned_and_tokenized(corpus, out, corpus["tok"])
+    prepare_dataset(corpus["inputs"][:1], out, corpus["tok"], name="old", shard_bytes=SHARD, progress=False)
+    old_name = lambda: json.loads((out / "index.json").read_text())["name"]  # noqa: E731
+    with pytest.raises(OutputDirError, match=rf"^--out {out} holds a dataset of other inputs or settings: nothing "
+                                             "was changed; pass --overwrite"):
+        array.write_plan(corpus["inputs"], out, corpus["tok"], 2, name="corpus", shard_bytes=SHARD)
+    assert not array.array_dir(out.resolve()).exists()
+    adir = _planned_and_tokenized(corpus, out, corpus["tok"], overwrite=True)
     real_verify, real_drop = array._verify, array.drop_shard_meta
 
     def stopped(*a, **k):
@@ -249,7 +257,7 @@ def test_a_merge_stopped_before_or_after_its_move_loses_nothing(corpus, tmp_path
     with pytest.raises(KeyboardInterrupt):
         array.merge(adir)
     monkeypatch.setattr(array, "_verify", real_verify)
-    assert (out / "old.txt").exists()
+    assert old_name() == "old"
     shards = sorted((p.name, p.stat().st_mtime_ns) for p in (adir / "shards").glob("shard-*.tar"))
     for i in range(2):  # the tasks again: each finds its slice finished, nothing rewritten
         assert array.tokenize_slice(adir, i) == array._read_json(adir / "done" / f"slice-{i:05d}.json")
@@ -261,7 +269,7 @@ def test_a_merge_stopped_before_or_after_its_move_loses_nothing(corpus, tmp_path
     assert not (adir / "shards").exists() and (out / "index.json").is_file()
     index = array.merge(adir)
     assert index["prepare"]["plan"] == array.load_plan(adir)["id"]
-    assert not (out / "old.txt").exists() and not list(tmp_path.glob(".out.replaced-*"))
+    assert old_name() == "corpus" and not list(tmp_path.glob(".out.replaced-*"))
     assert not list(out.glob("*.meta*")) and (adir / array.MERGED_FILE).is_file()
     assert_same_stream(out, corpus["ref"], corpus["tok"])
 
@@ -271,3 +279,21 @@ def test_merge_names_a_missing_count(corpus, tmp_path):
     (adir / "counts" / "slice-00001.json").unlink()
     with pytest.raises(SourceError, match=r"slice 1 has not been counted"):
         array.merge(adir)
+
+
+def test_merge_refuses_a_slice_record_whose_samples_do_not_follow_on(corpus, tmp_path):
+    """A done record whose shard starts at another sample than the shards before it end at (a record
+    edited or from another run) is refused by the merge, naming the shard and both sample ids."""
+    import json
+
+    adir = _planned_and_tokenized(corpus, tmp_path / "out", corpus["tok"])
+    record = array._slice_file(adir, "done", 1)
+    rec = json.loads(record.read_text())
+    info = rec["infos"][0]
+    k, want = info["shard"], info["first_sample"]
+    info["first_sample"] = want + 1
+    record.write_text(json.dumps(rec))
+    with pytest.raises(SourceError, match=rf"shard-{k:06d}\.tar is shard {k} from sample {want + 1}, expected shard "
+                                          rf"{k} from {want}: run the tasks again"):
+        array.merge(adir)
+    assert not (tmp_path / "out").exists()

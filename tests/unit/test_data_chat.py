@@ -135,7 +135,7 @@ def test_bad_conversations_are_counted_by_kind_and_refused_under_strict(tmp_path
     assert index["meta"]["bad_rows"]["counts"] == out["bad_rows"]
     assert "7 bad conversations" in r.stderr  # reported, not silently dropped
 
-    r = _prepare(tmp_path, fx, BAD_ROWS, "--max-tokens", "48", "--strict")
+    r = _prepare(tmp_path, fx, BAD_ROWS, "--max-tokens", "48", "--strict", "--overwrite")  # in.jsonl is rewritten
     assert r.returncode == 2
     assert "in.jsonl:2: bad conversation: unknown_role (--strict)" in r.stderr
 

@@ -172,3 +172,56 @@ def test_bos_option(tok_dir, tmp_path, mode):
         with pytest.raises(TokenizerMismatchError, match=f"--bos yes: tokenizer {bare} has no BOS token"):
             prepare_dataset([], tmp_path / "bare-out", bare, documents=iter(docs), progress=False, bos=mode)
         assert not (tmp_path / "bare-out").exists()
+
+
+def _word_level(tmp_path, *, post_processor=None, added=()):
+    """A tiny word-level tokenizer.json built with ``tokenizers``: its own post-processor, added specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "</s>", "a", "b", "c"])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    if added:
+        tk.add_special_tokens(list(added))
+    if post_processor is not None:
+        tk.post_processor = post_processor(tk)
+    out = tmp_path / "wl"
+    out.mkdir()
+    tk.save(str(out / "tokenizer.json"))
+    return out, vocab
+
+
+def test_a_post_processor_that_only_appends_eos_adds_no_bos(tmp_path):
+    """`--bos auto` takes a BOS only from a post-processor that puts one before the text: one that appends
+    EOS lengthens the encoding too, but its first id is the text's own."""
+    from tokenizers.processors import TemplateProcessing
+
+    from data_pipeline.prepare import prepare_dataset
+    from data_pipeline.shards import Dataset, DatasetReader
+    from data_pipeline.tokenizer import load_tokenizer, resolve_bos
+
+    eos_after = lambda tk: TemplateProcessing(single="$A </s>", special_tokens=[("</s>", tk.token_to_id("</s>"))])  # noqa: E731
+    tok_dir, vocab = _word_level(tmp_path, post_processor=eos_after)
+    tok = load_tokenizer(tok_dir)
+    assert tok.tk.encode("a", add_special_tokens=True).ids == [vocab["a"], vocab["</s>"]]  # the post-processor ran
+    assert tok.added_bos() is None and resolve_bos(tok, "auto", tok_dir) is None
+    idx = prepare_dataset([], tmp_path / "ds", tok_dir, documents=iter([("d0", "a b"), ("d1", "c a")]),
+                          progress=False, bos="auto")
+    reader = DatasetReader(Dataset.load(tmp_path / "ds"))
+    assert idx["bos_added_id"] is None and reader.get(0).tolist() == [vocab["a"], vocab["b"]]
+    reader.close()
+
+
+def test_vocab_size_counts_added_special_tokens(tmp_path):
+    """Added tokens (Llama 3's reserved specials are such) have ids past the model's vocabulary: the
+    vocabulary size (the model's embedding rows, the token dtype) counts them."""
+    from tokenizers import AddedToken
+
+    from data_pipeline.tokenizer import load_tokenizer
+
+    specials = [AddedToken(f"<|reserved_special_token_{i}|>", special=True) for i in range(3)]
+    tok_dir, vocab = _word_level(tmp_path, added=specials)
+    tok = load_tokenizer(tok_dir)
+    ids = [tok.tk.token_to_id(t.content) for t in specials]
+    assert ids == [len(vocab), len(vocab) + 1, len(vocab) + 2]
+    assert tok.vocab_size() == tok.get_piece_size() == len(vocab) + 3 == max(ids) + 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import fcntl
 import os
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -133,7 +136,7 @@ def test_a_second_concurrent_prepare_is_refused(corpus, tmp_path):
     held = exclusive_lock(tmp_path / "mix.lock", "")  # as a running prepare holds it
     try:
         with pytest.raises(SourceError, match=rf"another `fbt data prepare` is writing .*mix\.tmp: wait for it or stop "
-                                              rf"it \(pid {os.getpid()}; lock .*mix\.lock\)"):
+                                              rf"it \(pid {os.getpid()} on {socket.gethostname()}; lock .*mix\.lock\)"):
             prepare_dataset(corpus["inputs"], tmp_path / "mix", corpus["tok"], shard_bytes=SHARD, progress=False)
     finally:
         held.close()
@@ -151,7 +154,8 @@ def test_the_lock_names_its_holder_and_goes_on_unlocked_where_the_file_system_ha
 
     held = prepare.exclusive_lock(tmp_path / "locks" / "slice-00003.lock", "")
     try:
-        with pytest.raises(SourceError, match=rf"^another process is tokenizing slice 3 \(pid {os.getpid()}; lock "):
+        with pytest.raises(SourceError, match=rf"^another process is tokenizing slice 3 \(pid {os.getpid()} on "
+                                              rf"{socket.gethostname()}; lock "):
             prepare.exclusive_lock(tmp_path / "locks" / "slice-00003.lock", "another process is tokenizing slice 3")
     finally:
         held.close()
@@ -163,4 +167,62 @@ def test_the_lock_names_its_holder_and_goes_on_unlocked_where_the_file_system_ha
     with caplog.at_level("WARNING", logger="data_pipeline.prepare"):
         unlocked = prepare.exclusive_lock(tmp_path / "nfs.lock", "busy")
     unlocked.close()
-    assert "no lock on this file system" in caplog.text and (tmp_path / "nfs.lock").read_text() == str(os.getpid())
+    assert "no lock on this file system" in caplog.text
+    assert (tmp_path / "nfs.lock").read_text() == f"{os.getpid()} {socket.gethostname()} {os.getpgid(0)}"
+
+
+def test_a_lock_whose_process_group_is_gone_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch, caplog):
+    """The lock file names pid, host and process group. A lock still held (flock) for a group that is gone
+    (what orphans of a killed prepare left) is taken over; for a live group it is refused, naming pid and host.
+    On a file system without locks, a holder still running on this host is refused the same way."""
+    import errno
+    import subprocess
+    import sys
+
+    from data_pipeline import prepare
+    from data_pipeline.errors import SourceError
+
+    host = socket.gethostname()
+    lock = tmp_path / "mix.lock"
+    fh = open(lock, "w")
+    child = os.fork()
+    if child == 0:  # holds the flock until killed
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        time.sleep(60)
+        os._exit(0)
+    fh.close()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        for _ in range(100):
+            try:
+                fcntl.flock(open(lock), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                time.sleep(0.05)  # the child has not taken it yet
+            except BlockingIOError:
+                break
+        lock.write_text(f"{holder.pid} {host} {holder.pid}")  # the recorded holder: a group of its own
+        with pytest.raises(SourceError, match=rf"^busy \(pid {holder.pid} on {host}; lock {lock}\)$"):
+            prepare.exclusive_lock(lock, "busy")
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level("WARNING", logger="data_pipeline.prepare"):
+        prepare.exclusive_lock(lock, "busy").close()  # the group is gone: taken over
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+
+    def no_locks(fh, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(prepare.fcntl, "flock", no_locks)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{sleeper.pid} {host} {sleeper.pid}")
+        with pytest.raises(SourceError, match=rf"^busy \(pid {sleeper.pid} on {host}; lock {lock}\)$"):
+            prepare.exclusive_lock(lock, "busy")
+        assert lock.read_text() == f"{sleeper.pid} {host} {sleeper.pid}"  # not touched
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    prepare.exclusive_lock(lock, "busy").close()  # a holder that has ended: its file is left behind
+    assert lock.read_text() == f"{os.getpid()} {host} {os.getpgid(0)}"

@@ -1,0 +1,67 @@
+"""The rule for every directory a command writes: never delete what the project did not write.
+
+A command may write into an absent path or an empty directory. It may replace (or keep) a directory only
+when that directory holds an earlier output of the same command: one of its marker files, and every entry
+one that the command writes. Anything else is refused, naming the path and what it holds. The caller
+decides what to do with its own earlier output (keep it when it is the same, replace it when asked).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from .errors import DataError
+
+
+class OutputDirError(DataError):
+    """An output path holds something the project did not write: nothing is changed."""
+
+
+def describe(entries: list[str], limit: int = 4) -> str:
+    """``a, b/, c and 2 more``: the first names of a directory listing, directories marked with ``/``."""
+    shown = ", ".join(entries[:limit])
+    return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
+
+
+def _entries(path: Path) -> list[str]:
+    return sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(path))
+
+
+def earlier_output(path: str | os.PathLike, *, markers: tuple[str, ...], patterns: tuple[str, ...], writer: str,
+                   option: str = "--out") -> bool:
+    """Whether ``path`` holds an earlier output of ``writer`` (a marker present, every entry matching one of
+    ``patterns``): False for an absent path or an empty directory, free to write. Anything else raises
+    :class:`OutputDirError` naming ``path`` and what it holds."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return False
+    if not path.is_dir():
+        raise OutputDirError(f"{option} {path} is a file, not a directory: nothing was changed; choose a new or "
+                             f"empty directory")
+    entries = _entries(path)
+    if not entries:
+        return False
+    foreign = [e for e in entries if not any(fnmatchcase(e.rstrip("/"), p) for p in patterns)]
+    if foreign or not any((path / m).exists() for m in markers):
+        shown = foreign or entries
+        raise OutputDirError(f"{option} {path} holds {describe(shown)}, which {writer} did not write: nothing was "
+                             f"changed; choose a new or empty directory, or move those away")
+    return True
+
+
+def replace_dir(src: Path, dst: Path, *, markers: tuple[str, ...], patterns: tuple[str, ...], writer: str,
+                option: str = "--out") -> None:
+    """Move the finished directory ``src`` to ``dst``; an earlier output of ``writer`` at ``dst`` is replaced
+    (moved aside first, removed after the move), anything else there is refused as :func:`earlier_output`
+    refuses it (checked again here: it may have appeared while ``src`` was written)."""
+    src, dst = Path(src), Path(dst)
+    if earlier_output(dst, markers=markers, patterns=patterns, writer=writer, option=option):
+        aside = dst.with_name(f".{dst.name}.replaced-{os.getpid()}")
+        os.replace(dst, aside)
+        os.replace(src, dst)
+        shutil.rmtree(aside)
+    else:
+        os.replace(src, dst)  # onto an absent path or an empty directory
