@@ -11,30 +11,13 @@ from pathlib import Path
 
 import yaml
 
+from .argtypes import number
 from .errors import DataError
 
 
-def _bounded(kind, low, *, strict: bool = False):
-    """An argparse type: a ``kind`` number at least ``low`` (above it when ``strict``), else one sentence."""
-    word = "an integer" if kind is int else "a number"
-    bound = f"{'>' if strict else '>='} {low}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
-        if value != value or value < low or (strict and value == low) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {word} {bound} (got {text})")
-        return value
-
-    parse.__name__ = f"{word} {bound}"  # argparse names the type by it in its other messages
-    return parse
-
-
-COUNT = _bounded(int, 1)  # workers, sizes, counts: at least one
-INDEX = _bounded(int, 0)  # a task, a start position, a seed
-MEGABYTES = _bounded(float, 0, strict=True)
+COUNT = number(int, ge=1)  # workers, sizes, counts: at least one
+INDEX = number(int, ge=0)  # a task, a start position, a seed
+MEGABYTES = number(float, gt=0)
 
 
 def _cmd_tokenizer(a) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from fbt_megatron.argtypes import number
+from data_pipeline.argtypes import number
 
 
 def main(argv: list[str]) -> int:

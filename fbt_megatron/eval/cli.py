@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from fbt_megatron.argtypes import number, positive_int
+from data_pipeline.argtypes import number, positive_int
 
 MODES = {"standard": ("standard", 1), "feedback": ("feedback", 1), "fused": ("feedback", 2),
          "exact": ("feedback", "exact")}

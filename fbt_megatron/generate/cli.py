@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from fbt_megatron.argtypes import number, positive_int
+from data_pipeline.argtypes import number, positive_int
 
 
 def parse_args(argv):

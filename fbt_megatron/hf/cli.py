@@ -29,7 +29,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-parse_size.bounds = {"gt": 0}  # (fbt_megatron.argtypes: every numeric flag names its range)
+parse_size.bounds = {"gt": 0}  # (data_pipeline.argtypes: every numeric flag names its range)
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fbt_megatron.argtypes import number, positive_int
+from data_pipeline.argtypes import number, positive_int
 from fbt_megatron.launch.submit import JobSpec, SubmitError, resolve_job, submit
 
 

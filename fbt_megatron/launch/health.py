@@ -13,7 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
-from fbt_megatron.argtypes import number
+from data_pipeline.argtypes import number
 
 
 def check(run_dir: Path, gpus: int, min_free_gb: float = 5.0) -> list[str]:

@@ -38,7 +38,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from fbt_megatron.argtypes import number, positive_int
+from data_pipeline.argtypes import number, positive_int
 
 GB = 1e9
 

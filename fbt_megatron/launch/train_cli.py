@@ -25,6 +25,8 @@ import argparse
 import os
 import sys
 
+from data_pipeline.argtypes import number, positive_int
+
 USAGE = "usage: fbt train RECIPE.yaml [dotted.key=value ...] [--dry-run]   (fbt train --help)"
 
 
@@ -35,9 +37,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--world-size", type=positive_int, default=None)
     ap.add_argument("--gpu", choices=list(DEVICES), default=None)
-    ap.add_argument("--mfu", type=float, default=0.40)
+    ap.add_argument("--mfu", type=number(float, gt=0, le=1), default=0.40)
     return ap
 
 

@@ -18,10 +18,13 @@ from pydantic.fields import FieldInfo
 
 from fbt_megatron.cli import main
 
-NOT_ARGPARSE = {"train", "sft"}  # recipe overrides: the schema walk below covers them
-WALKED_ELSEWHERE = {"data"}
+NOT_ARGPARSE: set[str] = set()  # every command parses its flags with argparse (recipe overrides: the schema walk)
+WALKED_ELSEWHERE: set[str] = set()
 # how to reach each argparse parser: (module, argv for its main)
 ENTRIES = [
+    ("fbt_megatron.launch.train_cli", ["r.yaml"]),
+    ("fbt_megatron.launch.sft_cli", ["r.yaml"]),
+    ("data_pipeline.cli", ["inspect", "x"]),
     ("fbt_megatron.generate.cli", ["x", "--prompt", "a"]),
     ("fbt_megatron.eval.cli", ["x", "--tasks", "t"]),
     ("fbt_megatron.launch.plan", ["r.yaml", "--gpus", "1"]),
@@ -107,7 +110,7 @@ REFUSED = [
     (["generate", "run", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens", ">= 1"),
     (["generate", "run", "--prompt", "a", "--top-p", "1.5"], "--top-p", "<= 1"),
     (["generate", "run", "--prompt", "a", "--temperature", "-0.1"], "--temperature", ">= 0"),
-    (["generate", "run", "--prompt", "a", "--temperature", "nan"], "--temperature", "not a finite number"),
+    (["generate", "run", "--prompt", "a", "--temperature", "nan"], "--temperature", "must be a number >= 0 (got nan)"),
     (["eval", "run", "--tasks", "t", "--batch-size", "0"], "--batch-size", ">= 1"),
     (["eval", "run", "--tasks", "t", "--limit", "-3"], "--limit", "> 0"),
     (["plan", "recipes/tiny.yaml", "--gpus", "0"], "--gpus", ">= 1"),

@@ -22,7 +22,6 @@ LAYERS = {
     "fbt_megatron.runtime": 1,
     "fbt_megatron.logs": 1,
     "fbt_megatron.config": 1,
-    "fbt_megatron.argtypes": 1,
     # 2: the data pipeline, the recipe schema (it validates the data pipeline's section), the model (with
     # the feedback rule and the HF model class every export ships as remote code)
     "data_pipeline": 2,

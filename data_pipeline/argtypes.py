@@ -23,19 +23,19 @@ def number(kind: type = int, *, gt=None, ge=None, lt=None, le=None) -> Callable[
         raise ValueError("number() needs at least one bound")
     text = " and ".join(f"{_WORDS[k]} {v}" for k, v in bounds.items())
 
+    word = "an integer" if kind is int else "a number"
+
     def parse(value: str):
         try:
             x = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is float and not math.isfinite(x):
-            raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
-        ok = all({"gt": x > v, "ge": x >= v, "lt": x < v, "le": x <= v}[k] for k, v in bounds.items())
-        if not ok:
-            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {text}")
+            raise argparse.ArgumentTypeError(f"{value!r} is not {word}") from None
+        finite = kind is int or math.isfinite(x)
+        if not (finite and all({"gt": x > v, "ge": x >= v, "lt": x < v, "le": x <= v}[k] for k, v in bounds.items())):
+            raise argparse.ArgumentTypeError(f"must be {word} {text} (got {value})")
         return x
 
-    parse.__name__ = f"{kind.__name__} {text}"  # argparse names the type in "invalid ... value" errors
+    parse.__name__ = f"{word} {text}"  # argparse names the type in "invalid ... value" errors
     parse.bounds = bounds
     return parse
 
