@@ -41,9 +41,6 @@ import sys
 from dataclasses import dataclass, field
 
 GB = 1e9
-# DeepSpeed's flat gradient-reduction bucket, in elements: the engine's all-reduce of the bf16
-# optimiser's fp32 gradients (``MEMORY_OPT_ALLREDUCE_SIZE``) and ZeRO's default ``reduce_bucket_size``.
-REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 # Dense bf16 peak FLOP/s and memory per device. "cpu" is measured (a matmul rate) when asked for.
 DEVICES = {
@@ -173,7 +170,9 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     ``half_grad_bytes``: the bf16 ``.grad`` backward writes before DeepSpeed adds it to the fp32
     accumulator (2 in bf16 mixed precision), all of them held, or with ``half_grads_released``
     (``bf16.immediate_grad_update``) the largest parameter's only; ``reduce_bucket_bytes``: bytes per
-    element of DeepSpeed's flat reduction bucket (:data:`REDUCE_BUCKET_ELEMENTS` elements at most)."""
+    element of DeepSpeed's flat reduction bucket (``REDUCE_BUCKET_ELEMENTS`` elements at most)."""
+    from fbt_megatron.engine.deepspeed_config import REDUCE_BUCKET_ELEMENTS
+
     n = shape.params() / (layout.tp * layout.pp)
     weights = n * weight_bytes / (dp if layout.zero >= 3 else 1)
     # ZeRO-2 shards the gradients, except under a pipeline: there the step's gradients are summed whole
