@@ -15,8 +15,9 @@ How attention runs (``attention_backend``, chosen from the layers, the mask and 
 
 - ``packed`` (Transformer Engine layers, ``document_causal``, bf16/fp16 — what a GPU run with TE gets):
   the batch's rows are laid end to end as one packed sequence in Megatron's THD layout, documents
-  delimited by ``cu_seqlens`` derived from ``doc_start`` (:func:`packed_seq_params`, Megatron's
-  ``PackedSeqParams``), and the spec's attention stays ``causal``: TE runs it as ``padding_causal`` with
+  delimited by ``cu_seqlens``, which the loader makes on the host from ``doc_start``
+  (:func:`documents_seq_params`; :func:`packed_seq_params` derives them on the device for a batch
+  without them, at the cost of host syncs), and the spec's attention stays ``causal``: TE runs it as ``padding_causal`` with
   its flash/fused backends, each document attending only to itself, with no S x S mask. RoPE gets the
   plain frequency table and ``cu_seqlens``: TE's fused THD RoPE restarts positions at every packed
   sequence, which is where a document's positions restart (no per-token rows, no host sync). Under
@@ -94,6 +95,14 @@ def packed_seq_params(reset: torch.Tensor) -> PackedSeqParams:
     longest = int((bounds[1:] - bounds[:-1]).max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)
+
+
+def documents_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device) -> PackedSeqParams:
+    """Megatron's ``PackedSeqParams`` from the loader's ``cu_seqlens`` and ``max_seqlen``
+    (``data_pipeline.documents.packed_documents``, made on the host): no device-to-host sync here."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
+                           max_seqlen_kv=int(max_seqlen))
 
 
 def to_packed(x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.hf import feedback_rule as rule
 from fbt_megatron.model import cpu_fastpaths, vocab
 from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
-                                          document_positions, from_packed, packed_rotary_length, packed_seq_params,
+                                          document_positions, documents_seq_params, from_packed, packed_rotary_length, packed_seq_params,
                                           rotary_for_positions, spec_backend, to_packed)
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.kernels import fused_switches
@@ -228,12 +228,16 @@ class FBTGPTModel(MegatronModule):
             )[None, None]
         return self._mask_cache[key]
 
-    def attention_inputs(self, reset: torch.Tensor, position_ids=None):
+    def attention_inputs(self, reset: torch.Tensor, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """Mask [.., S, S] and positions [B, S] for a packed row with document starts ``reset`` [S, B]
-        (see ``attention.py``); explicit ``position_ids`` override the derived positions."""
+        (see ``attention.py``); explicit ``position_ids`` override the derived positions. ``cu_seqlens``,
+        ``max_seqlen``: the loader's packed documents of the same rows (the packed path then reads no
+        value back from the device)."""
         seq_len, batch = reset.shape
         if self.packed:  # no mask: PackedSeqParams, which run_stack recognises
-            mask, positions = packed_seq_params(reset), document_positions(reset)
+            mask = packed_seq_params(reset) if cu_seqlens is None else \
+                documents_seq_params(cu_seqlens, max_seqlen, reset.device)
+            positions = document_positions(reset)
         elif self.model_config.attention_mask == "document_causal":
             mask, positions = document_causal_mask(reset), document_positions(reset)
         else:
@@ -308,10 +312,11 @@ class FBTGPTModel(MegatronModule):
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
-                jitter_seed: int | None = None) -> FBTOutput:
+                jitter_seed: int | None = None, cu_seqlens=None, max_seqlen=None) -> FBTOutput:
         """[B, S] tokens -> FBTOutput. ``doc_start`` [B, S] marks document starts (state reset);
         ``jitter_seed`` seeds the training-time jitter (without it the jitter draws from torch's
-        global generator, which is not reproducible across resumes)."""
+        global generator, which is not reproducible across resumes); ``cu_seqlens``, ``max_seqlen``: the
+        loader's packed documents of ``doc_start`` (``data_pipeline.documents``), derived here if not given."""
         check_num_passes(num_passes)
         if self.pipelined:
             raise RuntimeError("this FBTGPTModel is one pipeline stage; run it with "
@@ -321,9 +326,10 @@ class FBTGPTModel(MegatronModule):
             raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "
                              f"{self.config.tensor_model_parallel_size} (sequence parallelism splits it)")
         if self.packed and self.config.sequence_parallel and batch > 1:
-            return self._rows_as_one(input_ids, position_ids, doc_start, labels, num_passes, jitter_seed)
+            return self._rows_as_one(input_ids, position_ids, doc_start, labels, num_passes, jitter_seed,
+                                     cu_seqlens, max_seqlen)
         reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
-        mask, positions = self.attention_inputs(reset, position_ids)
+        mask, positions = self.attention_inputs(reset, position_ids, cu_seqlens, max_seqlen)
         rotary = self.rotary(positions)
         # Token (+ position) embeddings, [S, B, D] ([S/TP, B, D] under sequence parallelism).
         embedded = self.gpt.embedding(input_ids=input_ids, position_ids=positions)
@@ -355,7 +361,8 @@ class FBTGPTModel(MegatronModule):
             top = new_top
         return self._output(top, labels, heads, residuals)
 
-    def _rows_as_one(self, input_ids, position_ids, doc_start, labels, num_passes, jitter_seed) -> FBTOutput:
+    def _rows_as_one(self, input_ids, position_ids, doc_start, labels, num_passes, jitter_seed, cu_seqlens=None,
+                     max_seqlen=None) -> FBTOutput:
         """Packed attention under sequence parallelism: the B rows end to end as one row (each row start
         a document start), so the sequence split gives each TP rank a contiguous 1/TP of the packed tokens
         (Megatron's SP + THD layout); outputs come back in the rows' shapes. Each row's tokens see the same
@@ -371,7 +378,7 @@ class FBTGPTModel(MegatronModule):
             self.feedback.rows_as_one = batch
         try:
             out = self.forward(one_row(input_ids), one_row(position_ids), one_row(starts), one_row(labels),
-                               num_passes, jitter_seed)
+                               num_passes, jitter_seed, cu_seqlens, max_seqlen)  # the same documents end to end
         finally:
             if self.feedback is not None:
                 self.feedback.rows_as_one = None
