@@ -343,6 +343,7 @@ ATTENTION_WORDS = {
     "flash": "causal (TE flash/fused): no S x S scores",
     "sdpa": "torch SDPA with the dense mask (Megatron's local layers): no S x S scores stored",
     "unfused": "TE unfused with a dense [B,1,S,S] mask: 5as/h bytes of scores per layer",
+    "packed-unfused": "packed documents on TE's unfused backend (TE >= 2.11, fp32): scores per document",
 }
 
 

@@ -31,8 +31,9 @@ from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.hf import feedback_rule as rule
 from fbt_megatron.model import cpu_fastpaths, vocab
-from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
-                                          document_positions, documents_seq_params, from_packed, packed_rotary_length, packed_seq_params,
+from fbt_megatron.model.attention import (PACKED_BACKENDS, PackedSeqParams, adapt_layer_spec, document_causal_mask,
+                                          document_positions, documents_seq_params, from_packed,
+                                          installed_te_version, packed_rotary_length, packed_seq_params,
                                           rotary_for_positions, spec_backend, to_packed)
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.kernels import fused_switches
@@ -176,19 +177,20 @@ class FBTGPTModel(MegatronModule):
         spec = spec if spec is not None else layer_spec(model)
         self.attention_backend = spec_backend(spec, model.attention_mask, config.params_dtype)
         if packed is None:
-            packed = self.attention_backend == "packed"
+            packed = self.attention_backend in PACKED_BACKENDS
         elif packed and (model.attention_mask != "document_causal" or self.attention_backend == "unfused"):
             raise ValueError("packed sequences need model.attention_mask: document_causal and, on Transformer "
-                             "Engine's layers, bf16/fp16 (TE has no fp32 backend for packed sequences) (got "
-                             f"{model.attention_mask}, {config.params_dtype})")
+                             "Engine's layers, bf16/fp16 or Transformer Engine >= 2.11 (before it TE has no fp32 "
+                             f"backend for packed sequences) (got {model.attention_mask}, {config.params_dtype}, "
+                             f"Transformer Engine {installed_te_version()})")
         self.packed = packed
         if packed and self.attention_backend == "sdpa":
             self.attention_backend = "packed-emulation"  # local layers: each document attended alone
-        elif not packed and self.attention_backend == "packed":
+        elif not packed and self.attention_backend in PACKED_BACKENDS:
             self.attention_backend = "unfused"  # TE layers asked for the dense mask
         # TE's fused THD RoPE: positions restart at every packed sequence from the plain table, on device
         # (Megatron's unfused THD RoPE splits by .tolist() and reads offsets with .item(): host syncs).
-        config.apply_rope_fusion = self.attention_backend == "packed"
+        config.apply_rope_fusion = self.attention_backend in PACKED_BACKENDS
         spec = adapt_layer_spec(spec, model.attention_mask, get_num_layers_to_build(config),
                                 packed=packed)  # this stage's layers
         cpu_fastpaths.install(runtime.device())  # a no-op off the CPU (model/cpu_fastpaths.py)
