@@ -95,7 +95,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        **fused_switches(model.normalization, on_gpu, activation=model.activation),
+        **fused_switches(model.normalization, on_gpu, activation=model.activation, bf16=dtype == torch.bfloat16),
     )
 
 
@@ -288,7 +288,8 @@ class FBTGPTModel(MegatronModule):
 
     def language_model_loss(self, labels, logits):
         """Per-token cross entropy [B, S] of the head's logits [S, B, V_pad/TP] against ``labels`` [B, S]:
-        Megatron's ``GPTModel.compute_language_model_loss``, whose unfused loss is
+        on GPU Megatron's ``GPTModel.compute_language_model_loss`` with its fused loss (TE's, which keeps no
+        fp32 copy of the logits: ``kernels.cross_entropy_switches``); otherwise
         ``tensor_parallel.vocab_parallel_cross_entropy`` as Megatron ships it (no label smoothing), or over
         a one-rank CPU group the room's ``one_rank_loss`` when installed (``model/cpu_fastpaths.py``)."""
         if self.config.cross_entropy_loss_fusion:
