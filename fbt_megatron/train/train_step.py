@@ -100,7 +100,7 @@ class FBTTrainStep:
         per row under ``model.attention_mask: causal``."""
         from fbt_megatron.train.callbacks import causal_pairs
 
-        if self.attention_mask == "causal":
+        if self.attention_mask == "causal" or "cu_seqlens" not in batch:  # no doc_start: one document a row
             rows, seq = batch["input_ids"].shape
             return rows * seq * (seq + 1) // 2
         return causal_pairs(batch["cu_seqlens"].tolist())
