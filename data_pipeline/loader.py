@@ -23,7 +23,9 @@ Each micro-batch is a dict of tensors, all ``[B, S]``:
 ``loss_mask`` float32 (0 where the input token is EOS, i.e. the label is the next document's first
 token, on spans replaced after a corrupt sample, and, in a conversation of a chat dataset, wherever the
 label is not one of its assistant tokens: the mask travels with the batch through every layout), ``position_ids`` int64 (``0..S-1``),
-``doc_start`` bool (True where a document's first token sits).
+``doc_start`` bool (True where a document's first token sits); and, made here once on the host, the
+rows' documents laid end to end for packed attention: ``cu_seqlens`` int32 and ``max_seqlen`` an int
+(``documents.packed_documents``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .config import DataConfig
+from .documents import with_packed_documents
 from .errors import DataError, TokenizerMismatchError
 from .shards import Dataset, DatasetReader
 from .stream import SPLITS, Planner, auto_valid_documents
@@ -169,13 +172,13 @@ def expand(c: dict) -> dict:
         mask &= ~bad[: m * S].reshape(m, S) & ~bad[1:].reshape(m, S)
     if c.get("target") is not None:  # chat data: loss only where the label is an assistant token
         mask &= c["target"][1:].reshape(m, S)
-    return {
+    return with_packed_documents({
         "input_ids": torch.from_numpy(np.ascontiguousarray(inp)),
         "labels": torch.from_numpy(np.ascontiguousarray(lab)),
         "loss_mask": torch.from_numpy(mask.astype(np.float32)),
         "position_ids": torch.arange(S, dtype=torch.int64).expand(m, S).contiguous(),
         "doc_start": torch.from_numpy(np.ascontiguousarray(c["start"][: m * S].reshape(m, S))),
-    }
+    })
 
 
 class _RankStream(IterableDataset):

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from data_pipeline.documents import with_packed_documents
 from fbt_megatron.config import SyntheticDataConfig
 
 
@@ -70,8 +71,9 @@ def state_tracking_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.T
     labels = torch.from_numpy(np.stack([r[1] for r in rows]))
     doc_start = torch.zeros_like(input_ids, dtype=torch.bool)
     doc_start[:, 0] = True
-    return dict(input_ids=input_ids, labels=labels, loss_mask=torch.ones(input_ids.shape),
-                position_ids=torch.arange(cfg.seq_length).expand_as(input_ids).clone(), doc_start=doc_start)
+    return with_packed_documents(dict(input_ids=input_ids, labels=labels, loss_mask=torch.ones(input_ids.shape),
+                                      position_ids=torch.arange(cfg.seq_length).expand_as(input_ids).clone(),
+                                      doc_start=doc_start))
 
 
 def make_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.Tensor]:
@@ -90,8 +92,8 @@ def make_batch(cfg: SyntheticDataConfig, indices) -> dict[str, torch.Tensor]:
     position_ids = ar - last_start
     # No loss on the first token of a document: it is not predictable from the previous one.
     loss_mask = (~starts[:, 1:]).to(torch.float32)
-    return dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
-                doc_start=doc_start)
+    return with_packed_documents(dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask,
+                                      position_ids=position_ids, doc_start=doc_start))
 
 
 class SyntheticLoader:  # same constructor keywords as data_pipeline.loader.build_loader

@@ -6,6 +6,10 @@ import os
 
 from fbt_megatron import runtime
 
+# DeepSpeed's flat gradient-reduction bucket, in elements: the engine's all-reduce of the bf16
+# optimiser's fp32 accumulators (``MEMORY_OPT_ALLREDUCE_SIZE``, fixed) and ZeRO-2's ``reduce_bucket_size``.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+
 
 def ensure_ds_accelerator() -> None:
     """DS_ACCELERATOR must be chosen before ``import deepspeed``."""
@@ -40,10 +44,15 @@ def precision_config(recipe) -> dict:
     ``parallel.grad_reduce_dtype`` (``communication_data_type``, fp32 by default). DeepSpeed 0.19
     accumulates in bf16 at ZeRO-0 and ZeRO-2 whatever the config says; a run there starts with a warning
     (``recipe.bf16_accumulation_warning``). ``check_grad_overflow`` makes a non-finite gradient skip the step.
+    ``immediate_grad_update`` (ZeRO-1): each bf16 gradient is added to its fp32 accumulator from a hook as
+    backward makes it, and released, instead of all of them after backward (the addition overlaps the
+    backward and no parameter's gradient is held twice). The data-parallel all-reduce of the fp32
+    accumulators still follows the boundary's backward: DeepSpeed's bf16 optimiser has no overlapped one.
     """
     if recipe.resolved_precision() != "bf16":
         return {}
-    cfg = {"bf16": {"enabled": True, "check_grad_overflow": True},
+    cfg = {"bf16": {"enabled": True, "check_grad_overflow": True,
+                    "immediate_grad_update": recipe.parallel.zero_stage == 1},
            "communication_data_type": recipe.parallel.grad_reduce_dtype}
     if recipe.parallel.zero_stage != 0:  # ZeRO-0 raises NotImplementedError on an fp32 accumulation dtype
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -75,6 +84,11 @@ def deepspeed_config(recipe, dp_size: int) -> dict:
         # On CPU a contiguous gradient buffer only adds a copy of every gradient per micro-batch (its cost:
         # docs/results/benchmarks.md); there is no fragmentation to avoid.
         cfg["zero_optimization"]["contiguous_gradients"] = False
+    elif recipe.parallel.zero_stage == 2:
+        # ZeRO-2 on GPU: each bucket's reduce-scatter runs on a side stream while backward goes on
+        # (DeepSpeed's default turns this on at ZeRO-3 only); buckets of REDUCE_BUCKET_ELEMENTS.
+        cfg["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True,
+                                        reduce_bucket_size=REDUCE_BUCKET_ELEMENTS)
     if recipe.parallel.zero_stage == 3:
         # Small, deterministic buckets; no prefetch reordering surprises on CPU.
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)

@@ -17,7 +17,9 @@ size, g the key/value heads (query groups; g = a without GQA), f the MLP width, 
   the fusion counted), (1.28+2)/3 = 1.09x with ``last``;
 - memory per GPU (mixed precision: bf16 weights, fp32 gradient accumulation, fp32 master + Adam m, v;
   ZeRO-1 shards the 12 optimiser bytes over DP, ZeRO-2 also the 4 gradient bytes, ZeRO-3 also the
-  weights; TP and PP divide all of them), activations per layer and micro-batch s*b*h*(34 + 5as/h)
+  weights; TP and PP divide all of them; DeepSpeed's bf16 ``.grad`` before it is added to the fp32
+  accumulator, 2 bytes, all held at ZeRO-2/3, the largest parameter's at ZeRO-1, and over DP > 1 its
+  flat reduction bucket of up to 5e8 elements, fp32 at ZeRO-0/1, bf16 at ZeRO-2/3), activations per layer and micro-batch s*b*h*(34 + 5as/h)
   bytes for the GPT block (Korthikanti et al. 2022; the 5as/h term only where attention runs unfused —
   ``model.attention.attention_backend``: Transformer Engine with a dense mask, i.e. an fp32 run on TE —
   and for one layer only with ``recompute: selective``; packed documents
@@ -101,6 +103,10 @@ class Shape:
         """The stack's matmul parameters (layers and output layer; the fusion is counted apart)."""
         return self.layers * self.layer_matmul_params() + self.vocab * self.hidden
 
+    def largest_param(self) -> int:
+        """Elements of the largest single weight: the embedding or LM head (V x h), else the MLP's fc1."""
+        return max(self.vocab * self.hidden, (2 if self.gated else 1) * self.ffn * self.hidden)
+
     def fusion_params(self) -> int:
         return 2 * self.hidden * self.hidden if self.fusion else 0  # W_U, W_G
 
@@ -157,16 +163,26 @@ class Memory:
 
 def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, weight_bytes: int = 2,
                    grad_bytes: int = 4, optimizer_bytes: int = 12, act_bytes: int = 2, flash: bool = True,
-                   reserve: float = 5 * GB, scores_transient: bool = False) -> Memory:
+                   reserve: float = 5 * GB, scores_transient: bool = False, half_grad_bytes: int = 0,
+                   half_grads_released: bool = False, reduce_bucket_bytes: float = 0.0) -> Memory:
     """Bytes per GPU. ``passes_kept``: passes whose activations are alive at the backward (k for
     grad_mode all, 1 for last). CPU fp32: weight_bytes=4, act_bytes=4, reserve=0. ``flash=False``: the
     attention stores 5as^2b bytes of scores per layer (unfused); ``scores_transient``: only one
-    layer's at a time (selective recompute of the core attention)."""
+    layer's at a time (selective recompute of the core attention).
+    ``half_grad_bytes``: the bf16 ``.grad`` backward writes before DeepSpeed adds it to the fp32
+    accumulator (2 in bf16 mixed precision), all of them held, or with ``half_grads_released``
+    (``bf16.immediate_grad_update``) the largest parameter's only; ``reduce_bucket_bytes``: bytes per
+    element of DeepSpeed's flat reduction bucket (``REDUCE_BUCKET_ELEMENTS`` elements at most)."""
+    from fbt_megatron.engine.deepspeed_config import REDUCE_BUCKET_ELEMENTS
+
     n = shape.params() / (layout.tp * layout.pp)
     weights = n * weight_bytes / (dp if layout.zero >= 3 else 1)
     # ZeRO-2 shards the gradients, except under a pipeline: there the step's gradients are summed whole
     # and reduced once (parallel/pipeline_runner.py StepGradients), held as ZeRO-1 holds them
     grads = n * grad_bytes / (dp if layout.zero >= 2 and layout.pp == 1 else 1)
+    half_grads = (shape.largest_param() / layout.tp if half_grads_released else n) * half_grad_bytes
+    buckets = min(n, REDUCE_BUCKET_ELEMENTS) * reduce_bucket_bytes
+    grads += half_grads + buckets
     optimizer = n * optimizer_bytes / (dp if layout.zero >= 1 else 1)
     s, b, h, a, t = shape.seq, layout.micro_batch, shape.hidden, shape.heads, layout.tp
     # Korthikanti et al.: 34 sbh bytes at 2-byte activations (24 of them in TP-sharded matmul inputs,
@@ -186,7 +202,19 @@ def memory_per_gpu(shape: Shape, layout: Layout, dp: int, passes_kept: int, *, w
     activations = per_layer * layers_here * held + (scores if scores_transient else 0.0)
     logits = s * b * shape.vocab / t * (act_bytes + 4)  # logits + fp32 softmax for the loss
     return Memory(weights, grads, optimizer, activations, logits, reserve,
-                  {"params_per_gpu": n, "per_layer_activation": per_layer})
+                  {"params_per_gpu": n, "per_layer_activation": per_layer, "half_grads": half_grads,
+                   "reduce_buckets": buckets})
+
+
+def gradient_buffers(zero: int, dp: int, fp32: bool) -> dict:
+    """DeepSpeed's gradient memory beyond the fp32 accumulator (``memory_per_gpu``'s keywords). bf16: the
+    bf16 ``.grad`` of every parameter (ZeRO-1 releases each as it is added: ``bf16.immediate_grad_update``,
+    ``engine/deepspeed_config.py``); over DP > 1 a flat reduction bucket, fp32 for ZeRO-0/1 (the bf16
+    optimiser reduces its fp32 accumulators), bf16 for ZeRO-2/3 (ZeRO reduces the bf16 gradients)."""
+    kw = {} if fp32 else {"half_grad_bytes": 2, "half_grads_released": zero == 1}
+    if dp > 1:
+        kw["reduce_bucket_bytes"] = 4 if fp32 or zero <= 1 else 2
+    return kw
 
 
 @dataclass
@@ -227,7 +255,8 @@ def suggest_layout(shape, gpus, global_batch, capacity, passes_kept, mem_kw, gpu
             if global_batch % (mb * dp):
                 continue
             lay = Layout(tp, pp, zero, mb, sequence_parallel=tp > 1)
-            mem = memory_per_gpu(shape, lay, dp, passes_kept, **mem_kw)
+            buffers = gradient_buffers(zero, dp, mem_kw.get("weight_bytes") == 4)
+            mem = memory_per_gpu(shape, lay, dp, passes_kept, **{**mem_kw, **buffers})
             if mem.total <= capacity:
                 key = (zero == 3, tp * pp, pp, zero, -mb)
                 if best is None or key < best[0]:
@@ -272,6 +301,7 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
                   reserve=(0.0 if fp32 else 5 * GB) if reserve is None else reserve)
     if full:  # fp32 training: the weights are the masters; no separate fp32 copy
         mem_kw.update(grad_bytes=4, optimizer_bytes=8 if layout.zero == 0 else 12)
+    mem_kw.update(gradient_buffers(layout.zero, dp, full))  # suggest_layout replaces these per layout
     memory = memory_per_gpu(shape, layout, dp, passes_kept, **mem_kw)
     fits = capacity is None or memory.total <= capacity
     if not fits and not mem_kw["flash"]:
@@ -315,6 +345,7 @@ ATTENTION_WORDS = {
     "flash": "causal (TE flash/fused): no S x S scores",
     "sdpa": "torch SDPA with the dense mask (Megatron's local layers): no S x S scores stored",
     "unfused": "TE unfused with a dense [B,1,S,S] mask: 5as/h bytes of scores per layer",
+    "packed-unfused": "packed documents on TE's unfused backend (TE >= 2.11, fp32): scores per document",
 }
 
 

@@ -15,8 +15,9 @@ How attention runs (``attention_backend``, chosen from the layers, the mask and 
 
 - ``packed`` (Transformer Engine layers, ``document_causal``, bf16/fp16 — what a GPU run with TE gets):
   the batch's rows are laid end to end as one packed sequence in Megatron's THD layout, documents
-  delimited by ``cu_seqlens`` derived from ``doc_start`` (:func:`packed_seq_params`, Megatron's
-  ``PackedSeqParams``), and the spec's attention stays ``causal``: TE runs it as ``padding_causal`` with
+  delimited by ``cu_seqlens``, which the loader makes on the host from ``doc_start``
+  (:func:`documents_seq_params`; :func:`packed_seq_params` derives them on the device for a batch
+  without them, at the cost of host syncs), and the spec's attention stays ``causal``: TE runs it as ``padding_causal`` with
   its flash/fused backends, each document attending only to itself, with no S x S mask. RoPE gets the
   plain frequency table and ``cu_seqlens``: TE's fused THD RoPE restarts positions at every packed
   sequence, which is where a document's positions restart (no per-token rows, no host sync). Under
@@ -24,9 +25,13 @@ How attention runs (``attention_backend``, chosen from the layers, the mask and 
   (``FBTGPTModel.forward``), so each TP rank's sequence chunk is a contiguous 1/TP of the packed
   tokens, the layout Megatron's sequence-parallel THD path expects.
 - ``flash`` (TE layers, ``causal``, bf16/fp16): TE's flash/fused causal attention.
-- ``unfused`` (TE layers in fp32, or asked for the dense mask): TE's flash and fused backends run
-  bf16/fp16 only and THD rules out its unfused backend, so fp32 runs the dense ``[B, 1, S, S]`` mask
-  (``arbitrary``) on TE's unfused backend — 5·a·s²·b bytes of scores per layer (``fbt plan`` counts them).
+- ``packed-unfused`` (TE layers >= 2.11, ``document_causal``, fp32): the packed layout on TE's unfused
+  backend, which takes THD from TE 2.11 on (it pads each document to the micro-batch's longest, so its
+  scores are 5·a·n·m² bytes per layer for n documents of at most m tokens).
+- ``unfused`` (TE layers in fp32 before TE 2.11, or asked for the dense mask): TE's flash and fused
+  backends run bf16/fp16 only and TE < 2.11 has no THD on its unfused backend, so fp32 runs the dense
+  ``[B, 1, S, S]`` mask (``arbitrary``) on TE's unfused backend — 5·a·s²·b bytes of scores per layer
+  (``fbt plan`` counts them).
 - ``sdpa`` (Megatron's local layers: CPU, or a GPU without TE): Megatron's core attention is replaced by
   :class:`SDPADotProductAttention`, which computes the same thing with ``torch.nn.functional.
   scaled_dot_product_attention`` (fused kernels on CPU and GPU, no stored S x S probabilities) from a
@@ -96,6 +101,14 @@ def packed_seq_params(reset: torch.Tensor) -> PackedSeqParams:
                            max_seqlen_kv=longest)
 
 
+def documents_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device) -> PackedSeqParams:
+    """Megatron's ``PackedSeqParams`` from the loader's ``cu_seqlens`` and ``max_seqlen``
+    (``data_pipeline.documents.packed_documents``, made on the host): no device-to-host sync here."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
+                           max_seqlen_kv=int(max_seqlen))
+
+
 def to_packed(x: torch.Tensor) -> torch.Tensor:
     """[S, B, D] -> [B*S, 1, D]: the rows end to end (Megatron's THD hidden layout, batch 1)."""
     seq, batch, hidden = x.shape
@@ -113,23 +126,48 @@ def _uses_te_attention(spec) -> bool:
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+PACKED_BACKENDS = ("packed", "packed-unfused")  # what runs the THD layout on Transformer Engine
+TE_UNFUSED_THD = (2, 11)  # TE 2.10 and earlier disable the unfused backend for qkv_format thd
 
 
-def attention_backend(te_layers: bool, attention_mask: str, dtype: torch.dtype) -> str:
-    """What runs attention (module doc): ``packed`` (TE, THD), ``flash`` (TE, causal), ``unfused``
-    (TE with a dense mask: fp32, where TE has neither flash nor fused attention and THD has no
-    backend) or ``sdpa`` (Megatron's local layers). Only ``unfused`` stores the 5·a·s²·b bytes of
-    scores per layer (``fbt plan`` counts them). Sequence parallelism changes nothing here: the packed
-    path runs under it (``FBTGPTModel.forward``)."""
+def te_unfused_runs_thd(te_version: str | None) -> bool:
+    """Whether Transformer Engine ``te_version`` (None: not installed) runs packed (THD) sequences on its
+    unfused backend, the only one it has in fp32."""
+    if te_version is None:
+        return False
+    from packaging.version import Version
+
+    return Version(te_version).release[:2] >= TE_UNFUSED_THD
+
+
+def installed_te_version() -> str | None:
+    """The installed Transformer Engine's version, None without it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformer_engine")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def attention_backend(te_layers: bool, attention_mask: str, dtype: torch.dtype, te_version: str | None = None) -> str:
+    """What runs attention (module doc): ``packed`` (TE, THD), ``flash`` (TE, causal), ``packed-unfused``
+    (TE >= 2.11 in fp32, THD on its unfused backend), ``unfused`` (TE with a dense mask: fp32, where TE
+    has neither flash nor fused attention, and before 2.11 no THD on its unfused one) or ``sdpa``
+    (Megatron's local layers). ``te_version``: the TE the layers come from (None: assume one before 2.11).
+    The two unfused ones store scores (``fbt plan`` counts the dense mask's 5·a·s²·b bytes per layer).
+    Sequence parallelism changes nothing here: the packed path runs under it (``FBTGPTModel.forward``)."""
     if not te_layers:
         return "sdpa"
     if dtype not in HALF_DTYPES:
-        return "unfused"
+        thd = attention_mask == "document_causal" and te_unfused_runs_thd(te_version)
+        return "packed-unfused" if thd else "unfused"
     return "flash" if attention_mask == "causal" else "packed"
 
 
 def spec_backend(spec, attention_mask: str, dtype: torch.dtype) -> str:
-    return attention_backend(_uses_te_attention(spec), attention_mask, dtype)
+    te_layers = _uses_te_attention(spec)
+    return attention_backend(te_layers, attention_mask, dtype, installed_te_version() if te_layers else None)
 
 
 class SDPADotProductAttention(DotProductAttention):

@@ -31,8 +31,9 @@ from fbt_megatron import runtime
 from fbt_megatron.config import FeedbackConfig, ModelConfig, check_num_passes
 from fbt_megatron.model import feedback_rule as rule
 from fbt_megatron.model import cpu_fastpaths, vocab
-from fbt_megatron.model.attention import (PackedSeqParams, adapt_layer_spec, document_causal_mask,
-                                          document_positions, from_packed, packed_rotary_length, packed_seq_params,
+from fbt_megatron.model.attention import (PACKED_BACKENDS, PackedSeqParams, adapt_layer_spec, document_causal_mask,
+                                          document_positions, documents_seq_params, from_packed,
+                                          installed_te_version, packed_rotary_length, packed_seq_params,
                                           rotary_for_positions, spec_backend, to_packed)
 from fbt_megatron.model.feedback import LatentFeedback
 from fbt_megatron.model.kernels import fused_switches
@@ -94,7 +95,7 @@ def transformer_config(model: ModelConfig, *, sequence_parallel: bool = False,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        **fused_switches(model.normalization, on_gpu, activation=model.activation),
+        **fused_switches(model.normalization, on_gpu, activation=model.activation, bf16=dtype == torch.bfloat16),
     )
 
 
@@ -176,19 +177,20 @@ class FBTGPTModel(MegatronModule):
         spec = spec if spec is not None else layer_spec(model)
         self.attention_backend = spec_backend(spec, model.attention_mask, config.params_dtype)
         if packed is None:
-            packed = self.attention_backend == "packed"
+            packed = self.attention_backend in PACKED_BACKENDS
         elif packed and (model.attention_mask != "document_causal" or self.attention_backend == "unfused"):
             raise ValueError("packed sequences need model.attention_mask: document_causal and, on Transformer "
-                             "Engine's layers, bf16/fp16 (TE has no fp32 backend for packed sequences) (got "
-                             f"{model.attention_mask}, {config.params_dtype})")
+                             "Engine's layers, bf16/fp16 or Transformer Engine >= 2.11 (before it TE has no fp32 "
+                             f"backend for packed sequences) (got {model.attention_mask}, {config.params_dtype}, "
+                             f"Transformer Engine {installed_te_version()})")
         self.packed = packed
         if packed and self.attention_backend == "sdpa":
             self.attention_backend = "packed-emulation"  # local layers: each document attended alone
-        elif not packed and self.attention_backend == "packed":
+        elif not packed and self.attention_backend in PACKED_BACKENDS:
             self.attention_backend = "unfused"  # TE layers asked for the dense mask
         # TE's fused THD RoPE: positions restart at every packed sequence from the plain table, on device
         # (Megatron's unfused THD RoPE splits by .tolist() and reads offsets with .item(): host syncs).
-        config.apply_rope_fusion = self.attention_backend == "packed"
+        config.apply_rope_fusion = self.attention_backend in PACKED_BACKENDS
         spec = adapt_layer_spec(spec, model.attention_mask, get_num_layers_to_build(config),
                                 packed=packed)  # this stage's layers
         cpu_fastpaths.install(runtime.device())  # a no-op off the CPU (model/cpu_fastpaths.py)
@@ -228,12 +230,16 @@ class FBTGPTModel(MegatronModule):
             )[None, None]
         return self._mask_cache[key]
 
-    def attention_inputs(self, reset: torch.Tensor, position_ids=None):
+    def attention_inputs(self, reset: torch.Tensor, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """Mask [.., S, S] and positions [B, S] for a packed row with document starts ``reset`` [S, B]
-        (see ``attention.py``); explicit ``position_ids`` override the derived positions."""
+        (see ``attention.py``); explicit ``position_ids`` override the derived positions. ``cu_seqlens``,
+        ``max_seqlen``: the loader's packed documents of the same rows (the packed path then reads no
+        value back from the device)."""
         seq_len, batch = reset.shape
         if self.packed:  # no mask: PackedSeqParams, which run_stack recognises
-            mask, positions = packed_seq_params(reset), document_positions(reset)
+            mask = packed_seq_params(reset) if cu_seqlens is None else \
+                documents_seq_params(cu_seqlens, max_seqlen, reset.device)
+            positions = document_positions(reset)
         elif self.model_config.attention_mask == "document_causal":
             mask, positions = document_causal_mask(reset), document_positions(reset)
         else:
@@ -282,7 +288,8 @@ class FBTGPTModel(MegatronModule):
 
     def language_model_loss(self, labels, logits):
         """Per-token cross entropy [B, S] of the head's logits [S, B, V_pad/TP] against ``labels`` [B, S]:
-        Megatron's ``GPTModel.compute_language_model_loss``, whose unfused loss is
+        on GPU Megatron's ``GPTModel.compute_language_model_loss`` with its fused loss (TE's, which keeps no
+        fp32 copy of the logits: ``kernels.cross_entropy_switches``); otherwise
         ``tensor_parallel.vocab_parallel_cross_entropy`` as Megatron ships it (no label smoothing), or over
         a one-rank CPU group the room's ``one_rank_loss`` when installed (``model/cpu_fastpaths.py``)."""
         if self.config.cross_entropy_loss_fusion:
@@ -308,10 +315,11 @@ class FBTGPTModel(MegatronModule):
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, doc_start=None, labels=None, num_passes: int = 1,
-                jitter_seed: int | None = None) -> FBTOutput:
+                jitter_seed: int | None = None, cu_seqlens=None, max_seqlen=None) -> FBTOutput:
         """[B, S] tokens -> FBTOutput. ``doc_start`` [B, S] marks document starts (state reset);
         ``jitter_seed`` seeds the training-time jitter (without it the jitter draws from torch's
-        global generator, which is not reproducible across resumes)."""
+        global generator, which is not reproducible across resumes); ``cu_seqlens``, ``max_seqlen``: the
+        loader's packed documents of ``doc_start`` (``data_pipeline.documents``), derived here if not given."""
         check_num_passes(num_passes)
         if self.pipelined:
             raise RuntimeError("this FBTGPTModel is one pipeline stage; run it with "
@@ -321,9 +329,10 @@ class FBTGPTModel(MegatronModule):
             raise ValueError(f"sequence length {seq_len} is not divisible by tensor parallel size "
                              f"{self.config.tensor_model_parallel_size} (sequence parallelism splits it)")
         if self.packed and self.config.sequence_parallel and batch > 1:
-            return self._rows_as_one(input_ids, position_ids, doc_start, labels, num_passes, jitter_seed)
+            return self._rows_as_one(input_ids, position_ids, doc_start, labels, num_passes, jitter_seed,
+                                     cu_seqlens, max_seqlen)
         reset = reset_positions(doc_start, batch, seq_len, input_ids.device)
-        mask, positions = self.attention_inputs(reset, position_ids)
+        mask, positions = self.attention_inputs(reset, position_ids, cu_seqlens, max_seqlen)
         rotary = self.rotary(positions)
         # Token (+ position) embeddings, [S, B, D] ([S/TP, B, D] under sequence parallelism).
         embedded = self.gpt.embedding(input_ids=input_ids, position_ids=positions)
@@ -355,7 +364,8 @@ class FBTGPTModel(MegatronModule):
             top = new_top
         return self._output(top, labels, heads, residuals)
 
-    def _rows_as_one(self, input_ids, position_ids, doc_start, labels, num_passes, jitter_seed) -> FBTOutput:
+    def _rows_as_one(self, input_ids, position_ids, doc_start, labels, num_passes, jitter_seed, cu_seqlens=None,
+                     max_seqlen=None) -> FBTOutput:
         """Packed attention under sequence parallelism: the B rows end to end as one row (each row start
         a document start), so the sequence split gives each TP rank a contiguous 1/TP of the packed tokens
         (Megatron's SP + THD layout); outputs come back in the rows' shapes. Each row's tokens see the same
@@ -371,7 +381,7 @@ class FBTGPTModel(MegatronModule):
             self.feedback.rows_as_one = batch
         try:
             out = self.forward(one_row(input_ids), one_row(position_ids), one_row(starts), one_row(labels),
-                               num_passes, jitter_seed)
+                               num_passes, jitter_seed, cu_seqlens, max_seqlen)  # the same documents end to end
         finally:
             if self.feedback is not None:
                 self.feedback.rows_as_one = None

@@ -17,6 +17,11 @@ switch needs:
   LayerNorm only; RMSNorm is a torch norm there);
 - ``gradient_accumulation_fusion``: writes into Megatron DDP's ``param.main_grad``, which DeepSpeed does
   not provide: always off here (DeepSpeed accumulates in fp32 itself, see ``engine/engine.py``);
+- ``cross_entropy_loss_fusion`` (GPU): with Transformer Engine its Triton cross entropy
+  (``cross_entropy_fusion_impl: te``), which writes the logits' gradient over the bf16 logits instead of
+  holding an fp32 [S, B, V] softmax per kept head; without TE, in bf16, Megatron's fused one (``native``:
+  fewer kernels, the same fp32 softmax, its gradient returned in bf16, hence bf16 only). Off on CPU,
+  where the loss is ``tensor_parallel.vocab_parallel_cross_entropy`` (or the room's one-rank loss);
 - ``apply_rope_fusion``: off here; TE's fused bshd RoPE takes one position table for the whole batch, and
   the dense paths need per-document positions. The model turns it on exactly when attention runs packed
   on TE (``FBTGPTModel``): TE's fused THD RoPE restarts positions at every packed sequence.
@@ -34,10 +39,12 @@ def module_available(name: str) -> bool:
         return False
 
 
-def fused_switches(normalization: str, on_gpu: bool, available=module_available, activation: str = "gelu") -> dict:
+def fused_switches(normalization: str, on_gpu: bool, available=module_available, activation: str = "gelu",
+                   bf16: bool = True) -> dict:
     apex_softmax = all(available(m) for m in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
     apex_persist_norm = available("apex.contrib.layer_norm.layer_norm") and available("apex.normalization")
     return dict(
+        **cross_entropy_switches(on_gpu, bf16, available),
         gradient_accumulation_fusion=False,
         bias_activation_fusion=on_gpu and activation == "swiglu",
         bias_dropout_fusion=on_gpu,
@@ -45,3 +52,15 @@ def fused_switches(normalization: str, on_gpu: bool, available=module_available,
         persist_layer_norm=on_gpu and apex_persist_norm and normalization == "LayerNorm",
         apply_rope_fusion=False,
     )
+
+
+def cross_entropy_switches(on_gpu: bool, bf16: bool, available=module_available) -> dict:
+    """The loss's fusion (module doc): TE's cross entropy where TE is installed, Megatron's fused one in bf16
+    without it, none on CPU (an empty dict leaves Megatron's defaults: off)."""
+    if not on_gpu:
+        return {}
+    if available("transformer_engine.pytorch.cross_entropy"):
+        return dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
+    if bf16:
+        return dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+    return {}

@@ -16,7 +16,15 @@ class RunnerOutput:
 
 
 def to_device(batch: dict, device) -> dict:
-    """``batch``'s tensors on ``device`` (as they are where ``device`` is None)."""
+    """``batch``'s tensors on ``device`` (as they are where ``device`` is None); host tensors bound for a GPU
+    go through pinned memory, so the copy does not wait for the GPU's queue."""
     if device is None:
         return batch
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    pin = torch.device(device).type == "cuda"
+
+    def move(v):
+        if pin and v.device.type == "cpu":
+            v = v.pin_memory()
+        return v.to(device, non_blocking=True)
+
+    return {k: (move(v) if torch.is_tensor(v) else v) for k, v in batch.items()}

@@ -292,14 +292,16 @@ class PipelineRunner:
 
     def _attention(self, mb: _MicroBatch) -> tuple:
         """(mask, rotary) for a micro-batch's packed documents (document-causal or causal, positions
-        per document), computed once per step on every stage from the batch's ``doc_start``."""
+        per document), computed once per step on every stage from the batch's ``doc_start`` and the
+        loader's ``cu_seqlens``."""
         from fbt_megatron.model.fbt_gpt import reset_positions
 
         if mb.attention is None:
             data = mb.data
             batch, seq_len = data["input_ids"].shape
             mb.reset = reset_positions(data.get("doc_start"), batch, seq_len, data["input_ids"].device)
-            mask, positions = self.model.attention_inputs(mb.reset)  # as the whole model: from doc_start
+            mask, positions = self.model.attention_inputs(  # as the whole model: from doc_start
+                mb.reset, cu_seqlens=data.get("cu_seqlens"), max_seqlen=data.get("max_seqlen"))
             mb.attention = (mask, self.model.rotary(positions), positions)
         return mb.attention[:2]
 

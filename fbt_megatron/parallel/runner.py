@@ -21,7 +21,8 @@ from fbt_megatron.parallel.pipeline_runner import PipelineRunner
 
 def micro_batch_forward(model, batch: dict, num_passes: int, jseed: int | None = None):
     return model(input_ids=batch["input_ids"], doc_start=batch["doc_start"], labels=batch["labels"],
-                 num_passes=num_passes, jitter_seed=jseed)
+                 num_passes=num_passes, jitter_seed=jseed, cu_seqlens=batch.get("cu_seqlens"),
+                 max_seqlen=batch.get("max_seqlen"))
 
 
 class WholeModelRunner:

@@ -198,7 +198,7 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     loader.start(state.consumed_sequences)
     valid = build_valid_batches(recipe, dp_rank, dp_size, data_config=data)
     runner = get_runner(engine.model, engine)  # whole model (PP=1) or pipeline stages
-    step_fn = FBTTrainStep(engine, runner, schedule, recipe.seed, device)
+    step_fn = FBTTrainStep(engine, runner, schedule, recipe.seed, device, attention_mask=recipe.model.attention_mask)
     if wrap_step is not None:
         step_fn = wrap_step(step_fn)
     lr_fn = LRSchedule(recipe.lr_schedule, recipe.optimizer.lr, recipe.train.steps)
@@ -260,8 +260,9 @@ def _data_record(recipe: Recipe, data_config, latest: Path | None, run_dir: Path
 
 
 def _flops_fn(recipe: Recipe, n_params: int):
-    """Training FLOPs per token of a k-pass step (the console's MFU), counted as ``fbt plan`` counts them."""
-    from fbt_megatron.train.callbacks import model_flops_per_token
+    """A step's training FLOPs (the console's MFU) from its StepResult: the matmuls per token as ``fbt plan``
+    counts them, attention per (query, key) pair the step attended (``StepResult.attention_pairs``)."""
+    from fbt_megatron.train.callbacks import attention_flops_per_pair, model_flops_per_token
 
     m = recipe.model
     # matmul parameters as fbt plan counts them: not the embedding lookups (the word embedding when the
@@ -269,9 +270,14 @@ def _flops_fn(recipe: Recipe, n_params: int):
     lookups = (0 if m.tie_embeddings else m.padded_vocab_size(recipe.parallel.tensor) * m.hidden_size) + \
         (m.max_sequence_length * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
     fusion = 0 if recipe.feedback.fusion == "off" else 2 * m.hidden_size * m.hidden_size  # W_U, W_G
-    return lambda k: model_flops_per_token(
-        n_params - lookups - fusion, m.num_layers, m.hidden_size, recipe.data.seq_length, k,
-        recipe.feedback.grad_mode, fusion_params=fusion, fused_first_pass=recipe.feedback.fused_first_pass)
+    def step_flops(r) -> float:
+        per_token = model_flops_per_token(n_params - lookups - fusion, m.num_layers, m.hidden_size, 0, r.num_passes,
+                                          recipe.feedback.grad_mode, fusion_params=fusion,
+                                          fused_first_pass=recipe.feedback.fused_first_pass)
+        pairs = attention_flops_per_pair(m.num_layers, m.hidden_size, r.num_passes, recipe.feedback.grad_mode)
+        return per_token * r.tokens + pairs * r.attention_pairs
+
+    return step_flops
 
 
 def _loggers(recipe: Recipe, run_dir: Path, flops_fn, world: int, log) -> list:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from data_pipeline.documents import with_packed_documents
 from fbt_megatron.parallel.micro_batches import to_device
 
 
@@ -41,6 +42,7 @@ class StepResult:
     residuals: list[float] = field(default_factory=list)
     seconds: float = 0.0
     data_checksum: int = 0  # identifies the global batch's samples, whatever the DP layout
+    attention_pairs: int = 0  # (query, key) pairs one pass attends over the global batch (causal, per document)
 
 
 def jitter_seed(seed: int, step: int, micro_batch: int) -> int:
@@ -53,10 +55,11 @@ class FBTTrainStep:
     over ``engine``: the whole model per micro-batch, or the pipeline schedule), whose backward goes
     through the engine."""
 
-    def __init__(self, engine, runner, schedule, seed: int, device):
+    def __init__(self, engine, runner, schedule, seed: int, device, attention_mask: str = "document_causal"):
         from megatron.core import parallel_state as ps
 
         self.engine, self.runner, self.schedule, self.seed, self.device = engine, runner, schedule, seed, device
+        self.attention_mask = attention_mask
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -67,10 +70,13 @@ class FBTTrainStep:
         engine.train()
         engine.set_lr(lr)
         engine.set_step(step)
+        micro_batches = [with_packed_documents(b) for b in micro_batches]  # made on the host, where absent
+        pairs = sum(self._attention_pairs(b) for b in micro_batches)
         micro_batches = [to_device(b, self.device) for b in micro_batches]
         local_tokens = sum(b["loss_mask"].sum() for b in micro_batches).to(torch.float64)
-        total_tokens = self._sum_over_dp(local_tokens.clone())
-        n_global = float(total_tokens.item())
+        totals = self._sum_over_dp(torch.stack([local_tokens, torch.tensor(float(pairs), dtype=torch.float64,
+                                                                           device=local_tokens.device)]))
+        n_global, global_pairs = (float(v) for v in totals.tolist())
         scale = self.dp_size / max(n_global, 1.0)
 
         checksum = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -86,7 +92,18 @@ class FBTTrainStep:
         outcome = engine.step(skip=not math.isfinite(loss))
         res = (torch.stack(out.residuals).float() / len(micro_batches)).tolist() if out.residuals else []
         return StepResult(step=step, num_passes=k, loss=loss, tokens=int(n_global), skipped=not outcome.applied,
-                          grad_norm=outcome.grad_norm, lr=lr, residuals=res, data_checksum=int(checksum))
+                          grad_norm=outcome.grad_norm, lr=lr, residuals=res, data_checksum=int(checksum),
+                          attention_pairs=int(global_pairs))
+
+    def _attention_pairs(self, batch: dict) -> int:
+        """(query, key) pairs one pass attends in a host-side micro-batch: d(d+1)/2 per packed document, or
+        per row under ``model.attention_mask: causal``."""
+        from fbt_megatron.train.callbacks import causal_pairs
+
+        if self.attention_mask == "causal" or "cu_seqlens" not in batch:  # no doc_start: one document a row
+            rows, seq = batch["input_ids"].shape
+            return rows * seq * (seq + 1) // 2
+        return causal_pairs(batch["cu_seqlens"].tolist())
 
     def _sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed in place over the data-parallel ranks. Over one rank it is the sum already, and

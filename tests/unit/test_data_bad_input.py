@@ -22,6 +22,8 @@ from tests.support.data_fixtures import build_fixture, fixture_config
 
 S, MB, GB = 32, 2, 8
 
+DOCUMENTS = ("cu_seqlens", "max_seqlen")  # per micro-batch, not [B, S]: not concatenated
+
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
@@ -39,7 +41,7 @@ def fx(clean, tmp_path):
 def stream(cfg, steps):
     ld = build_loader(cfg, micro_batch_size=MB, global_batch_size=GB, dp_rank=0, dp_size=1)
     out = [next(ld) for _ in range(steps * ld.micro_batches_per_step)]
-    return {k: torch.cat([b[k] for b in out]) for k in out[0]}, ld
+    return {k: torch.cat([b[k] for b in out]) for k in out[0] if k not in DOCUMENTS}, ld
 
 
 def first_math_sample(fx, cfg):

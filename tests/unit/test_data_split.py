@@ -20,6 +20,8 @@ from tests.support.data_fixtures import build_fixture, fixture_config, global_st
 S, MB, GB = 32, 2, 8
 NAMES = ("web", "code", "math")
 
+DOCUMENTS = ("cu_seqlens", "max_seqlen")  # per micro-batch, not [B, S]: not concatenated
+
 
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory):
@@ -180,7 +182,7 @@ def test_trainer_validation_reads_only_held_out_documents(fx):
     sp, held, held_docs, train_docs = split_documents(fx, cfg)
 
     batches = build_valid_batches(recipe, 0, 1)
-    valid = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    valid = {k: torch.cat([b[k] for b in batches]) for k in batches[0] if k not in DOCUMENTS}
     assert valid["input_ids"].shape[0] == 64
     vdocs = full_documents(valid, sp.eos_id())
     assert vdocs and set(vdocs) <= held_docs
@@ -191,5 +193,5 @@ def test_trainer_validation_reads_only_held_out_documents(fx):
 
     train = build_train_loader(recipe, 0, 1, 0)
     tb = [next(train) for _ in range(4 * 20)]
-    tdocs = full_documents({k: torch.cat([b[k] for b in tb]) for k in tb[0]}, sp.eos_id())
+    tdocs = full_documents({k: torch.cat([b[k] for b in tb]) for k in tb[0] if k not in DOCUMENTS}, sp.eos_id())
     assert tdocs and not set(tdocs) & (held_docs - train_docs)

@@ -121,9 +121,32 @@ def test_pipeline_zero2_keeps_whole_gradients():
 def test_suggestion_with_tensor_and_pipeline_parallelism_uses_sequence_parallelism():
     """6 heads (TP=4 does not divide them) and 14 GB per GPU: only TP=2 x PP=4 fits, and a suggestion with
     TP > 1 turns sequence parallelism on whatever the pipeline size."""
-    from fbt_megatron.launch.plan import suggest_layout
+    from fbt_megatron.launch.plan import gradient_buffers, suggest_layout
 
     s = Shape(layers=16, hidden=3072, heads=6, ffn=12288, vocab=32000, seq=4096)
     layout, mem = suggest_layout(s, 8, 64, 14 * GB, 1, {}, allow_pp=True)
     assert (layout.tp, layout.pp, layout.sequence_parallel) == (2, 4, True)
-    assert mem == memory_per_gpu(s, layout, 1, 1)
+    assert mem == memory_per_gpu(s, layout, 1, 1, **gradient_buffers(layout.zero, 1, fp32=False))
+
+
+def test_bf16_gradients_and_reduction_buckets_by_hand():
+    """DeepSpeed's bf16 ``.grad`` (2 bytes a parameter before it reaches the fp32 accumulator) and its flat
+    reduction bucket (<= 5e8 elements) are counted: whole at ZeRO-2, one V x h weight at ZeRO-1 (released
+    as added), none of either in fp32 or over one DP rank."""
+    from fbt_megatron.launch.plan import gradient_buffers
+
+    s = Shape(layers=2, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=2048)
+    n = 60_060_672 / 2  # TP=2 (test_tp2_zero2_by_hand)
+    base = memory_per_gpu(s, Layout(tp=2, pp=1, zero=2, micro_batch=1), dp=4, passes_kept=3).grads
+    zero2 = memory_per_gpu(s, Layout(tp=2, pp=1, zero=2, micro_batch=1), dp=4, passes_kept=3,
+                           **gradient_buffers(2, 4, fp32=False))
+    assert zero2.grads == base + 2 * n + 2 * n  # every bf16 .grad + a bf16 bucket of n < 5e8 elements
+    zero1 = memory_per_gpu(s, Layout(tp=2, pp=1, zero=1, micro_batch=1), dp=4, passes_kept=3,
+                           **gradient_buffers(1, 4, fp32=False))
+    assert zero1.grads == 4 * n + 2 * 32000 * 1024 / 2 + 4 * n  # fp32 accumulators + one V x h/TP + fp32 bucket
+    big = Shape(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000, seq=2048, query_groups=8, gated=True,
+                bias=False, tied=False, norm_params=1)
+    capped = memory_per_gpu(big, Layout(1, 1, 1, 1), 8, 1, **gradient_buffers(1, 8, fp32=False))
+    assert capped.detail["reduce_buckets"] == 5e8 * 4  # 11.4e9 parameters: the bucket is capped
+    assert gradient_buffers(1, 1, fp32=False) == {"half_grad_bytes": 2, "half_grads_released": True}
+    assert gradient_buffers(2, 8, fp32=True) == {"reduce_bucket_bytes": 4}

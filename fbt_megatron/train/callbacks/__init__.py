@@ -19,7 +19,8 @@ step; every :class:`~.base.Logger` implements it), ``on_train_end``, ``close`` (
 
 from fbt_megatron.train.callbacks.base import Callback, Logger, is_rank0, step_metrics
 from fbt_megatron.train.callbacks.checkpointer import Checkpointer
-from fbt_megatron.train.callbacks.console import ConsoleLogger, model_flops_per_token
+from fbt_megatron.train.callbacks.console import (ConsoleLogger, attention_flops_per_pair, causal_pairs,
+                                                  model_flops_per_token)
 from fbt_megatron.train.callbacks.metrics_file import MetricsFile
 from fbt_megatron.train.callbacks.preemption import Preemption
 from fbt_megatron.train.callbacks.profiler import Profiler
@@ -28,4 +29,5 @@ from fbt_megatron.train.callbacks.validation import Validation
 from fbt_megatron.train.callbacks.wandb_logger import WandbLogger
 
 __all__ = ["Callback", "Checkpointer", "ConsoleLogger", "Logger", "MetricsFile", "Preemption", "Profiler",
-           "TensorBoardLogger", "Validation", "WandbLogger", "is_rank0", "model_flops_per_token", "step_metrics"]
+           "TensorBoardLogger", "Validation", "WandbLogger", "attention_flops_per_pair", "causal_pairs", "is_rank0",
+           "model_flops_per_token", "step_metrics"]

@@ -18,8 +18,25 @@ def model_flops_per_token(matmul_params: int, num_layers: int, hidden: int, seq_
     return step_flops(passes, grad_mode, stack, 2.0 * fusion_params, fused_first_pass)
 
 
+def attention_flops_per_pair(num_layers: int, hidden: int, passes: int, grad_mode: str = "all") -> float:
+    """Training FLOPs per attended (query, key) pair of a ``passes``-pass step: QK^T and AV, 2h each per
+    layer and forward, through the forwards and backwards ``passes.step_flops`` counts."""
+    from fbt_megatron.passes import step_flops
+
+    return step_flops(passes, grad_mode, 4.0 * num_layers * hidden, 0.0)
+
+
+def causal_pairs(cu_seqlens) -> int:
+    """(query, key) pairs of causal attention over the sequences ``cu_seqlens`` delimits: d(d+1)/2 each."""
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    return sum(d * (d + 1) // 2 for d in lengths)
+
+
 class ConsoleLogger(Logger):
-    """Every N steps: loss, loss by pass count, lr, grad norm, tokens/s, MFU, pass mix so far."""
+    """Every N steps: loss, loss by pass count, lr, grad norm, tokens/s, MFU, pass mix so far.
+    ``flops_fn(step_result)``: the step's training FLOPs; the MFU counts attention causally (the pairs
+    the mask lets through: d(d+1)/2 per packed document), which the line says, not the full square
+    ``fbt plan`` counts."""
 
     priority = 90
 
@@ -50,8 +67,8 @@ class ConsoleLogger(Logger):
                 f"lr {w[-1].lr:.3e} | gnorm {(gn[-1] if gn else float('nan')):.3f} | "
                 f"{tokens / secs:,.0f} tok/s")
         if self.peak_flops and self.flops_fn:
-            flops = sum(self.flops_fn(x.num_passes) * x.tokens for x in w)
-            line += f" | MFU {100 * flops / secs / (self.peak_flops * self.world_size):.2f}%"
+            flops = sum(self.flops_fn(x) for x in w)
+            line += f" | MFU {100 * flops / secs / (self.peak_flops * self.world_size):.2f}% (causal attention)"
         if w[-1].residuals:
             line += " | resid " + ",".join(f"{v:.3f}" for v in w[-1].residuals)
         line += f" | passes {mix_s}"
