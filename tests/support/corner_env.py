@@ -57,22 +57,30 @@ def requirements(project: dict | None = None) -> list[str]:
     return [r for r in wanted if _name(r) not in pinned]
 
 
+def _runs_as_wanted(python: str) -> bool:
+    try:
+        r = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                           text=True, timeout=60, env=_clean_env())
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and r.stdout.strip() == PYTHON_VERSION
+
+
 def interpreter() -> Path:
-    """A Python 3.12: ``$FBT_CORNER_PYTHON``, ``python3.12`` on PATH, or pyenv's."""
-    if os.environ.get("FBT_CORNER_PYTHON"):
-        return Path(os.environ["FBT_CORNER_PYTHON"])
-    found = shutil.which(f"python{PYTHON_VERSION}")
-    if found:
-        return Path(found)
+    """A Python 3.12 that runs: ``$FBT_CORNER_PYTHON``, pyenv's, or ``python3.12`` on PATH (a pyenv shim on
+    PATH may name a version it then refuses to run, so each candidate is tried)."""
     pyenv = sorted(glob.glob(str(Path.home() / ".pyenv" / "versions" / f"{PYTHON_VERSION}.*" / "bin" / "python")))
-    if pyenv:
-        return Path(pyenv[-1])
-    raise Unavailable(f"no Python {PYTHON_VERSION} found (set FBT_CORNER_PYTHON to one)")
+    candidates = [os.environ.get("FBT_CORNER_PYTHON"), *reversed(pyenv), shutil.which(f"python{PYTHON_VERSION}")]
+    for candidate in filter(None, candidates):
+        if _runs_as_wanted(candidate):
+            return Path(candidate)
+    raise Unavailable(f"no Python {PYTHON_VERSION} found that runs (tried {[c for c in candidates if c]}; "
+                      "set FBT_CORNER_PYTHON to one)")
 
 
 def venv_path(python: Path, reqs: list[str]) -> Path:
     version = subprocess.run([str(python), "-c", "import sys; print(sys.version)"], capture_output=True,
-                             text=True, timeout=60).stdout.strip()
+                             text=True, timeout=60, env=_clean_env(), check=True).stdout.strip()
     key = hashlib.sha256(repr((PINS, reqs, version)).encode()).hexdigest()[:12]
     return root() / f"py{PYTHON_VERSION}-{'-'.join(p.replace('==', '') for p in PINS)}-{key}"
 
