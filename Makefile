@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: setup train test test-fast bench vllm-env mutation gpu-check gpu-check-multi
+.PHONY: setup train test test-fast test-corner corner-env bench vllm-env mutation gpu-check gpu-check-multi
 setup: $(STAMP)
 
 # vLLM's CPU build in a venv of its own for the serving tests (tests/support/vllm_env.py; cached under
@@ -35,6 +35,25 @@ test: $(STAMP)
 	else unset FBT_VLLM_SETUP_TIMED_OUT; fi; \
 	echo "$(PY) -m pytest -q tests"; $(PY) -m pytest -q tests; tests=$$?; \
 	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$setup
+
+# CI's second corner, the image's (docs/install.md, "Tested versions"): Python 3.12, torch 2.11, megatron-core
+# 0.19.2, the newest DeepSpeed, in a venv of its own built once and cached under ~/.cache/fbt_megatron/corner-envs
+# (tests/support/corner_env.py; it prints the build's seconds). It runs the unit tier and the multi-process
+# checkpoint, TP, PP, SP and resume tests on this checkout; either failing (or collecting nothing) fails it.
+CORNER_TESTS := tests/integration/test_model_tp.py tests/integration/test_pipeline.py \
+	tests/integration/test_model_sequence_parallel.py tests/integration/test_checkpoint_torchrun.py \
+	tests/integration/test_train_resume.py tests/integration/test_elastic.py
+corner-env: $(STAMP)
+	$(PY) -m tests.support.corner_env
+
+test-corner: $(STAMP)
+	@$(PY) -m tests.support.corner_env || exit $$?; \
+	echo "$(PY) -m tests.support.corner_env --pytest -q -m 'not slow' tests/unit"; \
+	unit=0; $(PY) -m tests.support.corner_env --pytest -q -m "not slow" tests/unit || unit=$$?; \
+	echo "$(PY) -m tests.support.corner_env --pytest -q $(CORNER_TESTS)"; \
+	multi=0; $(PY) -m tests.support.corner_env --pytest -q $(CORNER_TESTS) || multi=$$?; \
+	echo "corner (Python 3.12 image): unit tier exit $$unit, multi-process tests exit $$multi"; \
+	if [ $$unit -ne 0 ]; then exit $$unit; fi; exit $$multi
 
 # The edit-test loop: the unit tier without the tests marked slow (tests/unit; multi-process, SLURM, vLLM,
 # other transformers versions and end-to-end CLI runs are the integration tier, tests/integration). `make test`

@@ -3,12 +3,13 @@ without replacing its torch, Transformer Engine or apex.
 
     python tools/install_in_cuda_env.py [--dry-run] [--extras eval,wandb]
 
-``pip install -e '.[gpu]'`` resolves the project's ``torch>=2.13,<2.14`` and would swap the container's
-CUDA build of torch (and with it break the TE and apex built against it) for a wheel from PyPI. This
+``pip install -e '.[gpu]'`` may resolve another torch than the container's and would swap its
+CUDA build (and with it break the TE and apex built against it) for a wheel from PyPI. This
 installs the package itself with ``--no-deps``, then its other requirements under a constraints file that
 pins every one of the environment's NVIDIA-built packages (torch, transformer-engine, apex, flash-attn,
 triton) to the version installed: pip then keeps them, or stops with a conflict instead of replacing them.
-transformer-engine is added from PyPI only when the environment has none.
+transformer-engine is added from PyPI (the ``gpu`` extra's pins) only when the environment has none;
+pytest and pytest-timeout (the ``test`` extra's pins) always come too, as ``make gpu-check``'s first step runs pytest.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Built against the environment's CUDA: kept at the installed version (distribution names as pip knows them).
 KEPT = ("torch", "transformer-engine", "transformer-engine-torch", "transformer-engine-cu12", "apex",
         "flash-attn", "triton", "nvidia-cudnn-cu12", "nvidia-nccl-cu12")
-TE_REQUIREMENT = "transformer-engine[pytorch]>=2.0"
+# what the GPU check itself runs (pytest with its timeout plugin), taken from the ``test`` extra's pins
+CHECK_TOOLS = ("pytest", "pytest-timeout")
 
 
 def _name(requirement: str) -> str:
@@ -47,14 +49,16 @@ def installed_versions(names=KEPT) -> dict[str, str]:
 def install_plan(dependencies: list[str], installed: dict[str, str], extras: dict[str, list[str]],
                  wanted_extras=()) -> tuple[list[str], list[str]]:
     """(requirements, constraints): the project's requirements (and ``wanted_extras``') minus what the
-    environment keeps, TE added when it has none; constraints pinning each kept package to its version."""
+    environment keeps, pytest for the GPU check, TE (the ``gpu`` extra) added when it has none;
+    constraints pinning each kept package to its version."""
     requirements = [r for r in dependencies if _name(r) not in KEPT]
     for extra in wanted_extras:
         if extra not in extras:
             raise ValueError(f"unknown extra {extra!r}; the project has {sorted(extras)}")
         requirements += [r for r in extras[extra] if _name(r) not in KEPT]
+    requirements += [r for r in extras.get("test", []) if _name(r) in CHECK_TOOLS and r not in requirements]
     if not any(name.startswith("transformer-engine") for name in installed):
-        requirements.append(TE_REQUIREMENT)
+        requirements += [r for r in extras.get("gpu", []) if _name(r).startswith("transformer-engine")]
     constraints = [f"{name}=={version}" for name, version in sorted(installed.items())]
     return requirements, constraints
 

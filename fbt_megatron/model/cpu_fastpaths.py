@@ -50,8 +50,9 @@ from fbt_megatron.model.tensor_memo import LastTensorMemo
 ENV = "FBT_CPU_FASTPATHS"  # "0": the stock path on CPU too
 
 # The library versions every shortcut below was checked against (their internals: argument names, call
-# sites, the steps they repeat). Any other version runs the stock path until re-checked and added here.
-CHECKED_VERSIONS = {"megatron-core": "0.16.1", "deepspeed": "0.19.8", "torch": "2.13.0"}
+# sites, the steps they repeat), by their equality tests run at both corners CI tests (docs/install.md).
+# Any other version runs the stock path until re-checked and added here.
+CHECKED_VERSIONS = {"megatron-core": ("0.16.1", "0.19.2"), "deepspeed": ("0.19.8",), "torch": ("2.11.0", "2.13.0")}
 
 # The libraries' own objects at the lookup points the shortcuts replace, read at import (before any install).
 MEGATRON_APPLY_ROPE = megatron_attention.apply_rotary_pos_emb
@@ -69,9 +70,10 @@ def _base_version(package: str) -> str | None:
 
 def version_mismatches() -> dict[str, tuple[str | None, str]]:
     """``{package: (installed, checked)}`` for every package of :data:`CHECKED_VERSIONS` whose installed
-    version (without a local ``+cpu``/``+cu128`` suffix) is another."""
+    version (without a local ``+cpu``/``+cu130`` suffix) is none of the checked ones (``checked``: them, joined)."""
     found = {name: _base_version(name) for name in CHECKED_VERSIONS}
-    return {name: (found[name], checked) for name, checked in CHECKED_VERSIONS.items() if found[name] != checked}
+    return {name: (found[name], " or ".join(checked)) for name, checked in CHECKED_VERSIONS.items()
+            if found[name] not in checked}
 
 
 def one_rank(group) -> bool:
@@ -163,8 +165,9 @@ def one_rank_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.
 
 
 # ----------------------------------------------------------------------------------- one-rank linear
+# the keywords Megatron's layers pass (``gtp_remat_size``: megatron-core 0.19's GTP-sharded weight, 1 = none)
 _LINEAR_ARGS = {"bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group"}
+                "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group", "gtp_remat_size"}
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs):
@@ -175,7 +178,8 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kw
     if (not args and kwargs.keys() <= _LINEAR_ARGS and input.device.type == "cpu"
             and not kwargs.get("gradient_accumulation_fusion") and not kwargs.get("allreduce_dgrad")
             and not kwargs.get("sequence_parallel") and kwargs.get("grad_output_buffer") is None
-            and kwargs.get("async_grad_allreduce") is None and one_rank(kwargs.get("tp_group"))):
+            and kwargs.get("async_grad_allreduce") is None and kwargs.get("gtp_remat_size", 1) == 1
+            and one_rank(kwargs.get("tp_group"))):
         output = torch.matmul(input, weight.t())  # not F.linear: ZeRO-3 replaces that process-wide
         bias = kwargs.get("bias")
         return output if bias is None else output + bias

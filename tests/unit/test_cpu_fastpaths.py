@@ -172,10 +172,10 @@ def test_installed_on_cpu(single_process, room_state):
 
 def test_a_version_mismatch_installs_nothing_and_warns_once(single_process, monkeypatch, room_state):
     room.install("cpu")
-    monkeypatch.setitem(room.CHECKED_VERSIONS, "megatron-core", "0.0.1")
+    monkeypatch.setitem(room.CHECKED_VERSIONS, "megatron-core", ("0.0.1", "0.0.2"))
     monkeypatch.setattr(room, "_warned", False)
     have = room._base_version("megatron-core")
-    with pytest.warns(RuntimeWarning, match=rf"megatron-core {have} \(checked: 0\.0\.1\)"):
+    with pytest.warns(RuntimeWarning, match=rf"megatron-core {have} \(checked: 0\.0\.1 or 0\.0\.2\)"):
         build_model(tiny_model_config(), feedback())
     assert lookups_hold("stock") and not room.active()
     with warnings.catch_warnings():

@@ -186,11 +186,12 @@ def test_resume_refuses_a_different_stream(fx):
 
 
 def test_resume_accepts_the_same_mix_written_with_other_numbers(fx):
-    """Source weights are relative: a run saved with weights 6 : 3 : 1 resumes under a recipe that
-    writes them 0.6 : 0.3 : 0.1 (the same mix; normalised, they differ in the last bit), and the stream
-    continues as the uninterrupted run's."""
-    a = fixture_config(fx, seq_length=S, weights=(6, 3, 1))
-    b = fixture_config(fx, seq_length=S, weights=(0.6, 0.3, 0.1))
+    """Source weights are relative: a run saved with weights 3 : 2 : 1 resumes under a recipe that
+    writes them 0.3 : 0.2 : 0.1 (the same mix; normalised, they differ in the last bit on Python 3.11 and
+    3.12, whose ``sum`` of floats rounds once: 6 : 3 : 1 against 0.6 : 0.3 : 0.1 differ on 3.11 only), and
+    the stream continues as the uninterrupted run's."""
+    a = fixture_config(fx, seq_length=S, weights=(3, 2, 1))
+    b = fixture_config(fx, seq_length=S, weights=(0.3, 0.2, 0.1))
     assert a.weights != b.weights  # not the same floats: the check must not ask for equality
     ref, loaders = global_stream(a, 6, 1)
     _, loaders = global_stream(a, 2, 1)

@@ -3,6 +3,7 @@ where attention runs unfused), the MFU that training logs counts passes as the p
 model trains with the exact GELU its export computes."""
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -79,7 +80,8 @@ def test_gelu_on_gpu_is_exact(single_process):
     gpu = fused_switches("LayerNorm", on_gpu=True, available=lambda name: False, activation="gelu")
     config = dataclasses.replace(config, **gpu)
     torch.manual_seed(0)
-    mlp = MLP(config, get_gpt_layer_local_spec().submodules.mlp.submodules)
+    mlp_spec = get_gpt_layer_local_spec().submodules.mlp  # megatron-core 0.19: a partial holding the submodules
+    mlp = MLP(config, mlp_spec.keywords["submodules"] if isinstance(mlp_spec, functools.partial) else mlp_spec.submodules)
     x = 40 * torch.randn(5, 2, 32)  # fc1's outputs spread over [-10, 10], where tanh-GELU is off by up to 5e-4
     out, bias = mlp(x)
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
