@@ -647,7 +647,7 @@ def main(argv=None) -> int:
     print_estimates(steps, a.budget)
     te_reason = None if te else te_missing_reason()
     header = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "transformer_engine": te_reason or "yes"}
+              "cuda": torch.version.cuda, "transformer_engine": te_reason or "yes", "work": str(work)}
     report = run_steps(steps, out, a.budget, header=header,
                        not_run_reason=lambda step: te_reason if step.needs_te else None)
     summary = report["summary"]
