@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KEPT = ("torch", "transformer-engine", "transformer-engine-torch", "transformer-engine-cu12", "apex",
         "flash-attn", "triton", "nvidia-cudnn-cu12", "nvidia-nccl-cu12")
 TE_REQUIREMENT = "transformer-engine[pytorch]>=2.0"
+# The GPU check (make gpu-check) runs the GPU tests first: pytest and the timeout plugin pyproject.toml configures.
+GPU_CHECK_REQUIREMENTS = ("pytest>=8", "pytest-timeout>=2.2")
 
 
 def _name(requirement: str) -> str:
@@ -47,7 +49,8 @@ def installed_versions(names=KEPT) -> dict[str, str]:
 def install_plan(dependencies: list[str], installed: dict[str, str], extras: dict[str, list[str]],
                  wanted_extras=()) -> tuple[list[str], list[str]]:
     """(requirements, constraints): the project's requirements (and ``wanted_extras``') minus what the
-    environment keeps, TE added when it has none; constraints pinning each kept package to its version."""
+    environment keeps, TE added when it has none, and pytest for the GPU check; constraints pinning each
+    kept package to its version."""
     requirements = [r for r in dependencies if _name(r) not in KEPT]
     for extra in wanted_extras:
         if extra not in extras:
@@ -55,6 +58,7 @@ def install_plan(dependencies: list[str], installed: dict[str, str], extras: dic
         requirements += [r for r in extras[extra] if _name(r) not in KEPT]
     if not any(name.startswith("transformer-engine") for name in installed):
         requirements.append(TE_REQUIREMENT)
+    requirements += [r for r in GPU_CHECK_REQUIREMENTS if _name(r) not in {_name(x) for x in requirements}]
     constraints = [f"{name}=={version}" for name, version in sorted(installed.items())]
     return requirements, constraints
 

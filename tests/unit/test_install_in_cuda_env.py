@@ -22,7 +22,8 @@ def test_an_ngc_environment_keeps_its_torch_te_and_apex():
     names = [tool._name(r) for r in requirements]
     assert "torch" not in names and not any(n.startswith("transformer-engine") for n in names)
     assert "megatron-core" in names and "deepspeed" in names  # everything else the project needs
-    assert len(requirements) == len(PROJECT["dependencies"]) - 1
+    assert len(requirements) == len(PROJECT["dependencies"]) - 1 + 2  # + pytest, pytest-timeout (the GPU check)
+    assert "pytest" in names and "pytest-timeout" in names
     assert constraints == ["apex==0.1", "torch==2.8.0a0+5228986c39.nv25.05", "transformer-engine==2.4.0+3cd6870",
                            "triton==3.3.0"]
     first, second = tool.commands(requirements, Path("/tmp/c.txt"))
