@@ -1,7 +1,8 @@
 """`make gpu-wheels` builds a wheelhouse (<= 64 MiB) that installs offline (pip --no-index, no config files)
 into a clean Python 3.12 that already holds torch 2.11 (a CUDA image's stand-in: tests/support/gpu_image_env.py),
-keeps that torch, and from which the project, its engine and the GPU check import; on this CPU the check
-then refuses in one sentence, its JSON listing every step as not run."""
+keeps that torch, and from which the project, its engine and the GPU check import. On this CPU, fbt train
+then trains the tiny model there in bf16 with ZeRO-1 (what the check's resume step runs), and the check
+refuses in one sentence, its JSON listing every step as not run."""
 
 import json
 import os
@@ -70,6 +71,16 @@ def test_wheelhouse_installs_offline_beside_the_images_torch(wheelhouse, tmp_pat
     fbt_file, megatron_version, ds_version, torch_version, torch_file = r.stdout.split()[-5:]
     assert str(tmp_path / "image") in fbt_file and megatron_version == "0.19.2" and ds_version == "0.19.8"
     assert f"{torch_version} {torch_file}" == before.stdout.strip()
+
+    # what the check's zero1_bf16_resume step runs, on this CPU: fbt train in bf16 with ZeRO-1 (BF16_Optimizer)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import tiny_recipe
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(json.dumps(tiny_recipe(str(tmp_path / "run"), precision="bf16", train={"steps": 2},
+                                             parallel={"tensor": 1, "zero_stage": 1})))
+    r = _run([python, "-m", "fbt_megatron.cli", "train", recipe], tmp_path, _offline_env(FBT_DEVICE="cpu"))
+    assert r.returncode == 0 and "steps             2/2" in r.stdout, (r.stdout + r.stderr)[-3000:]
 
     report = tmp_path / "report"
     r = _run([python, "benchmarks/gpu_check.py", "--wheels", out, "--budget", "60", "--out", report], REPO, env)
