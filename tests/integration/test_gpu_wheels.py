@@ -40,6 +40,7 @@ def wheelhouse(tmp_path_factory):
     return out, r.stdout
 
 
+@pytest.mark.timeout(2400)  # a wheelhouse build, a venv, an install and a tiny training run: ~15 min on a loaded 2-core box
 def test_wheelhouse_installs_offline_beside_the_images_torch(wheelhouse, tmp_path):
     out, printed = wheelhouse
     wheels = sorted(out.glob("*.whl"))
