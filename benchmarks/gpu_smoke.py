@@ -24,6 +24,7 @@ benchmark is benchmarks/bench_train.py. Exit status: 0 when every check passed, 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -112,18 +113,17 @@ def engine_recipe(recipe, micro_batch: int):
     return load_recipe(data=data)
 
 
-def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str | None, device=None) -> dict:
-    """``steps`` timed optimiser steps (after one warm-up) of ``passes``-pass batches of packed documents,
-    through the engine ``fbt train`` uses (``FBTTrainStep`` over DeepSpeed, :func:`engine_recipe`). ``gpu``:
-    ``fbt plan``'s device for the MFU and the memory figure (None: neither, e.g. on CPU)."""
+def train_steps(recipe, passes_list, steps: int, micro_batch: int, gpu: str | None, device=None) -> dict:
+    """Per pass count in ``passes_list``: ``steps`` timed optimiser steps (after one warm-up) of batches of
+    packed documents, through the engine ``fbt train`` uses (``FBTTrainStep`` over DeepSpeed,
+    :func:`engine_recipe`), one model and engine for all pass counts. ``gpu``: ``fbt plan``'s device for the
+    MFU and the memory figure (None: neither, e.g. on CPU). Returns {passes: measurements}."""
     import torch
 
     from fbt_megatron import runtime
     from fbt_megatron.engine import Engine
-    from fbt_megatron.launch.plan import DEVICES, Layout, Shape, memory_per_gpu
     from fbt_megatron.model.fbt_gpt import build_model
     from fbt_megatron.parallel.runner import get_runner
-    from fbt_megatron.train.callbacks import model_flops_per_token
     from fbt_megatron.train.train_step import FBTTrainStep
 
     device = device or runtime.device()
@@ -132,30 +132,47 @@ def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str | No
     torch.manual_seed(0)
     model = build_model(recipe.model, recipe.feedback, dtype=torch.bfloat16).train()
     engine = Engine(model, recipe)
-    step_fn = FBTTrainStep(engine, get_runner(engine.model, engine), FixedPasses(passes), recipe.seed, device)
+    runner = get_runner(engine.model, engine)
     seq, vocab = recipe.data.seq_length, recipe.model.vocab_size
-    g = torch.Generator().manual_seed(passes)
-    batches = [packed_batch(micro_batch, seq, vocab, g, "cpu") for _ in range(steps + 1)]
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i, b in enumerate(batches):
-        t0 = time.perf_counter()
-        result = step_fn(i, [b], recipe.optimizer.lr)  # the loss .item() inside waits for the step
+    results, step_number = {}, 0
+    for passes in passes_list:
+        step_fn = FBTTrainStep(engine, runner, FixedPasses(passes), recipe.seed, device)
+        g = torch.Generator().manual_seed(passes)
+        batches = [packed_batch(micro_batch, seq, vocab, g, "cpu") for _ in range(steps + 1)]
         if cuda:
             torch.cuda.synchronize()
-        if i:  # the first step is the warm-up
-            times.append(time.perf_counter() - t0)
-        losses.append(result.loss)
-    step = sorted(times)[len(times) // 2]
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            result = step_fn(step_number, [b], recipe.optimizer.lr)  # the loss .item() inside waits for the step
+            step_number += 1
+            if cuda:
+                torch.cuda.synchronize()
+            if i:  # the first step is the warm-up
+                times.append(time.perf_counter() - t0)
+            losses.append(result.loss)
+        results[passes] = _measurements(recipe, engine, passes, micro_batch, sorted(times)[len(times) // 2], losses,
+                                        gpu, torch.cuda.max_memory_allocated() / 1e9 if cuda else None)
+    del runner, engine, model
+    gc.collect()  # DeepSpeed's hooks hold the engine in reference cycles
+    if cuda:
+        torch.cuda.empty_cache()
+    return results
+
+
+def _measurements(recipe, engine, passes: int, micro_batch: int, step: float, losses: list, gpu: str | None,
+                  peak_gb: float | None) -> dict:
+    from fbt_megatron.launch.plan import DEVICES, Layout, Shape, memory_per_gpu
+    from fbt_megatron.train.callbacks import model_flops_per_token
+
+    seq = recipe.data.seq_length
     tokens_s = micro_batch * seq / step
     bare = engine.model
-    optimizer = type(engine.ds.optimizer).__name__
     masters = {str(p.dtype).replace("torch.", "") for group in engine.torch_optimizer.param_groups for p in group["params"]}
     result = {"passes": passes, "step_s": step, "tokens_s": tokens_s, "backend": bare.attention_backend,
-              "losses": losses, "optimizer": optimizer, "master_dtypes": sorted(masters), "mfu": None,
-              "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "plan_gb": None}
+              "losses": losses, "optimizer": type(engine.ds.optimizer).__name__, "master_dtypes": sorted(masters),
+              "mfu": None, "peak_gb": peak_gb, "plan_gb": None}
     if gpu is not None:
         flops = model_flops_per_token(matmul_params(recipe, bare), recipe.model.num_layers, recipe.model.hidden_size,
                                       seq, passes, recipe.feedback.grad_mode, fusion_params(recipe),
@@ -166,9 +183,6 @@ def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str | No
                                    act_bytes=2, flash=bare.attention_backend != "unfused",
                                    scores_transient=recipe.model.recompute == "selective", reserve=0.0)
         result.update(mfu=flops * tokens_s / DEVICES[gpu][0], plan_gb=predicted.total / 1e9)
-    del step_fn, engine, model, bare
-    if cuda:
-        torch.cuda.empty_cache()
     return result
 
 
@@ -264,8 +278,7 @@ def main(argv=None) -> int:
     ok = True
     print(f"{'passes':>6} {'step s':>7} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'plan GB':>8} {'attention':>10} "
           f"{'loss first -> last':>20}")
-    for k in (int(x) for x in a.passes.split(",")):
-        r = train_steps(recipe, k, a.steps, micro_batch, gpu)
+    for k, r in train_steps(recipe, [int(x) for x in a.passes.split(",")], a.steps, micro_batch, gpu).items():
         print(f"{k:>6} {r['step_s']:>7.3f} {r['tokens_s']:>9,.0f} {100 * r['mfu']:>5.1f}% {r['peak_gb']:>8.2f} "
               f"{r['plan_gb']:>8.2f} {r['backend']:>10} {r['losses'][0]:>9.4f} -> {r['losses'][-1]:.4f}")
         if r["backend"] != "packed":

@@ -170,9 +170,11 @@ def test_1b_step_goes_through_deepspeeds_bf16_engine(single_process):
     model = {k: v for k, v in LLAMA.items()}
     recipe = load_recipe(data={"model": {**model, "max_sequence_length": 16}, "data": {"seq_length": 16, "synthetic": {"vocab_size": 64}},
                                "batch": {"global_batch_size": 8, "micro_batch_size": 4}})
-    r = gpu_smoke.train_steps(recipe, 2, 2, 2, gpu=None)
-    assert r["optimizer"] == "BF16_Optimizer" and r["master_dtypes"] == ["float32"]
-    assert len(r["losses"]) == 3 and all(x == x for x in r["losses"]) and r["step_s"] > 0
+    rows = gpu_smoke.train_steps(recipe, (1, 2), 2, 2, gpu=None)
+    assert list(rows) == [1, 2]
+    for r in rows.values():
+        assert r["optimizer"] == "BF16_Optimizer" and r["master_dtypes"] == ["float32"]
+        assert len(r["losses"]) == 3 and all(x == x for x in r["losses"]) and r["step_s"] > 0
     trained = gpu_smoke.engine_recipe(recipe, 2)
     assert (trained.parallel.zero_stage, trained.resolved_precision(), trained.global_batch_size) == (1, "bf16", 2)
 
