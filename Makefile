@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: setup train test test-fast test-corner corner-env bench vllm-env mutation gpu-check gpu-check-multi
+.PHONY: setup train test test-fast test-corner corner-env bench vllm-env mutation gpu-wheels gpu-check gpu-check-multi
 setup: $(STAMP)
 
 # vLLM's CPU build in a venv of its own for the serving tests (tests/support/vllm_env.py; cached under
@@ -71,12 +71,20 @@ mutation: $(STAMP)
 	@$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install -q 'cosmic-ray>=8.7,<9'
 	nice -n 10 $(PY) tools/mutation.py $(FILE)
 
-# On a GPU node, in the cluster's own CUDA/NGC environment (docs/install.md: it keeps that torch, not
-# .venv's CPU build): the GPU check (benchmarks/gpu_check.py; one GPU, about 10 minutes, no network) and
-# the 2-8 GPU one (TP=2+SP, PP=2 with 3 passes, DP=2 against one GPU). Each writes runs/gpu_check*/gpu_check.json.
+# The GPU check's wheelhouse (docs/gpu.md): here, with the registry; build/gpu-wheels then installs offline on
+# a CUDA image with Python 3.12 and its own torch (cp312 manylinux wheels, DeepSpeed built pure-Python, this
+# project's wheel; <= 64 MiB, printed). tools/gpu_wheels.py; the pins: benchmarks/gpu_wheels.txt.
+gpu-wheels:
+	python3 tools/gpu_wheels.py --out build/gpu-wheels
+
+# On a GPU node, in the image's or cluster's own Python (GPU_PY; its torch is kept): the GPU check
+# (benchmarks/gpu_check.py; installs build/gpu-wheels with pip --no-index when present, then one GPU within
+# GPU_BUDGET seconds, default 480) and the 2-8 GPU one (TP=2+SP, PP=2 with 3 passes, DP=2 against one GPU).
+# Each writes runs/gpu_check*/gpu_check.json.
 GPU_PY ?= python3
+GPU_BUDGET ?= 480
 gpu-check:
-	$(GPU_PY) benchmarks/gpu_check.py
+	$(GPU_PY) benchmarks/gpu_check.py --wheels build/gpu-wheels --budget $(GPU_BUDGET)
 
 gpu-check-multi:
-	$(GPU_PY) benchmarks/gpu_check.py --multi
+	$(GPU_PY) benchmarks/gpu_check.py --multi --wheels build/gpu-wheels --budget $(GPU_BUDGET)

@@ -6,11 +6,12 @@
 On one GPU, with the Transformer Engine layer spec in bf16 (what `fbt train` builds on a GPU):
 1. builds the recipe's model (default: the 1B recipe) and trains ``--steps`` timed steps (after one
    warm-up step) of 1-pass and of 3-pass batches of packed documents (document lengths drawn from a
-   geometric distribution, mean 1/4 of the sequence), with torch AdamW;
+   geometric distribution, mean 1/4 of the sequence) as ``fbt train`` does: the train step over
+   DeepSpeed ZeRO-1 in bf16 (fp32 master weights, fp32 gradient accumulation, torch's fused AdamW);
 2. prints per pass count: tokens/s, MFU (FLOPs counted as `fbt plan` counts them, against the GPU's
    dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated``) next to `fbt plan`'s figure for
-   the same layout and optimiser bytes (bf16 weights and gradients, AdamW moments in bf16: 2 + 2 + 4
-   bytes per parameter; no reserve), and the attention backend that ran (``packed`` expected);
+   the same layout (bf16 ZeRO-1 as the plan counts it; no reserve), and the attention backend that ran
+   (``packed`` expected);
 3. checks that the Transformer Engine spec (packed documents, THD) and Megatron's local spec (torch
    SDPA with the dense document mask) give the same loss on the same weights: a model of the recipe's
    width with ``--equivalence-layers`` layers, fp32 and bf16, 1 and 3 passes.
@@ -23,6 +24,7 @@ benchmark is benchmarks/bench_train.py. Exit status: 0 when every check passed, 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -89,48 +91,98 @@ def matmul_params(recipe, model) -> int:
     return n - lookups - fusion_params(recipe)
 
 
-def train_steps(recipe, passes: int, steps: int, micro_batch: int, gpu: str) -> dict:
+class FixedPasses:
+    """A pass schedule of ``passes`` at every step (what ``FBTTrainStep`` asks of ``PassSchedule``)."""
+
+    def __init__(self, passes: int):
+        self.passes = passes
+
+    def num_passes(self, step: int) -> int:
+        return self.passes
+
+
+def engine_recipe(recipe, micro_batch: int):
+    """``recipe`` as one GPU trains it in ``fbt train``: one micro-batch a step, DeepSpeed ZeRO-1, bf16
+    (fp32 master weights and gradient accumulation, DeepSpeed's BF16_Optimizer)."""
+    from fbt_megatron.recipe import load_recipe
+
+    data = recipe.model_dump(mode="json", exclude_unset=True)
+    data["batch"] = {"micro_batch_size": micro_batch, "global_batch_size": micro_batch}
+    data["parallel"] = {**data.get("parallel", {}), "tensor": 1, "pipeline": 1, "zero_stage": 1}
+    data["precision"] = "bf16"
+    return load_recipe(data=data)
+
+
+def train_steps(recipe, passes_list, steps: int, micro_batch: int, gpu: str | None, device=None) -> dict:
+    """Per pass count in ``passes_list``: ``steps`` timed optimiser steps (after one warm-up) of batches of
+    packed documents, through the engine ``fbt train`` uses (``FBTTrainStep`` over DeepSpeed,
+    :func:`engine_recipe`), one model and engine for all pass counts. ``gpu``: ``fbt plan``'s device for the
+    MFU and the memory figure (None: neither, e.g. on CPU). Returns {passes: measurements}."""
     import torch
 
-    from fbt_megatron.launch.plan import DEVICES, Layout, Shape, memory_per_gpu
+    from fbt_megatron import runtime
+    from fbt_megatron.engine import Engine
     from fbt_megatron.model.fbt_gpt import build_model
-    from fbt_megatron.train.callbacks import model_flops_per_token
+    from fbt_megatron.parallel.runner import get_runner
+    from fbt_megatron.train.train_step import FBTTrainStep
 
+    device = device or runtime.device()
+    cuda = device.type == "cuda"
+    recipe = engine_recipe(recipe, micro_batch)
     torch.manual_seed(0)
     model = build_model(recipe.model, recipe.feedback, dtype=torch.bfloat16).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    engine = Engine(model, recipe)
+    runner = get_runner(engine.model, engine)
     seq, vocab = recipe.data.seq_length, recipe.model.vocab_size
-    g = torch.Generator().manual_seed(passes)
-    batches = [packed_batch(micro_batch, seq, vocab, g, "cuda") for _ in range(steps + 1)]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i, b in enumerate(batches):
-        t0 = time.perf_counter()
-        out = model(b["input_ids"], doc_start=b["doc_start"], labels=b["labels"], num_passes=passes)
-        loss = (out.token_loss.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i:  # the first step is the warm-up
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    step = sorted(times)[len(times) // 2]
+    results, step_number = {}, 0
+    for passes in passes_list:
+        step_fn = FBTTrainStep(engine, runner, FixedPasses(passes), recipe.seed, device)
+        g = torch.Generator().manual_seed(passes)
+        batches = [packed_batch(micro_batch, seq, vocab, g, "cpu") for _ in range(steps + 1)]
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            result = step_fn(step_number, [b], recipe.optimizer.lr)  # the loss .item() inside waits for the step
+            step_number += 1
+            if cuda:
+                torch.cuda.synchronize()
+            if i:  # the first step is the warm-up
+                times.append(time.perf_counter() - t0)
+            losses.append(result.loss)
+        results[passes] = _measurements(recipe, engine, passes, micro_batch, sorted(times)[len(times) // 2], losses,
+                                        gpu, torch.cuda.max_memory_allocated() / 1e9 if cuda else None)
+    del runner, engine, model
+    gc.collect()  # DeepSpeed's hooks hold the engine in reference cycles
+    if cuda:
+        torch.cuda.empty_cache()
+    return results
+
+
+def _measurements(recipe, engine, passes: int, micro_batch: int, step: float, losses: list, gpu: str | None,
+                  peak_gb: float | None) -> dict:
+    from fbt_megatron.launch.plan import DEVICES, Layout, Shape, memory_per_gpu
+    from fbt_megatron.train.callbacks import model_flops_per_token
+
+    seq = recipe.data.seq_length
     tokens_s = micro_batch * seq / step
-    flops = model_flops_per_token(matmul_params(recipe, model), recipe.model.num_layers, recipe.model.hidden_size,
-                                  seq, passes, recipe.feedback.grad_mode, fusion_params(recipe),
-                                  recipe.feedback.fused_first_pass)
-    kept = passes if recipe.feedback.grad_mode == "all" else 1
-    predicted = memory_per_gpu(Shape.from_recipe(recipe), Layout(1, 1, 0, micro_batch), 1, kept, weight_bytes=2,
-                               grad_bytes=2, optimizer_bytes=4, act_bytes=2,
-                               flash=model.attention_backend != "unfused",
-                               scores_transient=recipe.model.recompute == "selective", reserve=0.0)
-    result = {"passes": passes, "step_s": step, "tokens_s": tokens_s, "mfu": flops * tokens_s / DEVICES[gpu][0],
-              "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "plan_gb": predicted.total / 1e9,
-              "backend": model.attention_backend, "losses": losses}
-    del model, optimizer
-    torch.cuda.empty_cache()
+    bare = engine.model
+    masters = {str(p.dtype).replace("torch.", "") for group in engine.torch_optimizer.param_groups for p in group["params"]}
+    result = {"passes": passes, "step_s": step, "tokens_s": tokens_s, "backend": bare.attention_backend,
+              "losses": losses, "optimizer": type(engine.ds.optimizer).__name__, "master_dtypes": sorted(masters),
+              "mfu": None, "peak_gb": peak_gb, "plan_gb": None}
+    if gpu is not None:
+        flops = model_flops_per_token(matmul_params(recipe, bare), recipe.model.num_layers, recipe.model.hidden_size,
+                                      seq, passes, recipe.feedback.grad_mode, fusion_params(recipe),
+                                      recipe.feedback.fused_first_pass)
+        kept = passes if recipe.feedback.grad_mode == "all" else 1
+        # fbt plan's bytes per parameter for bf16 ZeRO-1 (its defaults: fp32 masters and moments), no reserve
+        predicted = memory_per_gpu(Shape.from_recipe(recipe), Layout(1, 1, 1, micro_batch), 1, kept, weight_bytes=2,
+                                   act_bytes=2, flash=bare.attention_backend != "unfused",
+                                   scores_transient=recipe.model.recompute == "selective", reserve=0.0)
+        result.update(mfu=flops * tokens_s / DEVICES[gpu][0], plan_gb=predicted.total / 1e9)
     return result
 
 
@@ -226,8 +278,7 @@ def main(argv=None) -> int:
     ok = True
     print(f"{'passes':>6} {'step s':>7} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'plan GB':>8} {'attention':>10} "
           f"{'loss first -> last':>20}")
-    for k in (int(x) for x in a.passes.split(",")):
-        r = train_steps(recipe, k, a.steps, micro_batch, gpu)
+    for k, r in train_steps(recipe, [int(x) for x in a.passes.split(",")], a.steps, micro_batch, gpu).items():
         print(f"{k:>6} {r['step_s']:>7.3f} {r['tokens_s']:>9,.0f} {100 * r['mfu']:>5.1f}% {r['peak_gb']:>8.2f} "
               f"{r['plan_gb']:>8.2f} {r['backend']:>10} {r['losses'][0]:>9.4f} -> {r['losses'][-1]:.4f}")
         if r["backend"] != "packed":
