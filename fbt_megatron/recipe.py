@@ -73,6 +73,10 @@ class DataSection(Section):
     # offline on first use (`fbt data embedded --out DIR`).
     embedded_dir: str = "data/embedded"
     valid_sequences: int = Field(64, ge=1)
+    # The data order's seed, for either source: it replaces ``pipeline.seed`` (the embedded mix's is 0)
+    # and ``synthetic.seed``. None keeps theirs. The recipe's ``seed`` sets the model, not the data, so
+    # a study that wants a data order per seed sets this too.
+    seed: int | None = None
 
 
 class TrainLoopConfig(Section):
