@@ -553,3 +553,75 @@ def test_a_recipe_change_is_paired_with_the_unchanged_runs_best_mode():
     deficit = rows[base]["1-pass - standard_untied (FBT's 1-pass deficit)"]
     assert deficit[0] == pytest.approx(((4.16 - 3.95) + (4.15 - 3.96)) / 2)
     assert not any("recipe change" in name for name in rows[base])
+
+
+def test_token_multiplier_inverts_a_loss_linear_in_log_tokens():
+    """m = D_standard(L_FBT) / D_FBT: with standard losses on L = 6 - 0.5 ln D (per seed), an FBT loss of
+    the standard model's at 0.8 D gives m = 0.8 inside the runs and past their ends; per seed, paired."""
+    from fbt_megatron.research.hypotheses import estimate, multiplier_by_seed, standard_tokens_for
+
+    def loss(d, shift=0.0):
+        return 6.0 - 0.5 * math.log(d) + shift
+
+    points = [(d, loss(d)) for d in (1e6, 2e6, 4e6)]
+    for d in (0.5e6, 1.5e6, 3e6, 8e6):
+        assert standard_tokens_for(points, loss(d)) == pytest.approx(d)
+    kink = [(1e6, 5.0), (2e6, 4.0), (4e6, 3.5)]  # piecewise: each segment its own slope
+    assert standard_tokens_for(kink, 3.75) == pytest.approx(2e6 * 2 ** 0.5)
+    assert standard_tokens_for(kink, 4.5) == pytest.approx(1e6 * 2 ** 0.5)
+    assert standard_tokens_for(kink, 5.5) == pytest.approx(1e6 / 2 ** 0.5)  # past the first run
+
+    def report(kind, losses):  # {seed: loss} of one kind, as a study report holds it
+        return {"comparisons": {kind: {"best mode": "2"}} if kind != "standard_untied" else {},
+                "readouts": {f"{kind}_seed{s}": {"val_loss": {"2" if kind != "standard_untied" else "1": v}}
+                             for s, v in losses.items()}}
+
+    shifts = {1: 0.0, 2: 0.1}  # seed 2's standard model is worse throughout: m is per seed
+    standard = {d: report("standard_untied", {s: loss(d, sh) for s, sh in shifts.items()}) for d in (1e6, 2e6, 4e6)}
+    fbt = report("fbt", {1: loss(0.8 * 2e6), 2: loss(0.9 * 2e6, 0.1)})
+    m = multiplier_by_seed(standard, fbt, "fbt", 2e6)
+    assert m == {1: pytest.approx(0.8), 2: pytest.approx(0.9)}
+    mean, err, n = estimate(m)
+    assert (mean, n) == (pytest.approx(0.85), 2) and err == pytest.approx(0.05)
+
+
+def test_summary_rows_give_the_interval_and_the_verdict_and_wait_for_missing_runs(tmp_path):
+    """A row's number is its report's paired difference with the t-interval; the verdict follows the
+    interval's side of zero (or of 1 for m); a report not written yet leaves the row pending; the table
+    goes between the write-up's markers, and a write-up without them is refused in one sentence."""
+    from fbt_megatron.research.hypotheses import (BEGIN, END, Hypothesis, Reports, _cmp, replace_summary,
+                                                  row_cells)
+
+    comparisons = {"k": {"2-pass - 1-pass": [-0.039, 0.0075, 3], "exact - 1-pass": [-0.025, 0.010, 3],
+                         "one seed": [0.1, float("nan"), 1]}}
+    (tmp_path / "feedback_study_s.json").write_text(json.dumps({"comparisons": comparisons, "readouts": {}}))
+    reports = Reports(tmp_path)
+
+    def cells(prefix, sign=-1, stem="s"):
+        return row_cells(Hypothesis("a", "c", "e", "m", _cmp(stem, "k", prefix), sign, pending="running"), reports)
+
+    assert cells("2-pass")[4:] == ["-0.039 [-0.071, -0.007]", "3", "supported"]
+    assert cells("2-pass", +1)[-1] == "ruled out"
+    assert cells("exact")[-1] == "undecided at this scale"
+    assert cells("one seed")[4:] == ["+0.100", "1", "undecided (one seed)"]
+    assert cells("2-pass", stem="missing")[4:] == ["–", "–", "running"]
+    m = Hypothesis("b", "m > 1", "e", "m", lambda r: (0.82, 0.01, 2), +1, null=1.0)
+    assert row_cells(m, reports)[4:] == ["0.82× [0.69, 0.95]", "2", "ruled out"]
+    doc = f"# T\n\n{BEGIN}\nold\n{END}\n\nrest\n"
+    assert replace_summary(doc, "| new |") == f"# T\n\n{BEGIN}\n| new |\n{END}\n\nrest\n"
+    with pytest.raises(ValueError, match="no summary markers"):
+        replace_summary("# T\n", "| new |")
+
+
+def test_old_reports_paths_become_relative():
+    """A report written with machine paths: the checkpoint relative to its run folder, the folders by name."""
+    from fbt_megatron.research.hypotheses import portable_report
+
+    data = {"args": {"runs": "/work/study_runs/tiny_600", "out": "/work/main/docs/results", "seeds": "1,2"},
+            "readouts": {"standard_seed1": {"checkpoint": "/work/study_runs/tiny_600/standard_seed1/checkpoints/step_00000600"},
+                         "state_seed1": {"checkpoint": "checkpoints/step_00000600"}}}
+    out = portable_report(data)
+    assert out["args"] == {"runs": "tiny_600", "out": "docs/results", "seeds": "1,2"}
+    assert out["readouts"]["standard_seed1"]["checkpoint"] == "checkpoints/step_00000600"
+    assert out["readouts"]["state_seed1"]["checkpoint"] == "checkpoints/step_00000600"
+    assert "/work" not in json.dumps(out)
