@@ -4,7 +4,8 @@
                                      [--portable-paths]
 
 Prints the table of hypotheses (each a paired difference over seeds with its 95 % t-interval, df =
-seeds - 1, and a verdict); ``--write`` puts it between the write-up's summary markers;
+seeds - 1, and a verdict) and the token multiplier's table; ``--write`` puts them between the write-up's
+markers;
 ``--portable-paths`` rewrites the machine paths in the reports' JSON as relative ones.
 """
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from fbt_megatron.research.hypotheses import Reports, portable_report, replace_summary, summary_table
+    from fbt_megatron.research.hypotheses import (M_BEGIN, M_END, Reports, multiplier_table, portable_report,
+                                                  replace_summary, summary_table)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="docs/results")
@@ -30,14 +32,15 @@ def main(argv=None) -> int:
     if a.portable_paths:
         for path in sorted(results.glob("feedback_study_*.json")):
             path.write_text(json.dumps(portable_report(json.loads(path.read_text())), indent=1, default=float))
-    text = summary_table(Reports(results))
+    reports = Reports(results)
+    text, m_text = summary_table(reports), multiplier_table(reports)
     if a.write:
         doc = Path(a.write)
         try:
-            doc.write_text(replace_summary(doc.read_text(), text))
+            doc.write_text(replace_summary(replace_summary(doc.read_text(), text), m_text, M_BEGIN, M_END))
         except (OSError, ValueError) as e:
             ap.error(str(e))
-    print(text)
+    print(text + "\n\n" + m_text)
     return 0
 
 

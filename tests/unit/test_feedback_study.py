@@ -609,7 +609,7 @@ def test_summary_rows_give_the_interval_and_the_verdict_and_wait_for_missing_run
     assert row_cells(m, reports)[4:] == ["0.82× [0.69, 0.95]", "2", "ruled out"]
     doc = f"# T\n\n{BEGIN}\nold\n{END}\n\nrest\n"
     assert replace_summary(doc, "| new |") == f"# T\n\n{BEGIN}\n| new |\n{END}\n\nrest\n"
-    with pytest.raises(ValueError, match="no summary markers"):
+    with pytest.raises(ValueError, match="no markers for this table"):
         replace_summary("# T\n", "| new |")
 
 
