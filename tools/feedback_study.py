@@ -13,14 +13,21 @@ plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), 
   ``LR_VARIANT_ABLATIONS``), and the standard model with the same change where the change is to the model
   itself (``MODEL_ABLATIONS``: untied embeddings);
 - ``state``: a state-tracking task (running products in the symmetric group S3, one element per token,
-  sequences of 32 steps, far past the 4 layers) for a standard model and FBT.
+  sequences of 32 steps, far past the 4 layers) for a standard model and FBT;
+- ``recipe`` (E1): the untied standard model, the best FBT configuration (untied, fusion LR x10, 50/40/10)
+  and that configuration with ``feedback.loss_on=mean``, and with the switch at 50 % of the steps.
+
+Each seed sets the model's initialisation and its own data order (``data.seed``), the same for every run of
+the seed, and every run validates on 512 held-out sequences every 200 steps; the report and runs folder get
+``_orders``. ``--shared-data-order`` keeps the earlier studies' protocol (every seed on data seed 0, 64
+validation sequences every 100 steps) to rebuild or continue their reports.
 
 Then reads each finished run out (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes
 and at the exact recurrence (passes = sequence length), answer NLL and exact match on held-out
 arithmetic under standard and feedback decoding, the fusion's gate saturation and W_U's distance from
 its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
-reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
+reported as mean ± standard error over seeds with the paired t-test's 95 % interval (df = seeds - 1). Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
 with ``--reuse`` an unfinished run continues from its latest checkpoint, and a run recorded there stands
 in for its run folder when that is gone; a report keeps the runs recorded in the one it replaces, also
 those it does not select, so the study can be continued run by run (``--only``, ``--seeds``) across
