@@ -625,3 +625,27 @@ def test_old_reports_paths_become_relative():
     assert out["readouts"]["standard_seed1"]["checkpoint"] == "checkpoints/step_00000600"
     assert out["readouts"]["state_seed1"]["checkpoint"] == "checkpoints/step_00000600"
     assert "/work" not in json.dumps(out)
+
+
+def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
+    """The summary's E1 rows find the rows ``summarise`` writes for the recipe group (names kept in step):
+    pending without the report, numbers with it."""
+    from fbt_megatron.research.hypotheses import E1, HYPOTHESES, Reports, row_cells
+    from fbt_megatron.research.study import summarise
+
+    base = "fbt_heavy_untied_fusion_lr_x10"
+    readouts = {}
+    for seed, shift in ((1, 0.0), (2, 0.01), (3, -0.01)):
+        readouts[f"standard_untied_seed{seed}"] = {"seq_length": 8, "val_loss": {"1": 3.95 + shift}}
+        for kind, losses in ((base, (4.16, 4.10)), (f"{base}_loss_mean", (4.03, 4.06)), (f"{base}_switch50", (4.09, 4.10))):
+            readouts[f"{kind}_seed{seed}"] = {"seq_length": 8, "val_loss": {"1": losses[0] + shift, "2": losses[1] + 2 * shift}}
+    e1 = [h for h in HYPOTHESES if h.experiment.startswith("E1")]
+    assert len(e1) == 4 and all(row_cells(h, Reports(tmp_path))[-1] == "running" for h in e1)
+    report = {"comparisons": summarise({n: {} for n in readouts}, readouts), "readouts": readouts}
+    (tmp_path / f"feedback_study_{E1}.json").write_text(json.dumps(report))
+    rows = {h.claim: row_cells(h, Reports(tmp_path)) for h in e1}
+    assert rows["`loss_on: mean` narrows FBT's gap to the standard model"][4].startswith("-0.070 [")  # 4.03 - 4.10
+    assert rows["a switch at 50 % of the steps narrows the gap"][4].startswith("-0.010 [")  # 4.09 - 4.10
+    assert rows["with `loss_on: mean`, FBT is ahead of the standard model"][4].startswith("+0.080 [")  # 4.03 - 3.95
+    assert rows["FBT's 1-pass mode is behind the standard model (the recipe's deficit)"][4].startswith("+0.210 [")
+    assert all(r[5] == "3" for r in rows.values())
