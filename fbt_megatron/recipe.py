@@ -83,6 +83,9 @@ class DataSection(Section):
         "data/embedded", description="source: pipeline with no pipeline section: the embedded token mix, built "
         "offline here on first use.")
     valid_sequences: int = Field(64, ge=1, description="Held-out sequences read at each evaluation.")
+    seed: int | None = Field(
+        None, ge=0, description="The data order's seed, for either source: it replaces pipeline.seed and "
+        "synthetic.seed (None keeps theirs). The recipe's seed sets the model, not the data.")
 
 
 class TrainLoopConfig(Section):

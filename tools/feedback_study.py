@@ -13,14 +13,21 @@ plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), 
   ``LR_VARIANT_ABLATIONS``), and the standard model with the same change where the change is to the model
   itself (``MODEL_ABLATIONS``: untied embeddings);
 - ``state``: a state-tracking task (running products in the symmetric group S3, one element per token,
-  sequences of 32 steps, far past the 4 layers) for a standard model and FBT.
+  sequences of 32 steps, far past the 4 layers) for a standard model and FBT;
+- ``recipe`` (E1): the untied standard model, the best FBT configuration (untied, fusion LR x10, 50/40/10)
+  and that configuration with ``feedback.loss_on=mean``, and with the switch at 50 % of the steps.
+
+Each seed sets the model's initialisation and its own data order (``data.seed``), the same for every run of
+the seed, and every run validates on 512 held-out sequences every 200 steps; the report and runs folder get
+``_orders``. ``--shared-data-order`` keeps the earlier studies' protocol (every seed on data seed 0, 64
+validation sequences every 100 steps) to rebuild or continue their reports.
 
 Then reads each finished run out (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes
 and at the exact recurrence (passes = sequence length), answer NLL and exact match on held-out
 arithmetic under standard and feedback decoding, the fusion's gate saturation and W_U's distance from
 its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
-reported as mean ± standard error over seeds. Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
+reported as mean ± standard error over seeds with the paired t-test's 95 % interval (df = seeds - 1). Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
 with ``--reuse`` an unfinished run continues from its latest checkpoint, and a run recorded there stands
 in for its run folder when that is gone; a report keeps the runs recorded in the one it replaces, also
 those it does not select, so the study can be continued run by run (``--only``, ``--seeds``) across
@@ -74,6 +81,16 @@ LR_VARIANT_ABLATIONS = {
     "untied_fusion_lr_x50": ["model.tie_embeddings=false", "optimizer.fusion_lr_multiplier=50.0"],
 }
 MODEL_ABLATIONS = {"untied"}  # ablations that change the model itself, not only its fusion
+# E1, recipe against mechanism: the best FBT configuration (untied, fusion LR x10) with one change to the
+# training recipe each, beside the same configuration unchanged and the untied standard model.
+RECIPE_BASE = "fbt_heavy_untied_fusion_lr_x10"
+RECIPE_VARIANTS = {"loss_mean": lambda steps: ["feedback.loss_on=mean"],
+                   "switch50": lambda steps: [f"schedule.feedback_start_step={steps // 2}"]}
+# Every seed's own data order (data.seed = the seed, the same for all runs of a seed, so pairs stay
+# paired), validated on 512 held-out sequences (65,536 tokens), every 200 steps to keep validation's
+# cost near a fifth of training's. --shared-data-order keeps the earlier studies' protocol: every seed
+# on data seed 0, 64 validation sequences every 100 steps.
+SEED_ORDER = ["data.valid_sequences=512", "eval.every=200"]
 STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
               "data.synthetic.group_size=3", "data.synthetic.vocab_size=6", "data.seq_length=32",
               "model.vocab_size=6", "model.max_sequence_length=32", "batch.global_batch_size=32",
@@ -109,10 +126,11 @@ def mix_arg(mix: list[float]) -> str:
 
 
 def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
-         lr: float | None = None) -> dict[str, list[str]]:
-    """Run name -> ``fbt train`` overrides of the research recipe (seed added per run). ``steps``: a
-    shorter or longer run, the switch kept at 20 % of it; ``lr``: every run's peak learning rate."""
-    base = SCALES[scale] + (SMOKE if smoke else [])
+         lr: float | None = None, shared_order: bool = False) -> dict[str, list[str]]:
+    """Run name -> ``fbt train`` overrides of the research recipe (seed added per run by
+    :func:`run_overrides`). ``steps``: a shorter or longer run, the switch kept at 20 % of it; ``lr``:
+    every run's peak learning rate; ``shared_order``: the earlier studies' validation (see ``SEED_ORDER``)."""
+    base = SCALES[scale] + ([] if shared_order else SEED_ORDER) + (SMOKE if smoke else [])
     if steps:
         base += [f"train.steps={steps}", f"schedule.feedback_start_step={steps // 5}", f"checkpoint.every={steps // 5}"]
     if lr:
@@ -132,6 +150,12 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
             runs[f"fbt_heavy_{name}"] = base + [mix_arg(MIX_HEAVY)] + extra
             if name in MODEL_ABLATIONS:  # the standard model with the same change: the fair baseline
                 runs[f"standard_{name}"] = base + ["feedback.fusion=off"] + extra
+    if "recipe" in groups:
+        untied = ABLATIONS["untied"]
+        runs["standard_untied"] = base + ["feedback.fusion=off"] + untied
+        runs[RECIPE_BASE] = base + [mix_arg(MIX_HEAVY)] + ABLATIONS["untied_fusion_lr_x10"]
+        for name, extra in RECIPE_VARIANTS.items():
+            runs[f"{RECIPE_BASE}_{name}"] = runs[RECIPE_BASE] + extra(steps)
     if "state" in groups:
         state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
         runs["state_standard"] = state + ["feedback.fusion=off"]
@@ -139,10 +163,18 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
     return runs
 
 
-def study_name(scale: str, steps: int | None, lr: float | None, smoke: bool) -> str:
-    """SCALE[_STEPS][_lrLR][_smoke]: the report's stem after ``feedback_study_`` and the default runs folder,
-    so that a variant's runs and report never stand in for another's (``--reuse`` reads both)."""
-    return scale + (f"_{steps}" if steps else "") + (f"_lr{lr:g}" if lr else "") + ("_smoke" if smoke else "")
+def run_overrides(runs: dict[str, list[str]], name: str, seed: int, shared_order: bool = False) -> list[str]:
+    """The ``fbt train`` overrides of run ``name`` at ``seed``: the seed sets the model's initialisation and,
+    unless ``shared_order``, the data order (``data.seed``), the same for every run of the seed."""
+    return [f"name=study_{name}_{seed}", f"seed={seed}", *([] if shared_order else [f"data.seed={seed}"]), *runs[name]]
+
+
+def study_name(scale: str, steps: int | None, lr: float | None, smoke: bool, shared_order: bool = True) -> str:
+    """SCALE[_STEPS][_lrLR][_orders][_smoke]: the report's stem after ``feedback_study_`` and the default runs
+    folder, so that a variant's runs and report never stand in for another's (``--reuse`` reads both);
+    ``_orders``: a data order per seed (the earlier studies shared one)."""
+    return (scale + (f"_{steps}" if steps else "") + (f"_lr{lr:g}" if lr else "")
+            + ("" if shared_order else "_orders") + ("_smoke" if smoke else ""))
 
 
 def add_layer_counts(readouts: dict, runs: dict[str, list[str]]) -> None:
@@ -178,7 +210,7 @@ def finished_summary(run_dir: Path) -> dict | None:
 
 
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
-          recorded: dict | None = None, train_missing: bool = True) -> dict:
+          recorded: dict | None = None, train_missing: bool = True, shared_order: bool = False) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
     ``recorded``; an unfinished one continues from its latest checkpoint) under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only
     the finished ones, nothing trained)."""
@@ -199,7 +231,7 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
         if not train_missing:
             return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
-        return train_run(RECIPE, run_dir, [f"name=study_{name}_{seed}", f"seed={seed}", *runs[name]], resume=reuse)
+        return train_run(RECIPE, run_dir, run_overrides(runs, name, seed, shared_order), resume=reuse)
 
     todo = [(name, seed) for seed in seeds for name in runs]
     return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs)) if s is not None}
@@ -209,7 +241,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
-    ap.add_argument("--groups", default="main,compute,stabilisers,state")
+    ap.add_argument("--groups", default="main,compute,stabilisers,state",
+                    help="main, compute, stabilisers, state, recipe (E1: loss_on mean, the switch at 50 %%)")
     ap.add_argument("--steps", type=int, default=None, help="train.steps of every run (default: the recipe's "
                     "3000), the switch at 20 %% of it; the report and the runs folder get _STEPS")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate of every run (default: the recipe's "
@@ -223,18 +256,22 @@ def main(argv=None) -> int:
                     help="train nothing: report the runs already finished (implies --reuse)")
     ap.add_argument("--only", default=None, help="run names of the groups to train or summarise (comma-separated, "
                     "e.g. standard,fbt_heavy); default all")
+    ap.add_argument("--shared-data-order", action="store_true",
+                    help="the earlier studies' protocol (every seed on data seed 0, 64 validation sequences every "
+                    "100 steps): to rebuild or continue their reports; without it each seed has its own data "
+                    "order and the report and runs folder get _orders")
     ap.add_argument("--smoke", action="store_true", help="a few steps at a toy size (tests)")
     ap.add_argument("--out", default="docs/results")
     a = ap.parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
     groups = [g for g in a.groups.split(",") if g]
-    unknown = set(groups) - {"main", "compute", "stabilisers", "state"}
+    unknown = set(groups) - {"main", "compute", "stabilisers", "state", "recipe"}
     if unknown:
-        ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state")
+        ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state, recipe")
     seeds = [int(s) for s in a.seeds.split(",")]
-    name = study_name(a.scale, a.steps, a.lr, a.smoke)
+    name = study_name(a.scale, a.steps, a.lr, a.smoke, a.shared_data_order)
     root = Path(a.runs or f"runs/research/feedback_study/{name}").resolve()
-    runs = plan(groups, a.scale, a.smoke, a.steps, a.lr)
+    runs = plan(groups, a.scale, a.smoke, a.steps, a.lr, a.shared_data_order)
     if a.only:
         only = [n for n in a.only.split(",") if n]
         if set(only) - set(runs):
@@ -245,7 +282,7 @@ def main(argv=None) -> int:
     recorded = recorded_runs(out_dir / f"{stem}.json")
     t0 = time.perf_counter()
     summaries = train(runs, seeds, root, a.jobs, a.reuse or a.summarise_only, recorded,
-                      train_missing=not a.summarise_only)
+                      train_missing=not a.summarise_only, shared_order=a.shared_data_order)
     if a.train_only:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0

@@ -74,7 +74,10 @@ def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int, *, data_conf
 
 
 def _synthetic_cfg(recipe: Recipe):
-    return recipe.data.synthetic.model_copy(update={"seq_length": recipe.data.seq_length})
+    update = {"seq_length": recipe.data.seq_length}
+    if recipe.data.seed is not None:
+        update["seed"] = recipe.data.seed
+    return recipe.data.synthetic.model_copy(update=update)
 
 
 def prepare_data(data_plan, log):
@@ -100,6 +103,8 @@ def data_pipeline_config(recipe: Recipe):
 
     cfg = dict(recipe.data.pipeline or {})
     cfg["seq_length"] = recipe.data.seq_length
+    if recipe.data.seed is not None:
+        cfg["seed"] = recipe.data.seed
     return DataConfig.model_validate(cfg)
 
 

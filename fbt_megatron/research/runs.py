@@ -23,7 +23,9 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     this function did not start (no ``command.json``) and that is not empty is refused, nothing removed
     (:class:`data_pipeline.output_dir.OutputDirError`)."""
     run_dir = Path(run_dir)
-    cmd = [sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / recipe), f"run_dir={run_dir}", *overrides]
+    # the recipe as given (relative to ROOT, the subprocess's cwd): a run started from one checkout of the
+    # repository resumes from another
+    cmd = [sys.executable, "-m", "fbt_megatron.cli", "train", str(recipe), f"run_dir={run_dir}", *overrides]
     started = run_dir / "command.json"  # what the run was started with: resume only the same run
     same = started.exists() and json.loads(started.read_text()) == cmd[3:]
     resuming = resume and same and (run_dir / "checkpoints" / "latest").exists()

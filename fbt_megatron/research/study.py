@@ -26,6 +26,49 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
     return statistics.fmean(d), (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")), len(d)
 
 
+def t_critical(df: int, confidence: float = 0.95) -> float:
+    """Student's t quantile for a two-sided ``confidence`` interval with ``df`` degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.5 + confidence / 2, df))
+
+
+def t_interval(mean: float, err: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The paired t-test's interval for a mean difference over ``n`` seeds with standard error ``err``:
+    mean ± t(df = n - 1) · err; (nan, nan) below two seeds. With two or three seeds, t is 12.7 or 4.3,
+    so twice the standard error would be far too narrow."""
+    if n < 2 or not (math.isfinite(mean) and math.isfinite(err)):
+        return float("nan"), float("nan")
+    half = t_critical(n - 1, confidence) * err
+    return mean - half, mean + half
+
+
+def difference_interval(a: tuple[float, float, int], b: tuple[float, float, int],
+                        confidence: float = 0.95) -> tuple[float, float, float]:
+    """b - a for two independent paired means ``(mean, err, n)`` (e.g. a gap at two sizes): the difference
+    and its interval with the standard errors added in quadrature and df = min(n) - 1 (conservative)."""
+    diff = b[0] - a[0]
+    err = math.hypot(a[1], b[1])
+    lo, hi = t_interval(diff, err, min(a[2], b[2]), confidence)
+    return diff, lo, hi
+
+
+def verdict(lo: float, hi: float, claim_sign: int) -> str:
+    """``supported`` when the interval lies on the claim's side of zero (``claim_sign`` -1: the claim is a
+    negative difference), ``ruled out`` when it lies on the other side, else ``undecided``."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 <= hi:
+        return "undecided"
+    return "supported" if (lo > 0) == (claim_sign > 0) else "ruled out"
+
+
+def ci_text(mean: float, err: float, n: int, digits: int = 3) -> str:
+    """``+0.089 [+0.068, +0.111]``: a mean difference and its 95 % t-interval (the mean alone below two seeds)."""
+    if not math.isfinite(mean):
+        return "n/a"
+    lo, hi = t_interval(mean, err, n)
+    return f"{mean:+.{digits}f}" + (f" [{lo:+.{digits}f}, {hi:+.{digits}f}]" if math.isfinite(lo) else "")
+
+
 def fusion_state(model, recipe, initial: dict | None) -> dict:
     """The fusion at one checkpoint: the share of saturated entries of sigmoid(W_G e + b_G) (glu only) over the
     vocabulary's embeddings, and the relative distance of W_U (from value_init_scale * I under the
@@ -142,6 +185,14 @@ def one_step_readout(model, input_ids, passes: int) -> dict:
     return {"positions": [n["position"] for n in norms], "spectral_norm": [n["spectral_norm"] for n in norms]}
 
 
+def relative_to_run(path, run_dir: Path) -> str:
+    """``path`` relative to its run folder (a report names no machine's paths); as given if outside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(run_dir).resolve()))
+    except ValueError:
+        return str(path)
+
+
 def read_out(run_dir: Path, smoke: bool = False) -> dict:
     """Every read-out of one finished run (cached in ``run_dir/readouts.json``). Call in a world-of-one
     process group."""
@@ -168,7 +219,7 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
     model, recipe, latest = load_checkpoint_model(run_dir)
     seq = recipe.data.seq_length
     passes = [1] if model.feedback is None else [1, 2, 3, seq]  # seq passes: the exact recurrence
-    out: dict = {"checkpoint": str(latest), "seq_length": seq, "num_layers": recipe.model.num_layers,
+    out: dict = {"checkpoint": relative_to_run(latest, run_dir), "seq_length": seq, "num_layers": recipe.model.num_layers,
                  "fusion": recipe.feedback.fusion}
     if recipe.data.source == "synthetic" and recipe.data.synthetic.task == "state_tracking":
         out["state_accuracy"] = state_accuracy(model, recipe, passes)
@@ -218,6 +269,15 @@ def same_change_baseline(kind: str, kinds: dict) -> str | None:
     return None
 
 
+def recipe_variant_base(kind: str, kinds: dict) -> str | None:
+    """The run ``BASE`` that FBT kind ``BASE_VARIANT`` changes one recipe setting of (E1: ``loss_mean``,
+    ``switch50``), if the study has it."""
+    for variant in ("loss_mean", "switch50"):
+        if kind.endswith(f"_{variant}") and kind[: -len(variant) - 1] in kinds:
+            return kind[: -len(variant) - 1]
+    return None
+
+
 def paired_by_seed(base: dict[int, float], other: dict[int, float]) -> tuple[float, float, int]:
     """:func:`paired` over the seeds both runs have: ``other - base`` seed by seed (``{seed: value}``)."""
     common = [s for s in other if s in base]
@@ -252,6 +312,15 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         if change:  # an ablation that changes the model itself, e.g. untied
             same = {s: val[n]["1"] for s, n in kinds[f"standard_{change}"]}
             row[f"best mode - standard_{change} (same change, equal tokens)"] = paired_by_seed(same, best)
+            row[f"1-pass - standard_{change} (FBT's 1-pass deficit)"] = paired_by_seed(
+                same, {s: val[n]["1"] for s, n in runs})
+        base = recipe_variant_base(kind, kinds)
+        if base:  # a change to the training recipe (E1): its best mode against the unchanged run's
+            base_runs = kinds[base]
+            base_means = {k: statistics.fmean(val[n][k] for _, n in base_runs) for k in val[base_runs[0][1]]}
+            base_mode = min(base_means, key=base_means.get)
+            row[f"best mode - {base} best mode ({base_mode} passes; the recipe change)"] = paired_by_seed(
+                {s: val[n][base_mode] for s, n in base_runs}, best)
         compute = {s: val[n]["1"] for s, n in kinds.get(f"standard_compute_{kind}", [])}
         row["best mode - standard (equal compute)"] = paired_by_seed(compute, best)
         rows[kind] = row
@@ -271,6 +340,19 @@ def summarise(summaries: dict, readouts: dict) -> dict:
                 paired_by_seed({s: p["1"] for s, p in past.items()}, exact),
             "state accuracy past the layer count: exact - state_standard": paired_by_seed(state_standard, exact)}
     return rows
+
+
+def portable_args(args: dict) -> dict:
+    """The study's arguments with its folders (``runs``, ``out``) relative to the repository, or by name
+    when outside it: a report names no machine's paths."""
+    from fbt_megatron.research.runs import ROOT
+
+    out = dict(args)
+    for key in ("runs", "out"):
+        if out.get(key):
+            path = Path(out[key]).resolve()
+            out[key] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+    return out
 
 
 def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path,
@@ -341,7 +423,8 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
     if fig is not None:
         fig.tight_layout()
         fig.savefig(out_dir / f"{stem}.png", dpi=110)
-    comp_rows = [[kind, name + (f" ({row['best mode']} passes)" if name.startswith("best") else ""), _pm(*v[:2]), v[2]]
+    comp_rows = [[kind, name + (f" ({row['best mode']} passes)" if name.startswith("best") else ""), _pm(*v[:2]),
+                  ci_text(*v[:3]), v[2]]
                  for kind, row in comparisons.items() for name, v in row.items() if name not in ("seeds", "best mode")]
     md = "\n".join([
         f"# Feedback study: {stem}", "",
@@ -355,9 +438,10 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "± standard deviation over seeds.", "",
         table(["run", "seeds", "1-pass", "2-pass", "3-pass", "exact", "answers, standard", "answers, feedback",
                "one-step σ", "fusion"], loss_rows), "",
-        "## Paired differences (first - second: mean ± standard error over seeds; a loss is better lower, "
-        "an accuracy higher)", "",
-        table(["run", "difference", "value", "seeds"], comp_rows), "",
+        "## Paired differences (first - second; a loss is better lower, an accuracy higher)", "",
+        "Paired t-test over seeds: the mean of the per-seed differences, its standard error, and the 95 % "
+        "interval mean ± t(0.975, seeds - 1) · standard error.", "",
+        table(["run", "difference", "mean ± standard error", "95 % t-interval", "seeds"], comp_rows), "",
         "## State tracking (running products in S3; accuracy at a number of composed steps)", "",
         ("Mean over seeds. *past L*: the mean accuracy over the composed steps past the model's layer count "
          "(L + 1 to the last), goal (c)'s measure.\n\n"
@@ -369,10 +453,11 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
             [f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
                                                           ("scale", args.scale), ("steps", args.steps),
                                                           ("lr", args.lr), ("only", args.only)) if v]
+            + (["--shared-data-order"] if getattr(args, "shared_data_order", False) else [])
             # how the runs were found: as printed, the command rebuilds this report, not retrains it
             + (["--summarise-only"] if getattr(args, "summarise_only", False)
                else ["--reuse"] if getattr(args, "reuse", False) else [])), seconds)])
-    data = {"args": {k: v for k, v in vars(args).items()}, "seeds": seeds, "comparisons": comparisons,
+    data = {"args": portable_args(vars(args)), "seeds": seeds, "comparisons": comparisons,
             "readouts": {**readouts, **{n: r["readouts"] for n, r in kept.items()}},
             "val_history": {**{n: s["val_history"] for n, s in summaries.items()},
                             **{n: r["val_history"] for n, r in kept.items()}},

@@ -271,7 +271,7 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
            "--out", str(out)]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads((out / "feedback_study_tiny_smoke.json").read_text())
+    data = json.loads((out / "feedback_study_tiny_orders_smoke.json").read_text())
     fbt = data["readouts"]["fbt_heavy_seed1"]
     assert set(fbt["val_loss"]) == {"1", "2", "3", "128"}  # 128 passes: the exact recurrence at seq_length 128
     assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
@@ -284,7 +284,7 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert set(history) == {"1", "2", "3"}  # eval.passes of the research recipe
     comparisons = data["comparisons"]["fbt_heavy"]
     assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
-    md = (out / "feedback_study_tiny_smoke.md").read_text()
+    md = (out / "feedback_study_tiny_orders_smoke.md").read_text()
     assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md and "one-step σ" in md
     state = data["readouts"]["state_fbt_heavy_seed1"]
     assert state["num_layers"] == 4 and "past L" in md
@@ -301,20 +301,20 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert json.loads(cache.read_text())["one_step"] == fbt["one_step"]
     shutil.rmtree(tmp_path / "runs")
     # a report recorded before read-outs carried the layer count: the runs' recipes give it
-    report = out / "feedback_study_tiny_smoke.json"
+    report = out / "feedback_study_tiny_orders_smoke.json"
     recorded = json.loads(report.read_text())
     for readout in recorded["readouts"].values():
         del readout["num_layers"]
     report.write_text(json.dumps(recorded))
     again = subprocess.run(cmd + ["--reuse"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "[feedback_study]" not in again.stdout, again.stdout[-2000:]
-    assert json.loads((out / "feedback_study_tiny_smoke.json").read_text())["comparisons"] == data["comparisons"]
-    assert "--reuse" in (out / "feedback_study_tiny_smoke.md").read_text()  # the provenance rebuilds, not retrains
+    assert json.loads((out / "feedback_study_tiny_orders_smoke.json").read_text())["comparisons"] == data["comparisons"]
+    assert "--reuse" in (out / "feedback_study_tiny_orders_smoke.md").read_text()  # the provenance rebuilds, not retrains
     # a narrower report (one run) keeps the other runs' records: their folders are gone
     narrow = subprocess.run(cmd[:cmd.index("--only") + 1] + ["standard"] + cmd[cmd.index("--only") + 2:]
                             + ["--summarise-only"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert narrow.returncode == 0, narrow.stdout[-2000:] + narrow.stderr[-2000:]
-    kept = json.loads((out / "feedback_study_tiny_smoke.json").read_text())
+    kept = json.loads((out / "feedback_study_tiny_orders_smoke.json").read_text())
     assert kept["kept"] == ["fbt_heavy_seed1", "state_fbt_heavy_seed1"]
     assert kept["readouts"]["state_fbt_heavy_seed1"] == {**data["readouts"]["state_fbt_heavy_seed1"], "num_layers": 4}
 
@@ -430,3 +430,222 @@ def test_an_interrupted_run_resumes_only_when_started_with_the_same_command(tmp_
     assert "checkpoints" not in calls[-1]  # another command: from scratch
     runs.train_run("recipes/tiny.yaml", run_dir, ["seed=2"], resume=False)
     assert "checkpoints" not in calls[-1]
+
+
+def test_each_seed_has_its_own_data_order_and_a_seeds_runs_share_it(monkeypatch):
+    """The study gives every seed its own data order (``data.seed``), the same for all runs of the seed
+    (the FBT and the standard run stay paired): the state task's first training batches differ between
+    seeds and match within one; the language-model runs' data pipeline gets the seed. The earlier
+    studies' protocol (``shared_order``) keeps every seed on data seed 0."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import RECIPE, plan, run_overrides
+
+    from fbt_megatron.data.loaders import build_train_loader, data_pipeline_config
+    from fbt_megatron.recipe import load_recipe
+
+    def recipe(runs, name, seed, shared=False):
+        return load_recipe(ROOT / RECIPE, run_overrides(runs, name, seed, shared))
+
+    def first_batch(r):
+        return next(iter(build_train_loader(r, 0, 1, 0)))["input_ids"]
+
+    state = plan(["state"], "tiny", True)
+    fbt1, std1 = first_batch(recipe(state, "state_fbt_heavy", 1)), first_batch(recipe(state, "state_standard", 1))
+    std2 = first_batch(recipe(state, "state_standard", 2))
+    assert torch.equal(fbt1, std1) and not torch.equal(std1, std2)
+    shared = plan(["state"], "tiny", True, shared_order=True)
+    assert torch.equal(first_batch(recipe(shared, "state_standard", 1, True)),
+                       first_batch(recipe(shared, "state_standard", 2, True)))
+    mix = {"tokenizer": "tok.model", "seed": 0, "sources": [{"name": "a", "path": "a", "weight": 1.0}]}
+    lm = plan(["recipe"], "tiny", False, 1200, 1e-3)
+    seeds = {}
+    for name in lm:
+        for seed in (1, 2, 3):
+            r = recipe(lm, name, seed)
+            r.data.pipeline = dict(mix)  # what prepare_data puts there for the embedded mix
+            seeds[name, seed] = data_pipeline_config(r).seed
+            assert r.seed == seed
+    assert seeds == {(name, seed): seed for name in lm for seed in (1, 2, 3)}
+    r = recipe(plan(["recipe"], "tiny", False, 1200, 1e-3, shared_order=True), "standard_untied", 2, True)
+    r.data.pipeline = dict(mix)
+    assert data_pipeline_config(r).seed == 0 and r.data.valid_sequences == 64
+
+
+def test_recipe_group_is_e1_at_eight_times_the_validation_tokens(monkeypatch):
+    """E1's runs: the untied standard model, the best FBT configuration (untied, fusion LR x10, 50/40/10)
+    and that configuration with loss_on mean, and with the switch at 50 % of the steps; validated on
+    >= 8 x 8,192 held-out tokens."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import RECIPE, plan
+
+    from fbt_megatron.recipe import load_recipe
+
+    runs = {n: load_recipe(ROOT / RECIPE, o) for n, o in plan(["recipe"], "tiny", False, 1200, 1e-3).items()}
+    base = "fbt_heavy_untied_fusion_lr_x10"
+    assert set(runs) == {"standard_untied", base, f"{base}_loss_mean", f"{base}_switch50"}
+    for name, r in runs.items():
+        assert r.data.valid_sequences * r.data.seq_length >= 8 * 8192, name
+        assert (r.optimizer.lr, r.train.steps, r.model.tie_embeddings) == (1e-3, 1200, False), name
+        assert r.feedback.fusion == ("off" if name == "standard_untied" else "glu"), name
+        if name != "standard_untied":
+            assert r.schedule.mix == [0.5, 0.4, 0.1] and r.optimizer.fusion_lr_multiplier == 10.0, name
+    assert (runs[base].feedback.loss_on, runs[base].schedule.feedback_start_step) == ("last", 240)
+    assert (runs[f"{base}_loss_mean"].feedback.loss_on, runs[f"{base}_loss_mean"].schedule.feedback_start_step) == ("mean", 240)
+    assert (runs[f"{base}_switch50"].feedback.loss_on, runs[f"{base}_switch50"].schedule.feedback_start_step) == ("last", 600)
+
+
+def test_t_interval_matches_textbook_values():
+    """Student's t quantiles, and the paired interval of R's ``t.test(extra ~ group, data = sleep,
+    paired = TRUE)`` (Cushny and Peebles' sleep data: mean 1.58, 95 % interval [0.700, 2.460])."""
+    import statistics
+
+    from fbt_megatron.research.study import (ci_text, difference_interval, paired, t_critical, t_interval,
+                                             verdict)
+
+    assert t_critical(2) == pytest.approx(4.303, abs=5e-4) and t_critical(1) == pytest.approx(12.706, abs=5e-4)
+    assert t_critical(9) == pytest.approx(2.262, abs=5e-4)
+    group1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
+    group2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]
+    mean, err, n = paired(group1, group2)
+    assert (mean, n) == (pytest.approx(1.58), 10)
+    assert err == pytest.approx(statistics.stdev([b - a for a, b in zip(group1, group2)]) / math.sqrt(10))
+    assert t_interval(mean, err, n) == (pytest.approx(0.7001142, abs=1e-6), pytest.approx(2.4598858, abs=1e-6))
+    # the audit's medium 6e-4 numbers: 2 passes - 1 pass over three seeds
+    lo, hi = t_interval(-0.039, 0.0075, 3)
+    assert (lo, hi) == (pytest.approx(-0.039 - 4.3027 * 0.0075, abs=1e-4), pytest.approx(-0.039 + 4.3027 * 0.0075, abs=1e-4))
+    assert all(math.isnan(x) for x in t_interval(0.1, float("nan"), 1))
+    assert ci_text(-0.039, 0.0075, 3) == "-0.039 [-0.071, -0.007]" and ci_text(0.08, float("nan"), 1) == "+0.080"
+    diff, lo, hi = difference_interval((0.150, 0.003, 2), (0.089, 0.005, 3))  # df = min(2, 3) - 1 = 1
+    assert diff == pytest.approx(-0.061) and hi - diff == pytest.approx(12.706 * math.hypot(0.003, 0.005), abs=1e-3)
+    assert verdict(-0.07, -0.01, -1) == "supported" and verdict(0.07, 0.11, -1) == "ruled out"
+    assert verdict(-0.07, 0.02, -1) == "undecided" == verdict(float("nan"), float("nan"), 1)
+
+
+def test_report_names_paths_relative_to_the_run_and_the_repository(tmp_path):
+    """A report's JSON names no machine's paths: the checkpoint relative to its run folder, the runs and
+    output folders relative to the repository (or by name outside it)."""
+    from fbt_megatron.research.runs import ROOT as REPO
+    from fbt_megatron.research.study import portable_args, relative_to_run
+
+    run = tmp_path / "fbt_seed1"
+    assert relative_to_run(run / "checkpoints" / "step_00001200", run) == "checkpoints/step_00001200"
+    args = portable_args({"runs": str(tmp_path / "tiny_orders"), "out": str(REPO / "docs/results"), "seeds": "1"})
+    assert args == {"runs": "tiny_orders", "out": "docs/results", "seeds": "1"}
+
+
+def test_a_recipe_change_is_paired_with_the_unchanged_runs_best_mode():
+    """E1's numbers from hand-made read-outs: a recipe variant's best mode against the unchanged run's
+    best mode (each the lowest mean over seeds), and FBT's 1-pass deficit against the standard model."""
+    from fbt_megatron.research.study import summarise
+
+    def ro(**losses):
+        return {"seq_length": 8, "val_loss": {k.lstrip("p"): v for k, v in losses.items()}}
+
+    base = "fbt_heavy_untied_fusion_lr_x10"
+    readouts = {"standard_untied_seed1": ro(p1=3.95), "standard_untied_seed2": ro(p1=3.96),
+                f"{base}_seed1": ro(p1=4.16, p2=4.10, p3=4.12, p8=4.13),
+                f"{base}_seed2": ro(p1=4.15, p2=4.11, p3=4.13, p8=4.14),
+                f"{base}_loss_mean_seed1": ro(p1=4.03, p2=4.06, p3=4.08, p8=4.09),
+                f"{base}_loss_mean_seed2": ro(p1=4.05, p2=4.06, p3=4.08, p8=4.09)}
+    rows = summarise({n: {} for n in readouts}, readouts)
+    change = rows[f"{base}_loss_mean"][f"best mode - {base} best mode (2 passes; the recipe change)"]
+    assert change[0] == pytest.approx(((4.03 - 4.10) + (4.05 - 4.11)) / 2) and change[2] == 2
+    deficit = rows[base]["1-pass - standard_untied (FBT's 1-pass deficit)"]
+    assert deficit[0] == pytest.approx(((4.16 - 3.95) + (4.15 - 3.96)) / 2)
+    assert not any("recipe change" in name for name in rows[base])
+
+
+def test_token_multiplier_inverts_a_loss_linear_in_log_tokens():
+    """m = D_standard(L_FBT) / D_FBT: with standard losses on L = 6 - 0.5 ln D (per seed), an FBT loss of
+    the standard model's at 0.8 D gives m = 0.8 inside the runs and past their ends; per seed, paired."""
+    from fbt_megatron.research.hypotheses import estimate, multiplier_by_seed, standard_tokens_for
+
+    def loss(d, shift=0.0):
+        return 6.0 - 0.5 * math.log(d) + shift
+
+    points = [(d, loss(d)) for d in (1e6, 2e6, 4e6)]
+    for d in (0.5e6, 1.5e6, 3e6, 8e6):
+        assert standard_tokens_for(points, loss(d)) == pytest.approx(d)
+    kink = [(1e6, 5.0), (2e6, 4.0), (4e6, 3.5)]  # piecewise: each segment its own slope
+    assert standard_tokens_for(kink, 3.75) == pytest.approx(2e6 * 2 ** 0.5)
+    assert standard_tokens_for(kink, 4.5) == pytest.approx(1e6 * 2 ** 0.5)
+    assert standard_tokens_for(kink, 5.5) == pytest.approx(1e6 / 2 ** 0.5)  # past the first run
+
+    def report(kind, losses):  # {seed: loss} of one kind, as a study report holds it
+        return {"comparisons": {kind: {"best mode": "2"}} if kind != "standard_untied" else {},
+                "readouts": {f"{kind}_seed{s}": {"val_loss": {"2" if kind != "standard_untied" else "1": v}}
+                             for s, v in losses.items()}}
+
+    shifts = {1: 0.0, 2: 0.1}  # seed 2's standard model is worse throughout: m is per seed
+    standard = {d: report("standard_untied", {s: loss(d, sh) for s, sh in shifts.items()}) for d in (1e6, 2e6, 4e6)}
+    fbt = report("fbt", {1: loss(0.8 * 2e6), 2: loss(0.9 * 2e6, 0.1)})
+    m = multiplier_by_seed(standard, fbt, "fbt", 2e6)
+    assert m == {1: pytest.approx(0.8), 2: pytest.approx(0.9)}
+    mean, err, n = estimate(m)
+    assert (mean, n) == (pytest.approx(0.85), 2) and err == pytest.approx(0.05)
+
+
+def test_summary_rows_give_the_interval_and_the_verdict_and_wait_for_missing_runs(tmp_path):
+    """A row's number is its report's paired difference with the t-interval; the verdict follows the
+    interval's side of zero (or of 1 for m); a report not written yet leaves the row pending; the table
+    goes between the write-up's markers, and a write-up without them is refused in one sentence."""
+    from fbt_megatron.research.hypotheses import (BEGIN, END, Hypothesis, Reports, _cmp, replace_summary,
+                                                  row_cells)
+
+    comparisons = {"k": {"2-pass - 1-pass": [-0.039, 0.0075, 3], "exact - 1-pass": [-0.025, 0.010, 3],
+                         "one seed": [0.1, float("nan"), 1]}}
+    (tmp_path / "feedback_study_s.json").write_text(json.dumps({"comparisons": comparisons, "readouts": {}}))
+    reports = Reports(tmp_path)
+
+    def cells(prefix, sign=-1, stem="s"):
+        return row_cells(Hypothesis("a", "c", "e", "m", _cmp(stem, "k", prefix), sign, pending="running"), reports)
+
+    assert cells("2-pass")[4:] == ["-0.039 [-0.071, -0.007]", "3", "supported"]
+    assert cells("2-pass", +1)[-1] == "ruled out"
+    assert cells("exact")[-1] == "undecided at this scale"
+    assert cells("one seed")[4:] == ["+0.100", "1", "undecided (one seed)"]
+    assert cells("2-pass", stem="missing")[4:] == ["–", "–", "running"]
+    m = Hypothesis("b", "m > 1", "e", "m", lambda r: (0.82, 0.01, 2), +1, null=1.0)
+    assert row_cells(m, reports)[4:] == ["0.82× [0.69, 0.95]", "2", "ruled out"]
+    doc = f"# T\n\n{BEGIN}\nold\n{END}\n\nrest\n"
+    assert replace_summary(doc, "| new |") == f"# T\n\n{BEGIN}\n| new |\n{END}\n\nrest\n"
+    with pytest.raises(ValueError, match="no markers for this table"):
+        replace_summary("# T\n", "| new |")
+
+
+def test_old_reports_paths_become_relative():
+    """A report written with machine paths: the checkpoint relative to its run folder, the folders by name."""
+    from fbt_megatron.research.hypotheses import portable_report
+
+    data = {"args": {"runs": "/work/study_runs/tiny_600", "out": "/work/main/docs/results", "seeds": "1,2"},
+            "readouts": {"standard_seed1": {"checkpoint": "/work/study_runs/tiny_600/standard_seed1/checkpoints/step_00000600"},
+                         "state_seed1": {"checkpoint": "checkpoints/step_00000600"}}}
+    out = portable_report(data)
+    assert out["args"] == {"runs": "tiny_600", "out": "docs/results", "seeds": "1,2"}
+    assert out["readouts"]["standard_seed1"]["checkpoint"] == "checkpoints/step_00000600"
+    assert out["readouts"]["state_seed1"]["checkpoint"] == "checkpoints/step_00000600"
+    assert "/work" not in json.dumps(out)
+
+
+def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
+    """The summary's E1 rows find the rows ``summarise`` writes for the recipe group (names kept in step):
+    pending without the report, numbers with it."""
+    from fbt_megatron.research.hypotheses import E1, HYPOTHESES, Reports, row_cells
+    from fbt_megatron.research.study import summarise
+
+    base = "fbt_heavy_untied_fusion_lr_x10"
+    readouts = {}
+    for seed, shift in ((1, 0.0), (2, 0.01), (3, -0.01)):
+        readouts[f"standard_untied_seed{seed}"] = {"seq_length": 8, "val_loss": {"1": 3.95 + shift}}
+        for kind, losses in ((base, (4.16, 4.10)), (f"{base}_loss_mean", (4.03, 4.06)), (f"{base}_switch50", (4.09, 4.10))):
+            readouts[f"{kind}_seed{seed}"] = {"seq_length": 8, "val_loss": {"1": losses[0] + shift, "2": losses[1] + 2 * shift}}
+    e1 = [h for h in HYPOTHESES if h.experiment.startswith("E1")]
+    assert len(e1) == 4 and all(row_cells(h, Reports(tmp_path))[-1] == "running" for h in e1)
+    report = {"comparisons": summarise({n: {} for n in readouts}, readouts), "readouts": readouts}
+    (tmp_path / f"feedback_study_{E1}.json").write_text(json.dumps(report))
+    rows = {h.claim: row_cells(h, Reports(tmp_path)) for h in e1}
+    assert rows["`loss_on: mean` narrows FBT's gap to the standard model"][4].startswith("-0.070 [")  # 4.03 - 4.10
+    assert rows["a switch at 50 % of the steps narrows the gap"][4].startswith("-0.010 [")  # 4.09 - 4.10
+    assert rows["with `loss_on: mean`, FBT is ahead of the standard model"][4].startswith("+0.080 [")  # 4.03 - 3.95
+    assert rows["FBT's 1-pass mode is behind the standard model (the recipe's deficit)"][4].startswith("+0.210 [")
+    assert all(r[5] == "3" for r in rows.values())
