@@ -90,7 +90,8 @@ def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
         section = embedded.embedded_section(d.embedded_dir)
     else:
         section = dict(d.pipeline)
-    config = DataConfig.model_validate(dict(section, seq_length=d.seq_length))
+    fixed = {"seq_length": d.seq_length} | ({"seed": d.seed} if d.seed is not None else {})  # data.seed: the order
+    config = DataConfig.model_validate(dict(section, **fixed))
     tokenizer = Path(config.tokenizer)
     if not read_files:
         return DataPlan(d.source, config.model_dump(mode="json"), build, {}, None)

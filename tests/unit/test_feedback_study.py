@@ -440,7 +440,8 @@ def test_each_seed_has_its_own_data_order_and_a_seeds_runs_share_it(monkeypatch)
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     from feedback_study import RECIPE, plan, run_overrides
 
-    from fbt_megatron.data.loaders import build_train_loader, data_pipeline_config
+    from fbt_megatron.data.loaders import build_train_loader
+    from fbt_megatron.resolve.resolver import resolve_run
     from fbt_megatron.recipe import load_recipe
 
     def recipe(runs, name, seed, shared=False):
@@ -462,13 +463,13 @@ def test_each_seed_has_its_own_data_order_and_a_seeds_runs_share_it(monkeypatch)
     for name in lm:
         for seed in (1, 2, 3):
             r = recipe(lm, name, seed)
-            r.data.pipeline = dict(mix)  # what prepare_data puts there for the embedded mix
-            seeds[name, seed] = data_pipeline_config(r).seed
+            r.data.pipeline = dict(mix)
+            seeds[name, seed] = resolve_run(r, 1, data_files=False).data.config["seed"]  # what the loaders get
             assert r.seed == seed
     assert seeds == {(name, seed): seed for name in lm for seed in (1, 2, 3)}
     r = recipe(plan(["recipe"], "tiny", False, 1200, 1e-3, shared_order=True), "standard_untied", 2, True)
     r.data.pipeline = dict(mix)
-    assert data_pipeline_config(r).seed == 0 and r.data.valid_sequences == 64
+    assert resolve_run(r, 1, data_files=False).data.config["seed"] == 0 and r.data.valid_sequences == 64
 
 
 def test_recipe_group_is_e1_at_eight_times_the_validation_tokens(monkeypatch):
