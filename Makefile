@@ -71,7 +71,7 @@ mutation: $(STAMP)
 	@$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install -q 'cosmic-ray>=8.7,<9'
 	nice -n 10 $(PY) tools/mutation.py $(FILE)
 
-# The GPU check's wheelhouse (docs/gpu.md): here, with the registry; build/gpu-wheels then installs offline on
+# The GPU check's wheelhouse (docs/guides/first-gpu-run.md): here, with the registry; build/gpu-wheels then installs offline on
 # a CUDA image with Python 3.12 and its own torch (cp312 manylinux wheels, DeepSpeed built pure-Python, this
 # project's wheel; <= 64 MiB, printed). tools/gpu_wheels.py; the pins: benchmarks/gpu_wheels.txt.
 gpu-wheels:

@@ -615,6 +615,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated step names")
     ap.add_argument("--worker", nargs=2, metavar=("RECIPE_JSON", "SUMMARY_JSON"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if not a.budget > 0 or a.budget == float("inf"):  # parsed before the wheelhouse is installed: no shared type
+        ap.error(f"argument --budget: must be a number > 0 (got {a.budget})")
     if a.worker:
         return worker(*a.worker)
     out = Path(a.out or ROOT / "runs" / ("gpu_check_multi" if a.multi else "gpu_check"))

@@ -15,6 +15,12 @@ from data_pipeline.output_dir import earlier_output
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# What a research run writes into its folder (fbt train's outputs, the command, the log, the read-outs): a
+# folder holding only these and its command.json is the run's own, replaced when the command changes.
+RUN_ENTRIES = ("command.json", "train.log", "checkpoints", "metrics.jsonl", "summary.json", "tensorboard",
+               "profile", "readouts.json", "run.lock")
+
+
 def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,
               resume: bool = False) -> dict:
     """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary`. From scratch,
@@ -31,7 +37,7 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     resuming = resume and same and (run_dir / "checkpoints" / "latest").exists()
     if not resuming:
         # a folder this function started (command.json) is the run's own; anything else there is refused
-        if earlier_output(run_dir, markers=(started.name,), patterns=("*",), writer="a research run",
+        if earlier_output(run_dir, markers=(started.name,), patterns=RUN_ENTRIES, writer="a research run",
                           option="run folder"):
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

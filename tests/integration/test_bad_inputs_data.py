@@ -151,6 +151,23 @@ def test_a_research_run_folder_of_user_files_is_refused(tmp_path):
     assert snapshot(d) == before
 
 
+def test_a_research_run_folder_holding_a_user_file_beside_the_run_is_kept(tmp_path):
+    """A folder a research run started (its command.json) but where the user also keeps a file: another run
+    there is refused, and the file and the earlier run stay."""
+    from data_pipeline.output_dir import OutputDirError
+    from fbt_megatron.research.runs import train_run
+
+    d = tmp_path / "run"
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "command.json").write_text('["recipes/tiny.yaml"]')
+    (d / "metrics.jsonl").write_text("{}\n")
+    (d / "my_analysis.ipynb").write_text("the user's")
+    before = snapshot(d)
+    with pytest.raises(OutputDirError, match=r"holds my_analysis.ipynb, which a research run did not write"):
+        train_run("recipes/tiny.yaml", d, ["train.steps=1"])
+    assert snapshot(d) == before
+
+
 @pytest.mark.parametrize("argv, message", [
     (["prepare", "--shard-mb", "-1"], "argument --shard-mb: must be a number > 0 (got -1)"),
     (["prepare", "--shard-mb", "0"], "argument --shard-mb: must be a number > 0 (got 0)"),
