@@ -17,9 +17,13 @@ import numpy as np
 from .shards import Dataset
 
 
+CHUNK = 1 << 22  # documents hashed at a time: the index arrays are memory-mapped, a copy stays this small
+
+
 def dataset_fingerprint(path: str | Path) -> dict:
     ds = Dataset.load(path)
     h = hashlib.blake2b(digest_size=16)
     for arr, dtype in ((ds.lengths, "<i8"), (ds.crc32, "<u8")):
-        h.update(np.ascontiguousarray(arr, dtype=dtype).tobytes())
+        for start in range(0, len(arr), CHUNK):
+            h.update(np.ascontiguousarray(arr[start:start + CHUNK], dtype=dtype).tobytes())
     return {"tokenizer_hash": ds.index["tokenizer_hash"], "documents": ds.num_samples, "content": h.hexdigest()}
