@@ -21,7 +21,8 @@ class PlanError(RecipeError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         n = len(self.problems)
-        super().__init__(f"invalid run plan ({n} error{'s' if n != 1 else ''}):\n  " + "\n  ".join(self.problems))
+        # one problem is one sentence (the CLI prints it on its error line); several are listed below a count
+        super().__init__(self.problems[0] if n == 1 else f"invalid run plan ({n} errors):\n  " + "\n  ".join(self.problems))
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
             vocab = load_tokenizer(config.tokenizer).get_piece_size()
         except DataError as e:
             raise RecipeError(f"recipe key 'data.pipeline.tokenizer': {e}") from None
-        template = chat_template(recipe, config)
+        # a missing source folder is one problem (_missing_sources), not also an unreadable index here
+        template = chat_template(recipe, config) if all(Path(s.path).is_dir() for s in config.sources) else None
     if vocab > recipe.model.vocab_size:
         raise RecipeError(f"recipe key 'model.vocab_size': {recipe.model.vocab_size} is smaller than the "
                           f"tokenizer's vocabulary ({vocab})")
