@@ -42,7 +42,7 @@ test: $(STAMP)
 # checkpoint, TP, PP, SP and resume tests on this checkout; either failing (or collecting nothing) fails it.
 CORNER_TESTS := tests/integration/test_model_tp.py tests/integration/test_pipeline.py \
 	tests/integration/test_model_sequence_parallel.py tests/integration/test_checkpoint_torchrun.py \
-	tests/integration/test_train_resume.py tests/integration/test_elastic.py
+	tests/integration/test_train_resume.py
 corner-env: $(STAMP)
 	$(PY) -m tests.support.corner_env
 
