@@ -57,6 +57,8 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
 
     # -- the checkpoint resumed and the rule it was trained with
     resume, adopted = check(_resume, recipe) or (None, None)
+    if data_files and resume is not None and resume.checkpoint is not None and data.config is not None:
+        problems += _changed_data(recipe, data.config, resume.checkpoint)
     warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted) if w]
 
     if problems:
@@ -121,6 +123,25 @@ def _missing_sources(recipe: Recipe) -> list[str]:
             problems.append(f"recipe key 'data.pipeline.sources[{i}].path': the dataset directory {path} of source "
                             f"{source.get('name')!r} does not exist (prepare it with `fbt data prepare --out DIR`)")
     return problems
+
+
+def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> list[str]:
+    """The resumed checkpoint's datasets against today's (their fingerprints): one problem when the data
+    changed and ``checkpoint.allow_data_change`` is off. ``build`` records the fingerprints it saves."""
+    from data_pipeline.config import DataConfig
+    from data_pipeline.errors import DataError
+    from fbt_megatron.checkpoint.discovery import read_checkpoint_state
+    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
+
+    if not all(Path(s["path"]).is_dir() for s in data_config["sources"]):
+        return []  # named by _missing_sources
+    saved = (read_checkpoint_state(checkpoint).get("data") or {}).get("fingerprints")
+    try:
+        check_resume_data(str(checkpoint), saved, data_fingerprints(DataConfig.model_validate(data_config)),
+                          recipe.checkpoint.allow_data_change)
+    except DataError as e:
+        return [f"recipe key 'data.pipeline': {e}"]
+    return []
 
 
 def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:

@@ -101,6 +101,36 @@ def test_the_plan_names_the_checkpoint_it_resumes_and_the_rule_it_adopts(tmp_pat
                                       "feedback": {"first_input": "embedding"}}), 1, CPU)
 
 
+def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch):
+    """The resumed checkpoint recorded other fingerprints of its dataset: the plan (so --dry-run and
+    slurm submit) refuses it by the source's name; checkpoint.allow_data_change lets it through."""
+    from fbt_megatron.data import fingerprint
+
+    from data_pipeline.prepare import prepare_dataset
+    from tests.support.data_fixtures import write_corpus
+    from tests.support.generate_helpers import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    write_corpus(tmp_path / "raw", 0, sizes=(20, 1, 1))
+    prepare_dataset([str(tmp_path / "raw" / "web.jsonl")], tmp_path / "web", tok, name="web", num_workers=1,
+                    progress=False)
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_00000004\n")
+    old = {"web": {"path": str(tmp_path / "web"), "tokenizer_hash": "t", "documents": 119, "content": "a"}}
+    (step / "state.json").write_text(json.dumps({"recipe": {}, "data": {"fingerprints": old}}))
+    now = {"web": dict(old["web"], content="b")}
+    monkeypatch.setattr(fingerprint, "data_fingerprints", lambda config: now)
+    data = {"run_dir": str(tmp_path / "run"), "data": {"source": "pipeline", "pipeline": {
+        "tokenizer": str(tok), "sources": [{"name": "web", "path": str(tmp_path / "web"), "weight": 1.0}]}}}
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data=data), 1, CPU)
+    assert e.value.problems[0].startswith("recipe key 'data.pipeline': the data changed since checkpoint")
+    assert "source 'web'" in str(e.value) and "the same 119 documents count but other content" in str(e.value)
+    data["checkpoint"] = {"allow_data_change": True}
+    assert resolve_run(load_recipe(data=data), 1, CPU).resume.checkpoint == step
+
+
 def test_dry_run_prints_the_plan_writes_nothing_and_reloads_to_the_same_plan(tmp_path, monkeypatch, capsys):
     from fbt_megatron.cli import main
 
