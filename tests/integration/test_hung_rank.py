@@ -76,6 +76,7 @@ def test_stopped_rank_fails_the_group_within_the_timeout_and_torchrun_restarts_f
                 f"no collective timeout {time.time() - t_stop:.0f}s after SIGSTOP:\n{log.read_text()[-4000:]}"
             time.sleep(0.5)
         failed_after = time.time() - t_stop
+        rows_before_restart = read_metrics(run_dir)  # the stopped start can write no more; the restart not yet
         # torchrun kills the stopped worker (30 s grace), restarts the group, which finishes the run
         rc = proc.wait(timeout=30 + 400)
         ended_after = time.time() - t_stop
@@ -92,7 +93,9 @@ def test_stopped_rank_fails_the_group_within_the_timeout_and_torchrun_restarts_f
     assert "Timed out waiting" in text and failed_after < TIMEOUT_S + SLACK_S
 
     rows = read_metrics(run_dir)
-    first = [r for r in rows if int(r.get("elastic_restart", "0")) == restart_at_stop]
+    # the first start's rows as they were before the restart: a resume drops the rows of the steps it trains
+    # again from metrics.jsonl (one row a step), so they are read here, not from the file at the end
+    first = [r for r in rows_before_restart if int(r.get("elastic_restart", "0")) == restart_at_stop]
     last = max(int(r.get("elastic_restart", "0")) for r in rows)
     restarted = [r for r in rows if int(r.get("elastic_restart", "0")) == last]
     assert last > restart_at_stop, f"no restart happened:\n{text[-4000:]}"
