@@ -51,13 +51,13 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
 
     # -- data
     problems += check_sft_layout(recipe)
-    data = check(_data_plan, recipe, data_files) or DataPlan(recipe.data.source, None, None, {}, None)
-    if data_files:
-        problems += _missing_sources(recipe)
+    missing = _missing_sources(recipe) if data_files else []  # one problem each; their indexes are not read
+    data = check(_data_plan, recipe, data_files, not missing) or DataPlan(recipe.data.source, None, None, {}, None)
+    problems += missing
 
     # -- the checkpoint resumed and the rule it was trained with
     resume, adopted = check(_resume, recipe) or (None, None)
-    if data_files and resume is not None and resume.checkpoint is not None and data.config is not None:
+    if data_files and not missing and resume is not None and resume.checkpoint is not None and data.config is not None:
         problems += _changed_data(recipe, data.config, resume.checkpoint)
     warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted) if w]
 
@@ -75,7 +75,7 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         warnings=tuple(warnings))
 
 
-def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
+def _data_plan(recipe: Recipe, read_files: bool = True, read_sources: bool = True) -> DataPlan:
     """The data pipeline's config (the embedded mix's section when the recipe names no sources), the
     tokenizer checked against ``model.vocab_size``, the checkpoint's tokenizer files, the chat template."""
     d = recipe.data
@@ -105,8 +105,7 @@ def _data_plan(recipe: Recipe, read_files: bool = True) -> DataPlan:
             vocab = load_tokenizer(config.tokenizer).get_piece_size()
         except DataError as e:
             raise RecipeError(f"recipe key 'data.pipeline.tokenizer': {e}") from None
-        # a missing source folder is one problem (_missing_sources), not also an unreadable index here
-        template = chat_template(recipe, config) if all(Path(s.path).is_dir() for s in config.sources) else None
+        template = chat_template(recipe, config) if read_sources else None
     if vocab > recipe.model.vocab_size:
         raise RecipeError(f"recipe key 'model.vocab_size': {recipe.model.vocab_size} is smaller than the "
                           f"tokenizer's vocabulary ({vocab})")
@@ -133,8 +132,6 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> list[s
     from fbt_megatron.checkpoint.discovery import read_checkpoint_state
     from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
 
-    if not all(Path(s["path"]).is_dir() for s in data_config["sources"]):
-        return []  # named by _missing_sources
     saved = (read_checkpoint_state(checkpoint).get("data") or {}).get("fingerprints")
     try:
         check_resume_data(str(checkpoint), saved, data_fingerprints(DataConfig.model_validate(data_config)),
