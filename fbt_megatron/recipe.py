@@ -38,6 +38,8 @@ class ParallelConfig(Section):
         False, description="Megatron sequence parallelism with tensor > 1; data.seq_length must divide by tensor.")
     grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 only: dtype of the data-parallel gradient reduction.")
+    overlap_grad_reduce: bool = Field(
+        True, description="bf16 at ZeRO-1 with data parallelism: start each gradient's all-reduce during backward.")
 
 
 class BatchConfig(Section):

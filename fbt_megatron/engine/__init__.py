@@ -6,6 +6,7 @@
 * :mod:`.patches` - the two DeepSpeed methods the engine replaces for correctness, pinned to the DeepSpeed
   versions checked (ZeRO-1/2's CPU speed shortcuts are ``model/cpu_fastpaths.py``'s).
 * :mod:`.sequence_parallel_grads` - the TP sum of sequence-parallel gradients, one fp32 all-reduce a step.
+* :mod:`.overlapped_grad_reduce` - bf16 ZeRO-1's data-parallel all-reduce, started during the boundary backward.
 * :mod:`.engine` - :class:`Engine`: DeepSpeed initialised over the model, the step protocol (lr, skip, norm).
 * :mod:`.zero_state` - where this rank's fp32 masters and AdamW moments live inside DeepSpeed (ZeRO 0-3).
 

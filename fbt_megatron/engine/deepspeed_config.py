@@ -46,8 +46,9 @@ def precision_config(recipe) -> dict:
     (``recipe.bf16_accumulation_warning``). ``check_grad_overflow`` makes a non-finite gradient skip the step.
     ``immediate_grad_update`` (ZeRO-1): each bf16 gradient is added to its fp32 accumulator from a hook as
     backward makes it, and released, instead of all of them after backward (the addition overlaps the
-    backward and no parameter's gradient is held twice). The data-parallel all-reduce of the fp32
-    accumulators still follows the boundary's backward: DeepSpeed's bf16 optimiser has no overlapped one.
+    backward and no parameter's gradient is held twice). DeepSpeed all-reduces the fp32 accumulators after
+    the boundary's backward; ``parallel.overlap_grad_reduce`` starts them during it instead
+    (:mod:`fbt_megatron.engine.overlapped_grad_reduce`).
     """
     if recipe.resolved_precision() != "bf16":
         return {}

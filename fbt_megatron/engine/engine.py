@@ -29,6 +29,7 @@ import torch.distributed as dist
 from fbt_megatron import runtime
 from fbt_megatron.engine.deepspeed_config import deepspeed_config, import_deepspeed
 from fbt_megatron.engine.mpu import MegatronMPU
+from fbt_megatron.engine.overlapped_grad_reduce import OverlappedGradReduce, reason_not_overlapped
 from fbt_megatron.engine.param_groups import fusion_decay_start, fusion_weight_decay, param_groups
 from fbt_megatron.engine.patches import SkippableStep, replace_zero0_clipping
 from fbt_megatron.engine.sequence_parallel_grads import reduce_sequence_parallel_grads, sequence_parallel_params
@@ -115,6 +116,11 @@ class Engine:
             model=model, model_parameters=groups, config=self.config, mpu=self.mpu,
             dist_init_required=False)
         self.model = self.ds.module
+        # bf16 ZeRO-1: the data-parallel all-reduce starts during the boundary backward (DeepSpeed's waits for it)
+        self.overlapped_reduce = None
+        self.overlap_refused = reason_not_overlapped(self.ds, self.dp_size)
+        if recipe.parallel.overlap_grad_reduce and self.overlap_refused is None:
+            self.overlapped_reduce = OverlappedGradReduce(self.ds, self.dp_group)
         if self.zero_stage == 3:
             self._register_shared_weights(deepspeed, self.model)
         # ZeRO-0 in fp32 over one data-parallel rank: DeepSpeed would still flatten every gradient into
@@ -184,8 +190,12 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, is_boundary: bool) -> None:
         self.ds.set_gradient_accumulation_boundary(is_boundary)
+        if self.overlapped_reduce is not None:
+            self.overlapped_reduce.arm(is_boundary)
         # The train step already normalised the loss over the whole global batch.
         self.ds.backward(loss, scale_wrt_gas=False)
+        if is_boundary and self.overlapped_reduce is not None:
+            self.overlapped_reduce.finish()
         if is_boundary and self._zero_fill_only:
             for p in self.ds.module.parameters():  # what DeepSpeed's reduction does for them
                 if p.requires_grad and p.numel() and p.grad is None:

@@ -280,7 +280,48 @@ def _unchanged_state(engine):
     return UnchangedState()
 
 
-PROBES = {"final_params": _final_params, "step_states": _step_states, "engine_info": _engine_info,
+def _reduced_grads(engine):
+    """Per step: the fp32 gradient accumulators after the boundary backward's data-parallel reduction, the
+    all-reduces the overlapped reduction had started before that backward returned, and (DeepSpeed's own
+    reduction) the accumulators just before it; at the end the fp32 masters."""
+    import torch
+
+    from fbt_megatron.train.callbacks import Callback
+
+    record = {"steps": [], "overlapped": engine.overlapped_reduce is not None}
+    flats = engine.ds.optimizer.fp32_groups_gradients_flat
+    real_backward, real_allreduce = engine.ds.backward, engine.ds.allreduce_gradients
+
+    def backward(*a, **k):
+        out = real_backward(*a, **k)
+        if engine.overlapped_reduce is not None and engine.overlapped_reduce.armed:
+            record["steps"].append({"started_in_backward": len(engine.overlapped_reduce.works)})
+        return out
+
+    def allreduce_gradients(*a, **k):  # called after every backward; it reduces at the boundary only
+        if engine.ds.is_gradient_accumulation_boundary():
+            record["steps"].append({"before": [f.clone() for f in flats]})
+        return real_allreduce(*a, **k)
+
+    engine.ds.backward, engine.ds.allreduce_gradients = backward, allreduce_gradients
+    real_finish = engine.backward
+
+    def engine_backward(loss, is_boundary):
+        real_finish(loss, is_boundary)
+        if is_boundary:
+            record["steps"][-1]["reduced"] = [f.clone() for f in flats]
+
+    engine.backward = engine_backward
+
+    class ReducedGrads(Callback):
+        def on_train_end(self, trainer):
+            record["params"] = full_state(engine, moments=False)["params"]
+            trainer.metrics["probe"] = {**record, "torch": torch.__version__}
+
+    return ReducedGrads()
+
+
+PROBES = {"final_params": _final_params, "reduced_grads": _reduced_grads, "step_states": _step_states, "engine_info": _engine_info,
           "unchanged_state": _unchanged_state,
           "tp_all_reduces_in_backward": _tp_all_reduces_in_backward}
 
