@@ -650,3 +650,33 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
     assert rows["with `loss_on: mean`, FBT is ahead of the standard model"][4].startswith("+0.080 [")  # 4.03 - 3.95
     assert rows["FBT's 1-pass mode is behind the standard model (the recipe's deficit)"][4].startswith("+0.210 [")
     assert all(r[5] == "3" for r in rows.values())
+
+
+def test_a_study_page_opens_with_its_answers():
+    """The summary counts the variants whose paired 95 % t-interval supports, rules out or leaves open each
+    claim, and shows, among the variants with the most seeds, the one furthest on the claim's side; a
+    comparison without seeds (its baseline not in the study) is left out."""
+    from fbt_megatron.research.study import summary_rows
+
+    t2 = 4.302652729911275  # Student's t(0.975, df = 2), from tables
+    comparisons = {
+        # best - standard: +0.10 ± 0.01 over 3 seeds: interval [+0.057, +0.143], behind: "ruled out"
+        "fbt_a": {"seeds": [1, 2, 3], "best mode": "2", "2-pass - 1-pass": (-0.05, 0.01, 3),
+                  "best mode - standard (equal tokens)": (0.10, 0.01, 3)},
+        # -0.02 ± 0.01 over 3: [-0.063, +0.023]: undecided; its same-change row is the one used
+        "fbt_b_untied": {"seeds": [1, 2, 3], "best mode": "1", "2-pass - 1-pass": (-0.02, 0.01, 3),
+                         "best mode - standard (equal tokens)": (5.0, 0.01, 3),
+                         "best mode - standard_untied (same change, equal tokens)": (-0.02, 0.01, 3)},
+        # one seed only: never the variant shown when others have more; no baseline: no row
+        "fbt_c": {"seeds": [1], "best mode": "2", "2-pass - 1-pass": (-0.9, float("nan"), 1),
+                  "best mode - standard (equal tokens)": (float("nan"), float("nan"), 0)},
+    }
+    rows = {r[0]: r for r in summary_rows(comparisons)}
+    ahead = rows["Is a fed-back model ahead of the standard model at equal tokens?"]
+    assert ahead[1] == "1 ruled out, 1 undecided (of 2 variants)"
+    lo, hi = -0.02 - t2 * 0.01, -0.02 + t2 * 0.01
+    assert ahead[2] == f"fbt_b_untied: -0.020 [{lo:+.3f}, {hi:+.3f}] (3 seeds)"
+    passes = rows["Do 2 passes beat 1 pass of the same model?"]
+    assert passes[1] == "1 supported, 2 undecided (of 3 variants)"  # fbt_a: [-0.093, -0.007]
+    assert passes[2].startswith("fbt_a: -0.050 [")
+    assert not any("state" in q for q in rows)  # no state comparisons: no such question
