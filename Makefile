@@ -33,7 +33,8 @@ test: $(STAMP)
 	@setup=0; $(PY) tests/support/vllm_env.py || setup=$$?; \
 	if [ $$setup -eq 1 ]; then export FBT_VLLM_SETUP_TIMED_OUT="see its output above"; \
 	else unset FBT_VLLM_SETUP_TIMED_OUT; fi; \
-	echo "$(PY) -m pytest -q tests"; $(PY) -m pytest -q tests; tests=$$?; \
+	$(PY) -m fbt_megatron.cli data embedded --out data/embedded >/dev/null || exit $$?; \
+	echo "$(PY) -m pytest -q -n 2 --dist loadgroup tests"; $(PY) -m pytest -q -n 2 --dist loadgroup tests; tests=$$?; \
 	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$setup
 
 # CI's second corner, the image's (docs/install.md, "Tested versions"): Python 3.12, torch 2.11, megatron-core

@@ -67,3 +67,15 @@ def slurm_cluster(tmp_path_factory):
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one integration module
+    run on one worker (its module-scoped fixtures, e.g. a trained run, are built once), and every test of the
+    one-node SLURM cluster on the same worker (the daemons listen on fixed ports). Unit tests spread freely."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if item.get_closest_marker("slurm") or "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif path.startswith("tests/integration/"):
+            item.add_marker(pytest.mark.xdist_group(path))

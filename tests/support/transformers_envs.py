@@ -13,6 +13,7 @@ reuse it. ``ensure(version)`` returns the venv's python or raises ``Unavailable`
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -52,6 +53,15 @@ def ensure(version: str) -> Path:
     if (venv / ".complete").is_file():
         return python
     root().mkdir(parents=True, exist_ok=True)
+    with open(root() / f"{venv.name}.lock", "w") as lock:  # builders (pytest-xdist workers) take turns
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / ".complete").is_file():  # built by the one that held the lock before
+            return python
+        return _build(version, pins, borrowed, venv)
+
+
+def _build(version: str, pins: list[str], borrowed: str, venv: Path) -> Path:
+    python = venv / "bin" / "python"
     building = venv.with_name(venv.name + f".building-{os.getpid()}")
     shutil.rmtree(building, ignore_errors=True)
     try:
