@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -69,6 +70,8 @@ def slurm_cluster(tmp_path_factory):
         os.environ["SLURM_CONF"] = previous
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one integration module
     run on one worker (its module-scoped fixtures, e.g. a trained run, are built once), and every test of the
@@ -79,3 +82,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif path.startswith("tests/integration/"):
             item.add_marker(pytest.mark.xdist_group(path))
+
+
+def pytest_collection_finish(session):
+    """On an xdist worker under ``--dist loadgroup``: refuse to run when xdist dropped the groups (it does so
+    silently with pytest 9.2, pytest-dev/pytest-xdist#1386), since two workers would then share a module's
+    fixtures or both start the SLURM cluster."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not session.config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if any(i.iter_markers("xdist_group")) and "@" not in i.nodeid]
+    if lost:
+        message = (f"pytest-xdist ignored the xdist_group marks of {len(lost)} tests (e.g. {lost[0]}): pytest 9.2 "
+                   "breaks --dist loadgroup (pytest-dev/pytest-xdist#1386); install pytest<9.2")
+        print(message, file=sys.__stderr__, flush=True)  # the controller shows only an INTERNALERROR
+        raise pytest.UsageError(message)

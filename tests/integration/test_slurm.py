@@ -44,15 +44,21 @@ def _job(job: str) -> dict:
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
-def _wait(cond, timeout: float, what: str, log: Path | None = None):
-    deadline = time.time() + timeout
+def _wait(cond, timeout: float, what: str, log: Path | None = None, running: str | None = None):
+    """Poll ``cond`` until it holds; fail after ``timeout`` s, or as soon as job ``running`` has ended without it
+    (the job's log tail in the message)."""
+    deadline, ended = time.time() + timeout, False
     while time.time() < deadline:
         value = cond()
         if value:
             return value
+        ended = running is not None and _finished(running)
+        if ended and not cond():
+            break
         time.sleep(0.5)
     tail = log.read_text()[-3000:] if log and log.exists() else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tail}")
+    why = f"job {running} ended first" if ended else f"timed out after {timeout}s"
+    raise AssertionError(f"{why}, waiting for {what}\n{tail}")
 
 
 def _finished(job: str) -> bool:
@@ -68,7 +74,7 @@ def test_submit_preempt_requeue_resumes_exactly(slurm_cluster, tmp_path, layout)
     log = tmp_path / "preempted" / "slurm" / "logs" / f"tiny-{job}.out"
 
     # USR1 to the batch shell (exactly what --signal=B:USR1@N delivers) once step 3 has run
-    _wait(lambda: any(r["step"] >= 3 for r in read_metrics(tmp_path / "preempted")), 900, "step 3", log)
+    _wait(lambda: any(r["step"] >= 3 for r in read_metrics(tmp_path / "preempted")), 800, "step 3", log, running=job)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     _wait(lambda: _finished(ref_job) and _finished(job) and _job(job).get("Restarts") == "1", 1200,
           "the requeued job to finish", log)  # generous: a shared machine can be slow
@@ -99,7 +105,7 @@ def test_cancel_mid_save_keeps_latest_loadable(slurm_cluster, tmp_path):
     env = dict(os.environ, FBT_TEST_SLOW_SAVE_STEP="4")
     job, _ = _submit(tmp_path, "--train-module", "tests.support.slow_save", "checkpoint.every=2", env=env)
     log = tmp_path / "slurm" / "logs" / f"tiny-{job}.out"
-    _wait(lambda: (tmp_path / "checkpoints" / "saving_4").exists(), 900, "the save of step 4", log)
+    _wait(lambda: (tmp_path / "checkpoints" / "saving_4").exists(), 800, "the save of step 4", log, running=job)
     assert (tmp_path / "checkpoints" / "step_00000004.tmp" / "weights").is_dir()  # halfway through it
     subprocess.run(["scancel", job], check=True)  # SIGTERM, then SIGKILL after KillWait
     _wait(lambda: _finished(job), 120, "the cancelled job to end", log)

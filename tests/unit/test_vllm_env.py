@@ -62,14 +62,14 @@ def test_setup_step(outcome, code, monkeypatch, capsys):
 
 def _fake_venv(tmp_path, setup_code: int, pytest_code: int) -> Path:
     """A venv whose python logs each call (its arguments and FBT_VLLM_SETUP_TIMED_OUT) and exits with
-    ``setup_code`` for the setup step, ``pytest_code`` for pytest."""
+    ``setup_code`` for the setup step, ``pytest_code`` for pytest, 0 otherwise (the embedded data's build)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     log = tmp_path / "calls.log"
     (venv / "bin" / "python").write_text(
         "#!/bin/sh\n"
         f'echo "$* | ${{FBT_VLLM_SETUP_TIMED_OUT:-}}" >> {log}\n'
-        f'case "$1" in tests/support/vllm_env.py) exit {setup_code};; -m) exit {pytest_code};; esac\nexit 0\n')
+        f'case "$1 $2" in tests/support/vllm_env.py*) exit {setup_code};; "-m pytest") exit {pytest_code};; esac\nexit 0\n')
     (venv / "bin" / "python").chmod(0o755)
     (venv / ".fbt-installed").touch()  # newer than pyproject.toml: make does not reinstall
     return venv
@@ -78,16 +78,18 @@ def _fake_venv(tmp_path, setup_code: int, pytest_code: int) -> Path:
 @pytest.mark.parametrize("setup_code, pytest_code, make_fails", [(0, 0, False), (0, 3, True), (1, 0, True), (1, 3, True),
                                                                   (2, 0, True)])
 def test_make_test_runs_pytest_after_the_setup_step_whatever_it_gave(tmp_path, setup_code, pytest_code, make_fails):
-    """`make test` runs the setup step (tests/support/vllm_env.py), then pytest whatever the step gave; a timeout (exit
-    1) is told to pytest (the serving tests report it instead of building again), nothing else is (an
-    inherited flag is cleared); the target fails if either did."""
+    """`make test` runs the setup step (tests/support/vllm_env.py), builds the embedded data, then runs pytest on
+    two workers whatever the step gave; a timeout (exit 1) is told to pytest (the serving tests report it
+    instead of building again), nothing else is (an inherited flag is cleared); the target fails if either did."""
     venv = _fake_venv(tmp_path, setup_code, pytest_code)
     env = dict(os.environ, FBT_VLLM_SETUP_TIMED_OUT="inherited")  # as inside a `make test` after a timeout
     r = subprocess.run(["make", "-s", "-C", str(REPO), "test", f"VENV={venv}"], capture_output=True, text=True, env=env)
     assert (r.returncode != 0) == make_fails, (r.returncode, r.stdout, r.stderr)
     calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert [c.split(" | ")[0] for c in calls] == ["tests/support/vllm_env.py", "-m pytest -q tests"], calls
-    timed_out = calls[1].split(" | ")[1]
+    assert [c.split(" | ")[0] for c in calls] == ["tests/support/vllm_env.py",
+                                                   "-m fbt_megatron.cli data embedded --out data/embedded",
+                                                   "-m pytest -q -n 2 --dist loadgroup tests"], calls
+    timed_out = calls[2].split(" | ")[1]
     assert bool(timed_out) == (setup_code == 1), calls
 
 
