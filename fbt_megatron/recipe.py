@@ -39,7 +39,9 @@ class ParallelConfig(Section):
     grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 only: dtype of the data-parallel gradient reduction.")
     overlap_grad_reduce: bool = Field(
-        True, description="bf16 at ZeRO-1 with data parallelism: start each gradient's all-reduce during backward.")
+        True, description="bf16 at ZeRO-1 with data parallelism: start each bucket's all-reduce during backward.")
+    grad_reduce_bucket_elements: int = Field(
+        40_000_000, ge=1, description="overlap_grad_reduce: gradient elements per all-reduce bucket (Megatron's default).")
 
 
 class BatchConfig(Section):

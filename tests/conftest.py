@@ -71,11 +71,11 @@ def slurm_cluster(tmp_path_factory):
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one integration module
     run on one worker (its module-scoped fixtures, e.g. a trained run, are built once), and every test of the
-    one-node SLURM cluster on the same worker (the daemons listen on fixed ports). Unit tests spread freely."""
+    one-node SLURM cluster on the same worker (one cluster for the session, its packages installed once). Unit
+    tests spread freely."""
     for item in items:
         path = item.nodeid.split("::")[0]
         if item.get_closest_marker("slurm") or "slurm_cluster" in getattr(item, "fixturenames", ()):

@@ -118,9 +118,9 @@ class Engine:
         self.model = self.ds.module
         # bf16 ZeRO-1: the data-parallel all-reduce starts during the boundary backward (DeepSpeed's waits for it)
         self.overlapped_reduce = None
-        self.overlap_refused = reason_not_overlapped(self.ds, self.dp_size)
-        if recipe.parallel.overlap_grad_reduce and self.overlap_refused is None:
-            self.overlapped_reduce = OverlappedGradReduce(self.ds, self.dp_group)
+        if recipe.parallel.overlap_grad_reduce and reason_not_overlapped(self.ds, self.dp_size) is None:
+            self.overlapped_reduce = OverlappedGradReduce(self.ds, self.dp_group,
+                                                          recipe.parallel.grad_reduce_bucket_elements)
         if self.zero_stage == 3:
             self._register_shared_weights(deepspeed, self.model)
         # ZeRO-0 in fp32 over one data-parallel rank: DeepSpeed would still flatten every gradient into

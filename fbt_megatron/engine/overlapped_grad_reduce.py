@@ -3,10 +3,10 @@
 DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1) all-reduces its fp32 gradient accumulators in one pass after
 the boundary micro-batch's backward has ended: the whole reduction waits behind backward. With
 ``immediate_grad_update`` DeepSpeed adds each bf16 gradient to its fp32 accumulator from a hook as backward
-makes it; a second hook here then starts that accumulator's all-reduce (asynchronous, one per parameter),
-so the reduction runs while backward goes on, as Megatron's ``overlap_grad_reduce`` does. :meth:`finish`
-reduces the accumulators the boundary backward did not reach, waits, and scales as DeepSpeed does (sum,
-then x 1/dp), so the result is DeepSpeed's reduction.
+makes it; a second hook here counts the parameters of a bucket (consecutive accumulators, one slice of
+DeepSpeed's flat buffer) and starts the bucket's all-reduce, asynchronously, once all of them have their
+gradient, as Megatron's ``overlap_grad_reduce`` does. :meth:`finish` reduces the buckets the boundary
+backward did not complete, waits, and scales as DeepSpeed does (sum, then x 1/dp).
 """
 
 from __future__ import annotations
@@ -36,51 +36,75 @@ def reason_not_overlapped(ds_engine, dp_size: int) -> str | None:
     return None
 
 
+class _Bucket:
+    """Consecutive accumulators of one parameter group: a contiguous slice of the group's flat buffer."""
+
+    def __init__(self, view: torch.Tensor, size: int):
+        self.view, self.size, self.ready, self.work = view, size, 0, None
+
+
 class OverlappedGradReduce:
     """Replaces DeepSpeed's after-backward all-reduce of a BF16_Optimizer's fp32 gradients (see the module).
 
     Contract: :meth:`arm` before each ``backward`` (armed only for the accumulation boundary), :meth:`finish`
     after the boundary one; the fp32 accumulators then hold the data-parallel mean, as after DeepSpeed's
-    ``allreduce_gradients``. Built after ``deepspeed.initialize``, so its hooks run after DeepSpeed's."""
+    ``allreduce_gradients``. Every data-parallel rank must reach the same parameters in the same order in
+    the boundary backward (one graph for all ranks: the pass count is the step's). Built after
+    ``deepspeed.initialize``, so its hooks run after DeepSpeed's."""
 
-    def __init__(self, ds_engine, dp_group):
+    def __init__(self, ds_engine, dp_group, bucket_elements: int):
         opt = ds_engine.optimizer
         self.group = dp_group
         self.scale = 1.0 / dist.get_world_size(group=dp_group)
         self.flats = list(opt.fp32_groups_gradients_flat)
-        # (group index, parameter index) -> that parameter's fp32 accumulator, a view of the group's flat buffer
-        self.accumulators = {(i, j): g for i, grads in enumerate(opt.fp32_groups_gradients) for j, g in enumerate(grads)}
-        self.armed = False
-        self.works: dict[tuple[int, int], object] = {}
+        self.buckets: list[_Bucket] = []
         self.hooks = []
-        for i, params in enumerate(opt.bf16_groups):
-            for j, param in enumerate(params):
-                if param.requires_grad:
-                    self.hooks.append(param.register_post_accumulate_grad_hook(self._hook_for(i, j)))
+        self.armed = False
+        for flat, params, grads in zip(self.flats, opt.bf16_groups, opt.fp32_groups_gradients):
+            offsets = [0]
+            for g in grads:
+                offsets.append(offsets[-1] + g.numel())
+            # backward reaches the last parameters first: buckets are cut from the end of the group
+            stop = len(params)
+            for j in reversed(range(len(params))):
+                if offsets[stop] - offsets[j] >= bucket_elements or j == 0:
+                    self._add_bucket(flat.narrow(0, offsets[j], offsets[stop] - offsets[j]), params[j:stop])
+                    stop = j
         ds_engine.enable_backward_allreduce = False  # the reduction is this object's now
 
-    def _hook_for(self, i: int, j: int):
-        def start_reduce(_param):
-            if not self.armed:
-                return
-            if (i, j) in self.works:
-                raise RuntimeError(f"parameter ({i}, {j}) got a second gradient in the boundary backward after its "
-                                   "all-reduce had started; overlapped reduction needs one gradient per parameter")
-            self.works[(i, j)] = dist.all_reduce(self.accumulators[(i, j)], group=self.group, async_op=True)
+    def _add_bucket(self, view: torch.Tensor, params) -> None:
+        bucket = _Bucket(view, len(params))
+        self.buckets.append(bucket)
+        for p in params:  # DeepSpeed's bf16 groups hold only parameters that require a gradient
+            self.hooks.append(p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._ready(b)))
 
-        return start_reduce
+    def _ready(self, bucket: _Bucket) -> None:
+        if not self.armed:
+            return
+        if bucket.work is not None:
+            raise RuntimeError("a parameter got a second gradient in the boundary backward after its bucket's "
+                               "all-reduce had started; overlapped reduction needs one gradient per parameter")
+        bucket.ready += 1
+        if bucket.ready == bucket.size:
+            bucket.work = dist.all_reduce(bucket.view, group=self.group, async_op=True)
+
+    def in_flight(self) -> int:
+        """Buckets whose all-reduce has started in this boundary backward."""
+        return sum(b.work is not None for b in self.buckets)
 
     def arm(self, is_boundary: bool) -> None:
         self.armed = is_boundary
+        for bucket in self.buckets:
+            bucket.ready, bucket.work = 0, None
 
     def finish(self) -> None:
-        """Reduce what the boundary backward did not reach, wait for every all-reduce, and average."""
+        """Reduce the buckets the boundary backward did not complete (in bucket order on every rank), wait
+        for every all-reduce, and average."""
         self.armed = False
-        for key, accumulator in self.accumulators.items():
-            if key not in self.works:
-                self.works[key] = dist.all_reduce(accumulator, group=self.group, async_op=True)
-        for work in self.works.values():
-            work.wait()
-        self.works.clear()
+        for bucket in self.buckets:
+            if bucket.work is None:
+                bucket.work = dist.all_reduce(bucket.view, group=self.group, async_op=True)
+        for bucket in self.buckets:
+            bucket.work.wait()
         for flat in self.flats:
             flat.mul_(self.scale)

@@ -282,7 +282,8 @@ def _unchanged_state(engine):
 
 def _reduced_grads(engine):
     """Per step: the fp32 gradient accumulators after the boundary backward's data-parallel reduction, the
-    all-reduces the overlapped reduction had started before that backward returned, and (DeepSpeed's own
+    buckets whose all-reduce the overlapped reduction had started before that backward returned (of how many),
+    and (DeepSpeed's own
     reduction) the accumulators just before it; at the end the fp32 masters."""
     import torch
 
@@ -295,7 +296,8 @@ def _reduced_grads(engine):
     def backward(*a, **k):
         out = real_backward(*a, **k)
         if engine.overlapped_reduce is not None and engine.overlapped_reduce.armed:
-            record["steps"].append({"started_in_backward": len(engine.overlapped_reduce.works)})
+            record["steps"].append({"started_in_backward": engine.overlapped_reduce.in_flight(),
+                                    "buckets": len(engine.overlapped_reduce.buckets)})
         return out
 
     def allreduce_gradients(*a, **k):  # called after every backward; it reduces at the boundary only
