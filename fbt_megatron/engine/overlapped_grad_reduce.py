@@ -58,7 +58,6 @@ class OverlappedGradReduce:
         self.scale = 1.0 / dist.get_world_size(group=dp_group)
         self.flats = list(opt.fp32_groups_gradients_flat)
         self.buckets: list[_Bucket] = []
-        self.hooks = []
         self.armed = False
         for flat, params, grads in zip(self.flats, opt.bf16_groups, opt.fp32_groups_gradients):
             offsets = [0]
@@ -76,7 +75,7 @@ class OverlappedGradReduce:
         bucket = _Bucket(view, len(params))
         self.buckets.append(bucket)
         for p in params:  # DeepSpeed's bf16 groups hold only parameters that require a gradient
-            self.hooks.append(p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._ready(b)))
+            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._ready(b))
 
     def _ready(self, bucket: _Bucket) -> None:
         if not self.armed:

@@ -281,12 +281,9 @@ def _unchanged_state(engine):
 
 
 def _reduced_grads(engine):
-    """Per step: the fp32 gradient accumulators after the boundary backward's data-parallel reduction, the
-    buckets whose all-reduce the overlapped reduction had started before that backward returned (of how many),
-    and (DeepSpeed's own
-    reduction) the accumulators just before it; at the end the fp32 masters."""
-    import torch
-
+    """Per step: the fp32 gradient accumulators after the boundary backward's data-parallel reduction; with the
+    overlapped reduction, the buckets whose all-reduce had started before that backward returned (of how
+    many); with DeepSpeed's own, the accumulators just before it. At the end, the fp32 masters."""
     from fbt_megatron.train.callbacks import Callback
 
     record = {"steps": [], "overlapped": engine.overlapped_reduce is not None}
@@ -318,7 +315,7 @@ def _reduced_grads(engine):
     class ReducedGrads(Callback):
         def on_train_end(self, trainer):
             record["params"] = full_state(engine, moments=False)["params"]
-            trainer.metrics["probe"] = {**record, "torch": torch.__version__}
+            trainer.metrics["probe"] = record
 
     return ReducedGrads()
 
