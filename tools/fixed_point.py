@@ -10,8 +10,8 @@ relative residual ||h^{k+1} - h^k|| / ||h^k|| and the contraction ratio r_{k+1} 
 converged states the spectral norm (power method) and Frobenius norm (Hutchinson) of the one-step map
 d h_t / d h_{t-1} at several positions. Jacobi is exact once k >= S (sequence length), so the residual
 is 0 there whatever the weights: contraction shows as a falling residual and a ratio < 1 for k < S and
-as a one-step spectral norm < 1. Writes docs/results/fixed_point.{md,json,png}. Budget: about 18
-minutes on 2 CPU cores (two 600-step training runs and the analysis; measured 18.1 min).
+as a one-step spectral norm < 1. Writes docs/results/fixed_point.{md,json,png}; ``--render-only``
+writes the page again from the recorded JSON (the page's answers are computed from its numbers).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 
 
 MIXES = {"mix_1_2": "[0.78,0.22]", "mix_1_2_3": "[0.75,0.22,0.03]"}
+LABELS = {"mix_1_2_3": "75/22/3", "mix_1_2": "1/2 mix"}  # the paper's mix first
+CONVERGED = 1e-3  # relative residual after 10 passes that counts as converged
 POSITIONS = [8, 32, 64, 96, 120]
 
 
@@ -61,26 +63,71 @@ def analyse(runs: Path, passes: int, rows: int = 8) -> dict:
     return results
 
 
-def render(results: dict, args, seconds: float, out_dir: Path) -> Path:
+def answers(results: dict) -> list[list[str]]:
+    """The page's opening rows, from the recorded residuals and one-step norms."""
+    names = [n for n in LABELS if n in results]
+    r10 = {n: results[n]["residuals"][min(9, len(results[n]["residuals"]) - 1)] for n in names}
+    sigma = {n: sum(j["spectral_norm"] for j in results[n]["jacobian"]) / len(results[n]["jacobian"]) for n in names}
+    converged = [n for n in names if r10[n] < CONVERGED]
+    contracts = [n for n in names if sigma[n] < 1.0]
+
+    def which(chosen):
+        return ("Yes, both mixes" if len(names) == 2 else "Yes") if chosen == names else \
+            "No" if not chosen else "Only " + ", ".join(LABELS[n] for n in chosen)
+
+    return [
+        ["Do the passes converge to the exact recurrence?", which(converged),
+         "residual after 10 passes " + " and ".join(f"{r10[n]:.1e} ({LABELS[n]})" for n in names),
+         "–" if converged == names else "more feedback training"],
+        ["Is the one-step map a contraction?", "No, not yet" if not contracts else which(contracts),
+         "one-step spectral norm " + " and ".join(f"{sigma[n]:.2f} ({LABELS[n]})" for n in names) + "; < 1 would be",
+         "–" if contracts == names else "more feedback training (one seed per mix here)"],
+    ]
+
+
+def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
+    """``out_dir/fixed_point.{md,json}`` (and the figure) from the recorded ``data``: args, results, provenance."""
     import numpy as np
 
-    from fbt_megatron.research.report import figure, provenance, save, table
+    from fbt_megatron.research.report import answers_table, figure, provenance_line, save, table
 
-    fig, (ax_r, ax_c, ax_j) = figure(ncols=3, width=4.4)
+    args, results = data["args"], data["results"]
     rows = []
     for name, r in results.items():
         res, S = np.array(r["residuals"]), r["seq_length"]
-        k = np.arange(1, len(res) + 1)
-        ax_r.semilogy(k, np.maximum(res, 1e-12), label=name)
-        ratios = [c if c is not None else np.nan for c in r["contraction"]]
-        ax_c.plot(k[:-1], ratios, label=name)
         sig = [n["spectral_norm"] for n in r["jacobian"]]
-        ax_j.plot([n["position"] for n in r["jacobian"]], sig, "o-", label=name)
         pre = [c for c in r["contraction"][: S // 2] if c is not None]
         rows.append([name, S, f"{res[0]:.2e}", f"{res[min(9, len(res) - 1)]:.2e}", f"{res[min(S // 2, len(res) - 1)]:.2e}",
                      f"{res[-1]:.1e}", f"{np.median(pre):.3f}" if pre else "n/a",
                      f"{np.mean(sig):.3f} (max {np.max(sig):.3f})",
                      f"{np.mean([n['frobenius_norm'] for n in r['jacobian']]):.3f}"])
+    if figure_too:
+        _figure(results, out_dir, figure)
+    header = ["model", "S", "r(k=1)", "r(k=10)", "r(k=S/2)", f"r(k={args['passes'] - 1})", "median ratio k<S/2",
+              "one-step sigma_max", "one-step ||J||_F"]
+    md = "\n".join([
+        "# The fixed point", "", answers_table(answers(results)), "",
+        f"Tiny recipe, {args['steps']} steps, feedback phase from step {args['feedback_start']}; held-out sequences "
+        "of the model's maximum length S; k = 1..%d passes (eval mode, no jitter). Jacobi reaches the exact "
+        "recurrence at k = S, so residuals past S are 0 for any weights; contraction is read from k < S and from "
+        "the one-step spectral norm of d h_t / d h_{t-1} at the converged states (< 1: errors shrink as they "
+        "travel)." % args["passes"],
+        "", table(header, rows), "", "![fixed point](fixed_point.png)", "",
+        provenance_line(data["provenance"])])
+    return save(out_dir, "fixed_point", md, data)
+
+
+def _figure(results: dict, out_dir: Path, figure) -> None:
+    import numpy as np
+
+    fig, (ax_r, ax_c, ax_j) = figure(ncols=3, width=4.4)
+    for name, r in results.items():
+        res = np.array(r["residuals"])
+        k = np.arange(1, len(res) + 1)
+        ax_r.semilogy(k, np.maximum(res, 1e-12), label=name)
+        ax_c.plot(k[:-1], [c if c is not None else np.nan for c in r["contraction"]], label=name)
+        ax_j.plot([n["position"] for n in r["jacobian"]], [n["spectral_norm"] for n in r["jacobian"]], "o-",
+                  label=name)
     for ax, title in ((ax_r, "relative residual"), (ax_c, "contraction ratio r(k+1)/r(k)"),
                       (ax_j, "one-step spectral norm by position")):
         ax.set_title(title, fontsize=9)
@@ -93,18 +140,8 @@ def render(results: dict, args, seconds: float, out_dir: Path) -> Path:
     ax_j.axhline(1.0, color="grey", lw=0.5)
     ax_j.set_xlabel("position t")
     fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_dir / "fixed_point.png", dpi=110)
-    header = ["model", "S", "r(k=1)", "r(k=10)", "r(k=S/2)", f"r(k={args.passes - 1})", "median ratio k<S/2",
-              "one-step sigma_max", "one-step ||J||_F"]
-    md = "\n".join([
-        "# The fixed point", "",
-        f"Tiny recipe, {args.steps} steps, feedback phase from step {args.feedback_start}; held-out sequences of the "
-        "model's maximum length S; k = 1..%d passes (eval mode, no jitter). Jacobi reaches the exact recurrence at "
-        "k = S, so residuals past S are 0 for any weights; contraction is read from k < S and from the one-step "
-        "spectral norm of d h_t / d h_{t-1} at the converged states (< 1: errors shrink as they travel)." % args.passes,
-        "", table(header, rows), "", "![fixed point](fixed_point.png)", "",
-        provenance("python tools/fixed_point.py", seconds)])
-    return save(out_dir, "fixed_point", md, {"args": vars(args), "results": results})
 
 
 def main(argv=None) -> int:
@@ -115,7 +152,13 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default="runs/research/fixed_point")
     ap.add_argument("--skip-training", action="store_true", help="analyse existing runs")
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
+    from fbt_megatron.research.report import load_recorded, provenance_record
+
+    if a.render_only:
+        print(render(load_recorded(Path(a.out), "fixed_point"), Path(a.out)).read_text())
+        return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     t0 = time.perf_counter()
     runs, out_dir = Path(a.runs), Path(a.out)
@@ -128,10 +171,13 @@ def main(argv=None) -> int:
         results = analyse(runs, a.passes)
     finally:
         runtime.shutdown()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(render(results, a, time.perf_counter() - t0, out_dir).read_text())
+    data = {"args": vars(a), "results": results,
+            "provenance": provenance_record("python tools/fixed_point.py", time.perf_counter() - t0)}
+    print(render(data, out_dir).read_text())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "fixed_point"))

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fbt_megatron.errors import UserError
+
 
 def mean_std(values) -> tuple[float, float]:
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
@@ -31,8 +33,44 @@ def table(header: list[str], rows: list[list]) -> str:
 
 
 def provenance(command: str, seconds: float) -> str:
-    return (f"_Produced by `{command}` on {time.strftime('%Y-%m-%d')} "
-            f"({platform.processor() or platform.machine()}, torch CPU) in {seconds / 60:.1f} min._")
+    return provenance_line(provenance_record(command, seconds))
+
+
+def provenance_record(command: str, seconds: float, conditions: str = "") -> dict:
+    """How a result was made, kept in its JSON so that ``--render-only`` writes the same page again.
+    ``conditions``: what the numbers depend on beyond the command (a shared machine, an earlier code state)."""
+    return {"command": command, "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(), "minutes": round(seconds / 60, 1),
+            "conditions": conditions}
+
+
+def provenance_line(record: dict) -> str:
+    line = (f"_Produced by `{record['command']}` on {record['date']} ({record['machine']}, torch CPU) "
+            f"in {record['minutes']:.1f} min._")
+    return (record["conditions"] + "\n" + line) if record.get("conditions") else line
+
+
+ANSWER_HEADER = ["question", "answer", "number", "what would change it"]
+
+
+def answers_table(rows: list[list[str]], number: str = "number") -> str:
+    """The table a results page opens with: one row per question, computed from the page's JSON."""
+    return table([*ANSWER_HEADER[:2], number, ANSWER_HEADER[3]], rows)
+
+
+def load_recorded(out_dir: Path, stem: str) -> dict:
+    """``out_dir/STEM.json`` as a tool wrote it; one sentence when it is missing or not a tool's report."""
+    path = out_dir / f"{stem}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist: run the tool once without --render-only to record it.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); restore it from git or run the tool again.") from None
+    if "provenance" not in data:
+        raise UserError(f"{path} has no 'provenance' record, so its page cannot be rendered again; "
+                        "run the tool again to record it.")
+    return data
 
 
 def save(out_dir: Path, stem: str, markdown: str, data: dict) -> Path:
@@ -42,11 +80,29 @@ def save(out_dir: Path, stem: str, markdown: str, data: dict) -> Path:
     return out_dir / f"{stem}.md"
 
 
+class FigureLibraryMissing(UserError, ImportError):
+    """matplotlib is not installed: a tool without figures may go on (an ImportError), one that needs them
+    stops with one sentence (a UserError)."""
+
+
 def figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise FigureLibraryMissing("the figures need matplotlib: pip install -e '.[research]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
     return fig, axes[0]
+
+
+def run_tool(main, prog: str, argv=None) -> int:
+    """A results tool's entry point: a user error is one sentence on stderr and exit status 2."""
+    from fbt_megatron import errors
+
+    try:
+        return int(main(argv) or 0)
+    except errors.UserError as e:
+        return errors.report(prog, e)
