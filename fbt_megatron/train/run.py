@@ -179,7 +179,7 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     engine = Engine(model, recipe)
     zero = StateFragments(engine, specs)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
-              "zero_stage": recipe.parallel.zero_stage, "dtype": runtime.default_dtype_name()}
+              "zero_stage": recipe.parallel.zero_stage, "dtype": plan.precision}
     state, schedule = TrainState(), PassSchedule(recipe.schedule)
     loader = TrainBatches(recipe, dp_rank, dp_size, data_config=data)
     trained = recipe if plan.data.build_embedded is None else recipe.model_copy(  # state.json names the mix

@@ -2,6 +2,7 @@
 accumulation and reduction) saves and resumes exactly, and full-model sequence parallelism trains
 like plain tensor parallelism."""
 
+import json
 import math
 
 import pytest
@@ -23,6 +24,8 @@ def test_bf16_resume_matches_straight_bf16_run(tmp_path):
     assert info["grad_accum_dtype"] == "torch.float32" and info["communication_data_type"] == "torch.float32"
     assert info["master_dtype"] == "torch.float32"
     assert all(math.isfinite(x) for x in losses(straight)) and not any(h[3] for h in straight["history"])
+    saved = json.loads(next((tmp_path / "straight").glob("checkpoints/step_*/state.json")).read_text())
+    assert saved["layout"]["dtype"] == "bf16"  # the run's precision, not the CPU's default (fp32)
 
     first = tiny_recipe(tmp_path / "resumed", **BF16)
     first["train"]["stop_at_step"] = 2
