@@ -1,5 +1,5 @@
 """Core attention alone on CPU, side by side in one run: Megatron's unfused DotProductAttention (what the
-local layers ran before issue 20), SDPADotProductAttention (what they run now) with the dense document
+local layers ran before), SDPADotProductAttention (what they run now) with the dense document
 mask, and optionally FlexAttention with a document block mask (``--flex``: compiled by inductor, which
 needs a C++ compiler and minutes of compile time on the first call).
 

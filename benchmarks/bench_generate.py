@@ -91,8 +91,7 @@ def main():
         fill = {name: [] for name in prefill}
         names = list(decoders)
         for r in range(args.rounds):
-            # rotate the order each round: whichever mode ran first after the prefill timings measured
-            # slower (2026-12-01, hidden 1024: fixed order 0.895, alternating 1.02)
+            # rotate the order each round: whichever mode runs first after the prefill timings is slower
             for name in names[r % len(names):] + names[: r % len(names)]:
                 decode[name].append(args.batch * args.tokens / decode_seconds(decoders[name], prompts, args.tokens))
             for name, d in prefill.items():

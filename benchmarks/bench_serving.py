@@ -24,7 +24,7 @@ Prints measured ratios; asserts nothing. vLLM runs in its own venv (tests/suppor
 
     .venv/bin/python benchmarks/bench_serving.py [--hidden 1024 --layers 8 --batch 8 --tokens 64 --rounds 6 --sessions 3]
 
-The defaults are the goal's measurement in docs/serving.md (about 5 minutes on 2 cores); `--hidden 256 --layers 4`
+The defaults are the goal's measurement in docs/serving.md; `--hidden 256 --layers 4`
 is the small, dispatch-bound model also reported there.
 """
 

@@ -16,7 +16,7 @@ FUSION_MODES = ("glu", "additive", "off")
 GRAD_MODES = ("all", "last")
 # What a pass feeds where no previous state exists (pass 1 everywhere; position 0 and document
 # starts in later passes): "embedding" = the token embedding e_t, so pass 1 is exactly a standard GPT
-# (the paper's reading, the default); "state" = fuse(h_init, e_t) (the rule before 2026-11-30, an ablation).
+# (the paper's reading, the default); "state" = fuse(h_init, e_t) (an ablation).
 FIRST_INPUTS = ("embedding", "state")
 # A checkpoint or HF export written before ``first_input`` existed was trained with this rule.
 LEGACY_FIRST_INPUT = "state"

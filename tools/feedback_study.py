@@ -1,4 +1,4 @@
-"""The feedback study (issue 40): does the fed-back mode learn more from the same tokens, given steps?
+"""The feedback study: does the fed-back mode learn more from the same tokens, given steps?
 
     python tools/feedback_study.py [--seeds 1,2] [--scale tiny|medium] [--groups main,compute,stabilisers,state]
                                    [--steps N] [--lr LR] [--jobs 2] [--reuse] [--out docs/results]
@@ -33,15 +33,10 @@ in for its run folder when that is gone; a report keeps the runs recorded in the
 those it does not select, so the study can be continued run by run (``--only``, ``--seeds``) across
 machines. docs/results/feedback_phase.md is the write-up.
 
-CPU budget on 2 idle cores, ``--jobs 2`` (one thread per run), per seed at ``--scale tiny``: main
-~35 min, compute ~30 min, stabilisers ~70 min, state ~15 min, readouts ~3 min a run (about 2.5 h a
-seed for every group); ``--steps N`` scales a run's time with N (2400: ~30 min a run). ``--scale medium``
-(8 layers, hidden 384) costs more: a 1200-step language-model pair side by side ~1.5 h (standard ~65 min, FBT
-~90 min; ~2.4 h on a slower machine) and FBT's read-outs ~30 min (the exact recurrence); the state task
-~1.1 h a seed for its two runs (the standard one ~45 min, FBT ~65 min). A run folder lasts only as long as its machine; a
-finished run lasts in the report's JSON, so on machines that do not keep files start a run only where it
-can finish. One study at a time: more training
-processes than cores thrash (measured: a tiny step took 9 s with five processes on two cores, 1.2 s with two).
+A run's CPU time grows with ``--steps`` and ``--scale`` (the hours per group are in
+docs/results/benchmarks.md). A run folder lasts only as long as its machine; a finished run lasts in the
+report's JSON, so on machines that do not keep files start a run only where it can finish. One study at a
+time, ``--jobs`` at most the cores: more training processes than cores thrash.
 ``--smoke`` trains each selected run for a few steps at a toy size (the tests use it).
 """
 

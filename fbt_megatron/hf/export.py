@@ -219,7 +219,7 @@ def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
         **fields,
         "forward_passes": deepest,
         "feedback_decoding": "feedback",
-        "prefill_passes": 2,  # the paper's FUSED prefill, as `fbt generate` (issue 11) defaults to
+        "prefill_passes": 2,  # the paper's FUSED prefill, as `fbt generate` defaults to
         "use_cache": True,
         "dtype": DTYPE_NAMES[dtype],
         "torch_dtype": DTYPE_NAMES[dtype],  # the name transformers 4.x reads

@@ -1,4 +1,4 @@
-"""Read-outs and report of the feedback study (``tools/feedback_study.py``, issue 40).
+"""Read-outs and report of the feedback study (``tools/feedback_study.py``).
 
 A run is read out once (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes and at the
 exact recurrence, held-out arithmetic under standard and feedback decoding, the fusion's state at
