@@ -1,18 +1,19 @@
 """Data efficiency (paper: a standard model needs ~1.5-2x the tokens of an FBT model at 1B).
 
-    python tools/data_efficiency.py [--seeds 1,2,3] [--steps 600] [--out docs/results]
+    python tools/data_efficiency.py [--seeds 1,2,3] [--steps 600] [--jobs 1] [--reuse] [--out docs/results]
+                                    [--render-only]
 
 Trains the tiny recipe on the embedded token mix as a standard model (feedback.fusion=off), as an
 FBT model (the recipe as is: single-pass until 60%, then 75/22/3) and as the ``first_input=state``
-ablation (pass 1 fuses h_init instead of reading the embeddings), three seeds each, and records the
+ablation (pass 1 fuses h_init instead of reading the embeddings), each for every seed, and records the
 held-out validation loss every 50 steps (FBT at its feedback depth, 3 passes, and at 1 pass).
 Same compute budget: the FBT run's extra passes cost FLOPs (k passes = k x forward and backward with
 grad_mode all), so the standard model gets the steps that spend the FBT run's FLOPs (about 1.11x
 the steps at the default schedule) with the same LR schedule shape. Reports the token ratio at which
 the standard model reaches the FBT model's final loss (interpolated on its curve; "not reached" if it
-never does within its budget). Writes docs/results/data_efficiency.{md,json,png}. Budget: about 35
-minutes on 2 idle CPU cores (nine ~600-step runs; 22.0 min for six measured before the ablation was
-added; ``--jobs 2`` runs two at a time with one thread each).
+never does within its budget). Writes docs/results/data_efficiency.{md,json,png}; ``--render-only``
+writes the page again from the recorded JSON (the page's answers are computed from its numbers, the
+per-seed summary is the one recorded). ``--jobs 2`` runs two at a time with one thread each.
 """
 
 from __future__ import annotations
@@ -107,41 +108,66 @@ def summarise(results: dict) -> dict:
     return {"rows": rows}
 
 
+KIND_LABELS = {"fbt": "FBT", "state": "state", "standard": "standard"}
+PAPER_RATIO = "1.5–2 at 1 B"  # the paper's token ratio
+TRACKS = 0.1  # largest |FBT 1-pass - standard| validation loss before the switch that still counts as tracking
+
+
 def reuse_note(results: dict) -> str:
-    """Which runs were trained by this invocation and which were found finished (``--reuse``)."""
+    """Which runs were trained by this invocation and which were found finished (``--reuse``), one line per note."""
     runs = [(kind, r) for kind in KINDS for r in results[kind]]
-    reused = [f"{kind} seed {r['seed']}" + (f" ({r['note']})" if r.get("note") else "") for kind, r in runs
-              if r.get("reused")]
+    reused = [(kind, r) for kind, r in runs if r.get("reused")]
     if not reused:
         return ""
-    return (f"{len(reused)} of {len(runs)} runs were trained by earlier invocations and summarised again here "
-            f"(`--reuse`; the time below does not include them): {'; '.join(reused)}.\n")
+    by_note: dict[str, dict[str, list]] = {}
+    for kind, r in reused:
+        by_note.setdefault(r.get("note", ""), {}).setdefault(kind, []).append(r["seed"])
+    lines = [f"{len(reused)} of {len(runs)} runs were trained by earlier invocations and summarised again here "
+             "(`--reuse`; the time below leaves them out)."]
+    for note, kinds in by_note.items():
+        who = " and ".join(f"{KIND_LABELS[k]} seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}"
+                           for k, s in kinds.items())
+        lines.append(f"{who[0].upper()}{who[1:]}: {note or 'found finished under --runs'}.")
+    return "\n".join(lines)
 
 
-def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) -> Path:
-    import numpy as np
+def answers(summary: dict) -> list[list[str]]:
+    """The page's opening rows, from the recorded per-seed summary. FBT needs fewer tokens in a seed when the
+    standard model needs more than FBT's tokens to reach FBT's final loss (token ratio > 1, or never reaches it);
+    FBT tracks the standard model when the largest 1-pass gap before the switch is under ``TRACKS`` in every seed."""
+    from fbt_megatron.research.report import fmt, mean_std
 
-    from fbt_megatron.research.report import fmt, figure, mean_std, provenance, save, table
+    rows = summary["rows"]
+    ratios = [x["tokens_ratio"] for x in rows]
+    reached = [x for x in ratios if x is not None]
+    fewer = sum(1 for x in ratios if x is None or x > 1.0)
+    gaps = [x["max_gap_before_switch"] for x in rows]
+    apart = sum(1 for g in gaps if g >= TRACKS)
+    unreached = len(ratios) - len(reached)
+    return [
+        ["Does FBT need fewer tokens than a standard model of the same compute?",
+         "Yes" if fewer == len(rows) else "No, at this size" if fewer == 0 else f"In {fewer} of {len(rows)} seeds",
+         (f"the standard model needs {fmt(*mean_std(reached), 2)} of FBT's tokens to reach FBT's final loss"
+          if reached else "the standard model never reaches FBT's final loss")
+         + (f" ({unreached} of {len(rows)} seeds never reach it)" if reached and unreached else ""),
+         "–" if fewer == len(rows) else
+         "larger models, more feedback steps ([feedback_phase.md](feedback_phase.md))" if fewer == 0 else "more seeds"],
+        ["Does FBT track the standard model before the switch?",
+         "Yes" if apart == 0 else f"No ({apart} of {len(rows)} seeds)",
+         f"largest gap in 1-pass loss before the switch: {fmt(*mean_std(gaps), 3)} (under {TRACKS} in every seed "
+         "counts as tracking)",
+         "–" if apart == 0 else "a look at the runs' LR schedules and data order before the switch"],
+    ]
 
-    fig, (ax,) = figure(ncols=1, width=6.0, height=4.0)
-    for kind, passes, color in (("standard", 1, "C1"), ("fbt", 3, "C0"), ("fbt", 1, "C2"), ("state", 3, "C3")):
-        curves = [[(v["tokens"], v["loss"][str(passes)]) for v in r["val_history"]] for r in results[kind]]
-        n = min(len(c) for c in curves)
-        tokens = np.array([t for t, _ in curves[0][:n]])
-        losses = np.array([[l for _, l in c[:n]] for c in curves])
-        m, s = losses.mean(0), losses.std(0, ddof=1) if len(curves) > 1 else np.zeros(n)
-        label = {"standard": "standard", "fbt": f"FBT, {passes}-pass eval",
-                 "state": "first_input=state ablation, 3-pass eval"}[kind]
-        ax.plot(tokens, m, color=color, label=label)
-        ax.fill_between(tokens, m - s, m + s, color=color, alpha=0.2)
-    ax.axvline(results["feedback_start_step"] * (results["fbt"][0]["val_history"][-1]["tokens"] /
-                                                   max(args.steps, 1)), color="grey", lw=0.5, ls="--")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out validation loss")
-    ax.set_title("data efficiency (mean ± std over seeds)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "data_efficiency.png", dpi=110)
+
+def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
+    """``out_dir/data_efficiency.{md,json}`` (and the figure) from the recorded ``data``: args, results, the
+    per-seed summary (as recorded, not computed again) and provenance."""
+    from fbt_megatron.research.report import answers_table, fmt, mean_std, provenance_line, save, table
+
+    args, results, summary = data["args"], data["results"], data["summary"]
+    if figure_too:
+        _figure(results, args["steps"], out_dir)
     r = summary["rows"]
     ratios = [x["tokens_ratio"] for x in r]
     reached = [x for x in ratios if x is not None]
@@ -156,23 +182,53 @@ def render(results: dict, summary: dict, args, seconds: float, out_dir: Path) ->
                        fmt(*mean_std([x["standard_final"] for x in r]), 4),
                        f"{fmt(*mean_std(reached), 2)} ({len(reached)}/{len(ratios)} reached)",
                        fmt(*mean_std([x["max_gap_before_switch"] for x in r]), 4)])
+    columns = [
+        ["token ratio", "tokens the standard model needs to reach FBT's final loss, over FBT's tokens (> 1: FBT is "
+                        f"more data-efficient; the paper reports {PAPER_RATIO})"],
+        ["state ablation", "the model before 2026-11-30: pass 1 fuses h_init, normal-initialised fusion; same steps "
+                           "as FBT"],
+        ["gap before the switch", "the largest \\|FBT 1-pass − standard\\| validation loss at the same step up to "
+                                  "the switch; the runs differ there only in the LR schedule's length"]]
     md = "\n".join([
-        "# Data efficiency", "",
-        f"Tiny recipe ({args.steps} FBT steps, feedback from step {results['feedback_start_step']}, mix 75/22/3) against "
-        f"a standard model of the same size given the same compute ({results['standard_steps']} steps, "
-        f"x{results['compute_factor']:.3f} FBT's FLOPs per step averaged over the run). Validation every {EVERY} steps on "
-        "held-out documents. *Token ratio*: tokens the standard model needs to reach the FBT model's final "
-        "loss over the FBT model's tokens (> 1: FBT is more data-efficient; the paper reports 1.5-2 at 1B). "
-        "*state*: the model before 2026-11-30 (`feedback.first_input=state`: pass 1 fuses h_init; normal-initialised "
-        "fusion), same steps as FBT. *Gap before "
-        "the switch*: largest |FBT 1-pass - standard| validation loss at the same step up to the switch (the two "
-        "runs differ there only in the LR schedule's length, 1.11x for the standard run).", "",
+        "# Data efficiency", "", answers_table(answers(summary), number=f"number ({len(r)} seeds)"), "",
+        f"**Setting.** The tiny recipe: {args['steps']} FBT steps, feedback from step "
+        f"{results['feedback_start_step']}, mix 75/22/3.",
+        f"The standard model has the same size and the same compute: {results['standard_steps']} steps, "
+        f"{results['compute_factor']:.3f} × FBT's FLOPs per step on average.",
+        f"Validation runs every {EVERY} steps on held-out documents.", "",
+        table(["column", "meaning"], columns), "",
         table(["seed", "FBT final (3-pass)", "FBT final (1-pass)", "state ablation final (3-pass)",
                "standard at FBT's tokens", "standard final (same compute)", "token ratio", "gap before the switch"],
               table_rows), "", "![data efficiency](data_efficiency.png)", "",
-        reuse_note(results),
-        provenance("python tools/data_efficiency.py", seconds)])
-    return save(out_dir, "data_efficiency", md, {"args": vars(args), "results": results, "summary": summary})
+        provenance_line(data["provenance"])])
+    return save(out_dir, "data_efficiency", md, data)
+
+
+def _figure(results: dict, steps: int, out_dir: Path) -> None:
+    import numpy as np
+
+    from fbt_megatron.research.report import figure
+
+    fig, (ax,) = figure(ncols=1, width=6.0, height=4.0)
+    for kind, passes, color in (("standard", 1, "C1"), ("fbt", 3, "C0"), ("fbt", 1, "C2"), ("state", 3, "C3")):
+        curves = [[(v["tokens"], v["loss"][str(passes)]) for v in r["val_history"]] for r in results[kind]]
+        n = min(len(c) for c in curves)
+        tokens = np.array([t for t, _ in curves[0][:n]])
+        losses = np.array([[l for _, l in c[:n]] for c in curves])
+        m, s = losses.mean(0), losses.std(0, ddof=1) if len(curves) > 1 else np.zeros(n)
+        label = {"standard": "standard", "fbt": f"FBT, {passes}-pass eval",
+                 "state": "first_input=state ablation, 3-pass eval"}[kind]
+        ax.plot(tokens, m, color=color, label=label)
+        ax.fill_between(tokens, m - s, m + s, color=color, alpha=0.2)
+    ax.axvline(results["feedback_start_step"] * (results["fbt"][0]["val_history"][-1]["tokens"] / max(steps, 1)),
+               color="grey", lw=0.5, ls="--")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out validation loss")
+    ax.set_title("data efficiency (mean ± std over seeds)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "data_efficiency.png", dpi=110)
 
 
 def main(argv=None) -> int:
@@ -183,15 +239,24 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default="runs/research/data_efficiency")
     ap.add_argument("--reuse", action="store_true", help="use finished runs found under --runs instead of retraining")
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
+    from fbt_megatron.research.report import load_recorded, provenance_record
+
+    if a.render_only:
+        print(render(load_recorded(Path(a.out), "data_efficiency"), Path(a.out)).read_text())
+        return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     t0 = time.perf_counter()
     results = run([int(s) for s in a.seeds.split(",")], a.steps, Path(a.runs), a.jobs, a.reuse)
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(render(results, summarise(results), a, time.perf_counter() - t0, out_dir).read_text())
+    data = {"args": vars(a), "results": results, "summary": summarise(results),
+            "provenance": provenance_record("python tools/data_efficiency.py", time.perf_counter() - t0,
+                                            conditions=reuse_note(results))}
+    print(render(data, Path(a.out)).read_text())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "data_efficiency"))

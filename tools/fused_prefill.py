@@ -7,8 +7,9 @@ documents), for a trained run (default ``runs/tiny``, the main job's output) and
 standard decoding (no feedback), and latent-feedback decoding with the prompt prefilled by K = 1, 2
 (FUSED), 3 parallel passes or exactly (token by token). Reports the answer's mean negative
 log-likelihood per token (the continuation scored as generation decodes it), greedy exact-match
-accuracy on the ``#### answer`` line and the median generated length. Writes
-docs/results/fused_prefill.{md,json,png}. Budget: about 5 minutes on 2 idle CPU cores for 100 problems.
+accuracy on the ``#### answer`` line and the median generated length, each mode paired per problem with
+standard decoding. Writes docs/results/fused_prefill.{md,json,png}; ``--render-only`` writes the page
+again from the recorded JSON (the page's answers are computed from its numbers).
 """
 
 from __future__ import annotations
@@ -85,10 +86,89 @@ def run(run_dir: str, problems: list[tuple[str, str]], batch: int, max_new_token
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Per-problem answer NLL per decoding mode, with standard-error bars."""
-    from fbt_megatron.research.report import figure
+Z = 2.0  # standard errors either side of a paired mean difference: its ~95 % interval over problems
 
+
+def label(row: dict) -> str:
+    """A decoding mode as the answers name it: FUSED is feedback decoding with 2 prefill passes."""
+    if row["mode"] == "standard":
+        return "standard"
+    k = row["prefill_passes"]
+    return "FUSED" if k == 2 else "exact" if k == "exact" else f"K={k}"
+
+
+def answers(data: dict) -> list[list[str]]:
+    """The page's opening rows, from the recorded per-problem answer NLLs. A mode beats another when the
+    paired per-problem difference of their answer NLL, ± Z standard errors, lies below zero; it is worse
+    when that interval lies above zero."""
+    rows = data["rows"]
+    fb = [r for r in rows if r["mode"] != "standard"]
+    better = [r for r in fb if r["paired_diff_vs_standard"] + Z * r["paired_diff_sem"] < 0]
+    worse = [r for r in fb if r["paired_diff_vs_standard"] - Z * r["paired_diff_sem"] > 0]
+    lo = min(fb, key=lambda r: r["paired_diff_vs_standard"])
+    hi = max(fb, key=lambda r: r["paired_diff_vs_standard"])
+    side = " worse" if lo["paired_diff_vs_standard"] > 0 else " better" if hi["paired_diff_vs_standard"] < 0 else ""
+    em = {r["exact_match"] for r in rows}
+    em_text = (f"exact match {em.pop():g} everywhere" if len(em) == 1 else
+               f"exact match {rows[0]['exact_match']:.2f} standard, "
+               f"{min(r['exact_match'] for r in fb):.2f}–{max(r['exact_match'] for r in fb):.2f} feedback")
+    if better:
+        beat = "Yes" if len(better) == len(fb) else "Only " + ", ".join(label(r) for r in better)
+        beat_change = "–"
+    elif worse:
+        beat, beat_change = "No", "a run whose fed-back mode is trained ([feedback_phase.md](feedback_phase.md))"
+    else:
+        beat, beat_change = "No difference within the error", "more problems"
+    out = [[f"Does feedback decoding of the {Path(data['args']['run_dir']).name} run beat standard decoding on "
+            "held-out math?", beat,
+            f"answer NLL {lo['paired_diff_vs_standard']:+.2f} ({label(lo)}) to {hi['paired_diff_vs_standard']:+.2f} "
+            f"({label(hi)}) ± {max(r['paired_diff_sem'] for r in fb):.2f} nats a token{side}; {em_text}",
+            beat_change]]
+    one = next((r for r in fb if r["prefill_passes"] == 1), None)
+    fused = next((r for r in fb if r["prefill_passes"] == 2), None)
+    if one and fused:
+        d = [y - x for x, y in zip(one["per_problem_nll"], fused["per_problem_nll"])]
+        mean = statistics.fmean(d)
+        sem = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
+        within = mean - Z * sem <= 0 <= mean + Z * sem
+        helps = (("Slightly, within the error" if mean < 0 else "No") if within else
+                 "Yes" if mean < 0 else "No, it is worse")
+        out.append(["Does FUSED (2 prefill passes) help over 1 pass?", helps,
+                    f"{fused['paired_diff_vs_standard']:+.3f} against {one['paired_diff_vs_standard']:+.3f} "
+                    f"± {one['paired_diff_sem']:.3f}; paired FUSED − K=1 {mean:+.3f} ± {sem:.3f}",
+                    "more problems" if within else "–"])
+    return out
+
+
+def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
+    """``out_dir/fused_prefill.{md,json}`` (and the figure) from the recorded ``data``: checkpoint, args,
+    rows, provenance."""
+    from fbt_megatron.research.report import answers_table, figure, provenance_line, save, table
+
+    args, rows = data["args"], data["rows"]
+    if figure_too:
+        _figure(rows, out_dir, figure)
+    md = "\n".join([
+        "# FUSED prefill", "", answers_table(answers(data)), "",
+        f"Checkpoint `{data['checkpoint']}`; {args['problems']} held-out math problems (generated like the embedded "
+        f"mix's, seed {HELD_OUT_SEED}); greedy decoding, at most {args['max_new_tokens']} new tokens, stop at a blank "
+        "line. *Answer NLL*: mean negative log-likelihood per answer token, the answer fed as generation decodes it. "
+        "*Exact match*: the `#### value` line equals the reference's.", "",
+        "*Per-problem NLL*: mean over problems of each problem's per-token NLL, ± its standard error; "
+        "*vs standard*: the paired per-problem difference from standard decoding, ± its standard error.", "",
+        table(["decoding", "prefill passes", "answer NLL", "per-problem NLL", "vs standard", "exact match",
+               "median generated tokens"],
+              [[r["mode"], r["prefill_passes"], f"{r['answer_nll']:.4f}",
+                f"{r['per_problem_nll_mean']:.3f} ± {r['per_problem_nll_sem']:.3f}",
+                f"{r['paired_diff_vs_standard']:+.3f} ± {r['paired_diff_sem']:.3f}", f"{r['exact_match']:.3f}",
+                r["median_generated_tokens"]] for r in rows]), "",
+        "![FUSED prefill](fused_prefill.png)", "",
+        provenance_line(data["provenance"])])
+    return save(out_dir, "fused_prefill", md, data)
+
+
+def _figure(rows: list[dict], out_dir: Path, figure) -> None:
+    """Per-problem answer NLL per decoding mode, with standard-error bars."""
     fig, (ax,) = figure(1)
     labels = ["standard" if r["mode"] == "standard" else f"feedback K={r['prefill_passes']}" for r in rows]
     ax.bar(range(len(rows)), [r["per_problem_nll_mean"] for r in rows],
@@ -98,8 +178,8 @@ def plot(rows: list[dict], path: Path) -> None:
     lo = min(r["per_problem_nll_mean"] - 3 * r["per_problem_nll_sem"] for r in rows)
     ax.set_ylim(bottom=max(0.0, lo))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "fused_prefill.png", dpi=110)
 
 
 def main(argv=None) -> int:
@@ -109,11 +189,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
+    from fbt_megatron.research.report import load_recorded, provenance_record
+
+    if a.render_only:
+        print(render(load_recorded(Path(a.out), "fused_prefill"), Path(a.out)).read_text())
+        return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint import resolve_checkpoint
-    from fbt_megatron.research.report import provenance, save, table
 
     t0 = time.perf_counter()
     runtime.init_distributed()
@@ -127,27 +212,13 @@ def main(argv=None) -> int:
         diffs = [x - y for x, y in zip(r["per_problem_nll"], base)]
         r["paired_diff_vs_standard"] = statistics.fmean(diffs)
         r["paired_diff_sem"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
-    plot(rows, Path(a.out) / "fused_prefill.png")
-    md = "\n".join([
-        "# FUSED prefill", "",
-        f"Checkpoint `{ckpt}`; {a.problems} held-out math problems (generated like the embedded mix's, seed "
-        f"{HELD_OUT_SEED}); greedy decoding, at most {a.max_new_tokens} new tokens, stop at a blank line. "
-        "*Answer NLL*: mean negative log-likelihood per answer token, the answer fed as generation decodes it. "
-        "*Exact match*: the `#### value` line equals the reference's.", "",
-        "*Per-problem NLL*: mean over problems of each problem's per-token NLL, ± its standard error; "
-        "*vs standard*: the paired per-problem difference from standard decoding, ± its standard error.", "",
-        table(["decoding", "prefill passes", "answer NLL", "per-problem NLL", "vs standard", "exact match",
-               "median generated tokens"],
-              [[r["mode"], r["prefill_passes"], f"{r['answer_nll']:.4f}",
-                f"{r['per_problem_nll_mean']:.3f} ± {r['per_problem_nll_sem']:.3f}",
-                f"{r['paired_diff_vs_standard']:+.3f} ± {r['paired_diff_sem']:.3f}", f"{r['exact_match']:.3f}",
-                r["median_generated_tokens"]] for r in rows]), "",
-        "![FUSED prefill](fused_prefill.png)", "",
-        provenance(f"python tools/fused_prefill.py {a.run_dir}", time.perf_counter() - t0)])
-    out = save(Path(a.out), "fused_prefill", md, {"checkpoint": str(ckpt), "args": vars(a), "rows": rows})
-    print(out.read_text())
+    data = {"checkpoint": str(ckpt), "args": vars(a), "rows": rows,
+            "provenance": provenance_record(f"python tools/fused_prefill.py {a.run_dir}", time.perf_counter() - t0)}
+    print(render(data, Path(a.out)).read_text())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "fused_prefill"))

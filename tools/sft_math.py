@@ -13,17 +13,15 @@ conversations, ``fbt data prepare --format chat`` them; SFT both models (``--sft
 (another seed, never in training) measure greedy exact match on ``#### N`` and the median / mean
 generated tokens in standard / feedback / FUSED decoding (standard models: standard only), base models
 prompted ``Question: q\\nAnswer:``, SFT models through the chat template; per-problem pairing of
-feedback/FUSED with standard decoding. Writes docs/results/sft.{md,json,png}.
-
-Budget: about 40 minutes on 2 idle CPU cores with the defaults (3 seeds; each seed ~3 + 3.3 min of
-pretraining, ~2 x 1.5 min of SFT, ~2 min of decoding). ``--pretrain-steps``/``--sft-steps``/
-``--problems`` scale it.
+feedback/FUSED with standard decoding. Writes docs/results/sft.{md,json,png}; ``run --render-only``
+writes the page again from the recorded JSON (the page's answers are computed from its numbers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -123,9 +121,124 @@ def summarise(per_seed: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    from fbt_megatron.research.report import figure
+SOLVES = 0.1  # exact match (mean over seeds) from which a model counts as solving the held-out problems
 
+
+def _share(x: float) -> str:
+    """0 -> '0', 0.02667 -> '0.027'."""
+    return f"{x:.3f}".rstrip("0").rstrip(".")
+
+
+def answers(data: dict) -> list[list[str]]:
+    """The page's opening rows, from the recorded means over seeds. Accuracy: an SFT model solves at least
+    SOLVES of the problems, more than any base model. Ending the turn: every SFT model's median length (any
+    decoding) is below every base model's. Shorter answers: the 95 % t-interval over seeds of the SFT FBT
+    model's paired FUSED - standard length difference lies below zero."""
+    from fbt_megatron.research.study import t_interval, verdict
+
+    rows, n_problems = data["rows"], data["args"]["problems"]
+    sft = [r for r in rows if r["model"].endswith("_sft")]
+    base = [r for r in rows if r["model"].endswith("_base")]
+    em = [r["exact_match"][0] for r in rows]
+    best_sft, best_base = max(r["exact_match"][0] for r in sft), max(r["exact_match"][0] for r in base)
+    accurate = best_sft >= SOLVES and best_sft > best_base
+    out = [["Does SFT give accuracy at this size?", "Yes" if accurate else "No",
+            f"exact match {_share(min(em))}–{_share(max(em))} on {n_problems} held-out problems",
+            "–" if accurate else "a model and data large enough to solve them"]]
+    before, after = [r["median_tokens"][0] for r in base], [r["median_tokens"][0] for r in sft]
+    ends = ("Yes" if max(after) < min(before) else
+            "Partly" if sum(after) / len(after) < sum(before) / len(before) else "No")
+    out.append(["Does SFT teach the model to end its turn?", ends,
+                f"median length {min(before):.0f}–{max(before):.0f} tokens before, "
+                f"{min(after):.0f}–{max(after):.0f} after",
+                "–" if ends == "Yes" else "more SFT steps"])
+    fused = next((r for r in sft if r["model"] == "fbt_sft" and r["mode"] == "fused"), None)
+    if fused:
+        m, sd = fused["paired_mean_diff"]
+        n = fused["seeds"]
+        lo, hi = t_interval(m, sd / math.sqrt(n), n)
+        v = verdict(lo, hi, -1)
+        shorter = {"supported": "Yes", "ruled out": "No"}.get(v, "A hint only" if m < 0 else "No")
+        out.append(["Does feedback decoding shorten the SFT model's answers?", shorter,
+                    f"FUSED {m:+.1f} ± {sd:.1f} tokens a problem against standard decoding (mean ± SD over seeds)"
+                    + (f", 95% interval {lo:+.1f} to {hi:+.1f}" if math.isfinite(lo) else ""),
+                    "more seeds" if v == "undecided" else "–"])
+    return out
+
+
+def findings(data: dict) -> list[str]:
+    """The paragraphs under the table, one sentence a line: exact match per seed, and the lengths."""
+    args, per_seed, rows = data["args"], data["per_seed"], data["rows"]
+    N, limit = args["problems"], args["max_new_tokens"]
+    accurate, ends, *shorter = [row[1] for row in answers(data)]
+
+    def runs(kind):
+        return [m for s in per_seed for name, modes in s.items() if name.endswith(kind) for m in modes.values()]
+
+    solved = {k: [sum(m["correct"]) for m in runs(k)] for k in ("_base", "_sft")}
+    at_limit = {k: [t >= limit for m in runs(k) for t in m["tokens"]] for k in ("_base", "_sft")}
+    at_limit = {k: sum(v) / len(v) for k, v in at_limit.items()}
+    base_em = ("0 for every base model" if not any(solved["_base"]) else
+               f"{min(solved['_base'])}–{max(solved['_base'])} of {N} problems for the base models")
+    acc = [f"**Accuracy.** The models are the tiny recipe (1.3 M parameters) after {args['pretrain_steps']} "
+           f"pretraining and {args['sft_steps']} SFT steps."]
+    if max(r["exact_match"][0] for r in rows) < SOLVES:
+        acc.append("None of them solves the held-out problems.")
+    acc.append(f"Per seed, exact match is {base_em} and {min(solved['_sft'])}–{max(solved['_sft'])} of {N} problems "
+               "for the SFT models.")
+    if accurate != "Yes":
+        acc.append("The paper's instruction-tuned gain (GSM8K 67.9 → 71.8 with FUSED, at 1 B parameters and 400 B "
+                   "tokens) cannot be tested at this size.")
+    med = {k: [r["median_tokens"][0] for r in rows if r["model"].endswith(k)] for k in ("_base", "_sft")}
+    length = [f"**Length.** {'SFT teaches the models to end their turn.' if ends == 'Yes' else ''}".rstrip(),
+              f"The median length is {min(med['_base']):.0f}–{max(med['_base']):.0f} tokens for the base models "
+              f"({at_limit['_base']:.0%} of their answers run to the {limit}-token limit) and "
+              f"{min(med['_sft']):.0f}–{max(med['_sft']):.0f} for the SFT models "
+              f"({at_limit['_sft']:.0%} at the limit)."]
+    by = {(r["model"], r["mode"]): r for r in rows}
+    for model, name in (("fbt_base", "base"), ("fbt_sft", "SFT")):
+        if (model, "feedback") in by and (model, "fused") in by:
+            f, g = by[(model, "feedback")], by[(model, "fused")]
+            length.append(
+                f"In the {name} FBT model, feedback and FUSED decoding change the length against its standard "
+                f"decoding by {f['paired_mean_diff'][0]:+.1f} ± {f['paired_mean_diff'][1]:.1f} and "
+                f"{g['paired_mean_diff'][0]:+.1f} ± {g['paired_mean_diff'][1]:.1f} tokens a problem (mean ± SD over "
+                f"seeds): {f['paired_shorter_longer'][0]} and {g['paired_shorter_longer'][0]} of the "
+                f"{N * len(per_seed)} problem-seed pairs shorter, {f['paired_shorter_longer'][1]} and "
+                f"{g['paired_shorter_longer'][1]} longer.")
+    if shorter == ["A hint only"]:
+        length.append(f"With {len(per_seed)} seeds, the SFT model's shorter FUSED answers are a hint, not a finding.")
+    return ["\n".join(acc), "", "\n".join(length)]
+
+
+def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
+    """``out_dir/sft.{md,json}`` (and the figure) from the recorded ``data``: args, rows, per_seed, provenance."""
+    from fbt_megatron.research.report import answers_table, figure, fmt, provenance_line, save, table
+
+    a, rows = data["args"], data["rows"]
+    if figure_too:
+        _figure(rows, out_dir, figure)
+    f = lambda ms, d=3: fmt(ms[0], ms[1], d)  # noqa: E731
+    md = "\n".join([
+        "# Instruction tuning at small scale", "",
+        answers_table(answers(data), number=f"number ({len(data['per_seed'])} seeds)"), "",
+        f"Seeds {a['seeds']}; tiny recipe pretrained {a['pretrain_steps']} steps (FBT: feedback from step "
+        f"{int(0.6 * a['pretrain_steps'])}), SFT {a['sft_steps']} steps on the embedded math problems as conversations "
+        f"(loss on the assistant turn), FBT with the 75/22/3 mix from step 0; the standard model (fusion off) "
+        f"gets the same compute (steps x FBT's mean passes per step). {a['problems']} held-out problems, greedy, at "
+        f"most {a['max_new_tokens']} new tokens; base models prompted `Question: q\\nAnswer:`, SFT models through the "
+        "chat template. Mean ± standard deviation over seeds.", "",
+        table(["model", "decoding", "exact match", "median generated tokens", "mean generated tokens",
+               "paired diff vs standard (tokens)", "shorter / longer (all seeds)"],
+              [[r["model"], r["mode"], f(r["exact_match"]), f(r["median_tokens"], 1), f(r["mean_tokens"], 1),
+                f(r["paired_mean_diff"], 2) if "paired_mean_diff" in r else "–",
+                " / ".join(map(str, r["paired_shorter_longer"])) if "paired_shorter_longer" in r else "–"] for r in rows]),
+        "", "![SFT](sft.png)", "", *findings(data), "",
+        provenance_line(data["provenance"])])
+    return save(out_dir, "sft", md, data)
+
+
+def _figure(rows: list[dict], out_dir: Path, figure) -> None:
     fig, (ax1, ax2) = figure(2, width=5.5)
     labels = [f"{r['model']}\n{r['mode']}" for r in rows]
     colors = {"standard": "0.6", "feedback": "C0", "fused": "C1"}
@@ -139,8 +252,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in (ax1, ax2):
         ax.set_xticks(list(x), labels, rotation=60, fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "sft.png", dpi=110)
 
 
 # the arguments of ``run`` that change the numbers (the rest: where files go)
@@ -168,11 +281,19 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--work", default="runs/sft_math")
     r.add_argument("--out", default="docs/results")
     r.add_argument("--force", action="store_true", help="train again runs that already finished")
+    # not among ``run``'s recorded args (SUPPRESS: absent unless given)
+    r.add_argument("--render-only", action="store_true", default=argparse.SUPPRESS,
+                   help="write the page again from --out's recorded JSON")
     return ap
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.cmd == "run" and getattr(a, "render_only", False):
+        from fbt_megatron.research.report import load_recorded
+
+        print(render(load_recorded(Path(a.out), "sft"), Path(a.out)).read_text())
+        return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     if a.cmd == "conversations":
         from fbt_megatron.research.sft import write_conversations
@@ -180,7 +301,7 @@ def main(argv=None) -> int:
         print(f"{write_conversations(a.out, a.docs)} conversations -> {a.out}")
         return 0
     from data_pipeline.embedded import build_embedded
-    from fbt_megatron.research.report import fmt, provenance, save, table
+    from fbt_megatron.research.report import provenance_record
     from fbt_megatron.research.sft import held_out_problems
 
     t0 = time.perf_counter()
@@ -193,28 +314,13 @@ def main(argv=None) -> int:
     for seed in [int(s) for s in a.seeds.split(",")]:
         dirs = runs_for_seed(seed, a, work, chat_dir)
         per_seed.append(measure_all(dirs, problems, a))
-    rows = summarise(per_seed)
-    plot(rows, Path(a.out) / "sft.png")
-    f = lambda ms, d=3: fmt(ms[0], ms[1], d)  # noqa: E731
-    md = "\n".join([
-        "# Instruction tuning at small scale", "",
-        f"Seeds {a.seeds}; tiny recipe pretrained {a.pretrain_steps} steps (FBT: feedback from step "
-        f"{int(0.6 * a.pretrain_steps)}), SFT {a.sft_steps} steps on the embedded math problems as conversations "
-        f"(loss on the assistant turn), FBT with the 75/22/3 mix from step 0; the standard model (fusion off) "
-        f"gets the same compute (steps x FBT's mean passes per step). {a.problems} held-out problems, greedy, at most "
-        f"{a.max_new_tokens} new tokens; base models prompted `Question: q\\nAnswer:`, SFT models through the chat "
-        "template. Mean ± standard deviation over seeds.", "",
-        table(["model", "decoding", "exact match", "median generated tokens", "mean generated tokens",
-               "paired diff vs standard (tokens)", "shorter / longer (all seeds)"],
-              [[r["model"], r["mode"], f(r["exact_match"]), f(r["median_tokens"], 1), f(r["mean_tokens"], 1),
-                f(r["paired_mean_diff"], 2) if "paired_mean_diff" in r else "–",
-                " / ".join(map(str, r["paired_shorter_longer"])) if "paired_shorter_longer" in r else "–"] for r in rows]),
-        "", "![SFT](sft.png)", "",
-        provenance(run_command(a), time.perf_counter() - t0)])
-    out = save(Path(a.out), "sft", md, {"args": vars(a), "rows": rows, "per_seed": per_seed})
-    print(out.read_text())
+    data = {"args": vars(a), "rows": summarise(per_seed), "per_seed": per_seed,
+            "provenance": provenance_record(run_command(a), time.perf_counter() - t0)}
+    print(render(data, Path(a.out)).read_text())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "sft_math"))
