@@ -64,6 +64,7 @@ class DataPlan:
     build_embedded: str | None  # the embedded mix's directory, built (idempotently) at start-up
     tokenizer_files: dict[str, str]  # name -> file: what every checkpoint carries
     chat_template: str | None  # the sources' chat template (SFT requires one)
+    fingerprints: dict | None = None  # the datasets' fingerprints, when the plan read them to check a resume
 
 
 @dataclass(frozen=True)

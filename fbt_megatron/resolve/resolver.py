@@ -15,6 +15,7 @@ here, in this order, and all problems are reported at once (:class:`PlanError`):
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from fbt_megatron.recipe import Recipe, RecipeError, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
@@ -58,7 +59,9 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
     # -- the checkpoint resumed and the rule it was trained with
     resume, adopted = check(_resume, recipe) or (None, None)
     if data_files and not missing and resume is not None and resume.checkpoint is not None and data.config is not None:
-        problems += _changed_data(recipe, data.config, resume.checkpoint)
+        changed, fingerprints = _changed_data(recipe, data.config, resume.checkpoint)
+        problems += changed
+        data = dataclasses.replace(data, fingerprints=fingerprints)
     warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted) if w]
 
     if problems:
@@ -124,21 +127,22 @@ def _missing_sources(recipe: Recipe) -> list[str]:
     return problems
 
 
-def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> list[str]:
+def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[list[str], dict]:
     """The resumed checkpoint's datasets against today's (their fingerprints): one problem when the data
-    changed and ``checkpoint.allow_data_change`` is off. ``build`` records the fingerprints it saves."""
+    changed and ``checkpoint.allow_data_change`` is off; and today's fingerprints, which the plan carries so
+    that training does not read every dataset's index a second time."""
     from data_pipeline.config import DataConfig
     from data_pipeline.errors import DataError
     from fbt_megatron.checkpoint.discovery import read_checkpoint_state
     from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
 
     saved = (read_checkpoint_state(checkpoint).get("data") or {}).get("fingerprints")
+    now = data_fingerprints(DataConfig.model_validate(data_config))
     try:
-        check_resume_data(str(checkpoint), saved, data_fingerprints(DataConfig.model_validate(data_config)),
-                          recipe.checkpoint.allow_data_change)
+        check_resume_data(str(checkpoint), saved, now, recipe.checkpoint.allow_data_change)
     except DataError as e:
-        return [f"recipe key 'data.pipeline': {e}"]
-    return []
+        return [f"recipe key 'data.pipeline': {e}"], now
+    return [], now
 
 
 def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:

@@ -169,7 +169,9 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
                              async_save=recipe.checkpoint.async_save, fault_hook=checkpoint_fault_hook,
                              verify_on_load=recipe.checkpoint.verify_on_load)
     latest = plan.resume.checkpoint  # the model is built with the rule it was trained under (plan.recipe)
-    data_record, data_changed = _data_record(recipe, data, latest, run_dir, log)
+    # the plan read the fingerprints to check the resume; the embedded mix may be built since: read again
+    known = plan.data.fingerprints if plan.data.build_embedded is None else None
+    data_record, data_changed = _data_record(recipe, data, latest, run_dir, log, known)
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
     model = build_model(recipe.model, recipe.feedback, sequence_parallel=recipe.parallel.sequence_parallel,
                         dtype=dtype)
@@ -233,16 +235,18 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
                dp_size=dp_size)
 
 
-def _data_record(recipe: Recipe, data_config, latest: Path | None, run_dir: Path, log) -> tuple[dict, bool]:
+def _data_record(recipe: Recipe, data_config, latest: Path | None, run_dir: Path, log,
+                 known: dict | None = None) -> tuple[dict, bool]:
     """The datasets' fingerprints the run's checkpoints record (``state.json``'s ``data``), checked against
     the resumed checkpoint's: a change is refused in one sentence, or with ``checkpoint.allow_data_change``
-    logged and written to ``metrics.jsonl`` (rank 0) and kept in ``data.changes``. Returns (record, changed)."""
+    logged and written to ``metrics.jsonl`` (rank 0) and kept in ``data.changes``. ``known``: the
+    fingerprints the run plan read already. Returns (record, changed)."""
     import time
 
     from fbt_megatron.checkpoint import read_checkpoint_state
     from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
 
-    now = data_fingerprints(data_config)
+    now = known if known is not None else data_fingerprints(data_config)
     saved = read_checkpoint_state(latest).get("data") or {} if latest is not None else {}
     changes = check_resume_data(str(latest), saved.get("fingerprints"), now,
                                 recipe.checkpoint.allow_data_change) if latest is not None else []

@@ -256,7 +256,15 @@ def data_faults(base: str) -> dict:
     out["other_count"] = _fbt_train(longer, base)
     out["other_count_unchanged"] = _snapshot(run) == before
     # a deliberate change: allowed, recorded in metrics.jsonl and in the next checkpoint
-    out["allowed"] = _fbt_train(dict(longer, checkpoint={**recipe["checkpoint"], "allow_data_change": True}), base)
+    import data_pipeline.fingerprint as fingerprint
+
+    reads, read = [], fingerprint.dataset_fingerprint
+    fingerprint.dataset_fingerprint = lambda path: reads.append(str(path)) or read(path)
+    try:
+        out["allowed"] = _fbt_train(dict(longer, checkpoint={**recipe["checkpoint"], "allow_data_change": True}), base)
+    finally:
+        fingerprint.dataset_fingerprint = read
+    out["allowed_fingerprint_reads"] = reads
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     out["allowed_events"] = [r for r in rows if r.get("event") == "data_changed"]
     out["allowed_steps"] = [r["step"] for r in rows if "event" not in r]
@@ -289,3 +297,5 @@ def test_a_deliberate_data_change_is_allowed_and_recorded(data):
     record = data["allowed_record"]
     assert record["fingerprints"]["web"]["documents"] == 149
     assert record["changes"] == [{"step": 2, "changes": event["changes"]}]
+    # the index is read by the launcher's plan and by the plan under the run lock; training uses the latter's
+    assert len(data["allowed_fingerprint_reads"]) == 2
