@@ -18,7 +18,6 @@ venv cannot be built (no Python 3.12, no index, a pip error), saying why.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.support.cached_venv import build_once
 from tests.support.vllm_env import BuildTimeout, Unavailable, _clean_env, _run
 
 # The image's corner. DeepSpeed: the newest release (`pip index versions deepspeed`); bump it here.
@@ -89,22 +89,15 @@ def ensure(timeout: float = 2400) -> Path:
     """The corner venv's python (built on first use, then cached)."""
     python, reqs = interpreter(), requirements()
     venv = venv_path(python, reqs)
-    try:
-        root().mkdir(parents=True, exist_ok=True)
-        with open(root() / f"{venv.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another build of the same venv: wait for it
-            if (venv / ".complete").is_file() and (venv / "bin" / "python").exists():
-                return venv / "bin" / "python"
-            return _build(python, venv, reqs, timeout)
+    ready = lambda v: (v / ".complete").is_file() and (v / "bin" / "python").exists()  # noqa: E731
+    try:  # another build of the same venv: wait for it
+        return build_once(venv, lambda building: _build(python, building, reqs, timeout), ready=ready) / "bin" / "python"
     except OSError as e:
         raise Unavailable(f"cannot build the corner venv: {e}") from None
 
 
-def _build(python: Path, venv: Path, reqs: list[str], timeout: float) -> Path:
-    for stale in venv.parent.glob(venv.name + ".building-*"):  # left by a killed build (we hold the lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.rmtree(venv, ignore_errors=True)
-    building = venv.with_name(venv.name + f".building-{os.getpid()}")
+def _build(python: Path, building: Path, reqs: list[str], timeout: float) -> str:
+    """Installs into ``building``; returns ``.complete``'s text (the versions of torch, megatron-core, deepspeed)."""
     deadline = time.monotonic() + timeout
     left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     env = {**_clean_env(), "DS_BUILD_OPS": "0"}
@@ -123,13 +116,9 @@ def _build(python: Path, venv: Path, reqs: list[str], timeout: float) -> Path:
                       "print(torch.__version__, megatron.core.__version__, deepspeed.__version__)"], left(), env)
         if check.returncode != 0:
             raise Unavailable(f"the corner venv does not import: {(check.stdout + check.stderr).strip()[-1500:]}")
-        (building / ".complete").write_text(check.stdout)
-        os.replace(building, venv)
+        return check.stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise Unavailable(f"cannot build the corner venv: {e}") from None
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return venv / "bin" / "python"
 
 
 def pytest_in(python: Path, args: list[str]) -> int:

@@ -11,13 +11,17 @@ copying torch. ``Unavailable`` says why an environment cannot be built (no Pytho
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+try:
+    from tests.support.cached_venv import build_once
+except ModuleNotFoundError:  # run as a script (`python tests/support/gpu_image_env.py`): this folder is on sys.path
+    from cached_venv import build_once
 
 TORCH = "torch==2.11.0"
 PYTHON_VERSION = "3.12"
@@ -56,21 +60,15 @@ def _run(cmd: list, timeout: float = 1800) -> None:
 
 def torch_env() -> Path:
     """The cached venv holding torch alone (built on first use); returns its directory."""
-    venv = root() / f"py{PYTHON_VERSION}-{TORCH.replace('==', '-')}"
-    root().mkdir(parents=True, exist_ok=True)
-    with open(root() / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (venv / ".complete").exists():
-            return venv
-        shutil.rmtree(venv, ignore_errors=True)  # a build of ours that did not complete
-        building = root() / f".building-{os.getpid()}"
-        shutil.rmtree(building, ignore_errors=True)
-        _run([python312(), "-m", "venv", building])
-        _run([building / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH])
-        building.rename(venv)  # bin/python finds its site-packages relative to itself
-        _run([venv / "bin" / "python", "-c", "import torch"])
-        (venv / ".complete").write_text(TORCH + "\n")
-    return venv
+    return build_once(root() / f"py{PYTHON_VERSION}-{TORCH.replace('==', '-')}", _build)
+
+
+def _build(building: Path) -> str:
+    """Installs into ``building`` (its bin/python finds its site-packages there); returns ``.complete``'s text."""
+    _run([python312(), "-m", "venv", building])
+    _run([building / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH])
+    _run([building / "bin" / "python", "-c", "import torch"])
+    return TORCH + "\n"
 
 
 def fresh_env(path: Path) -> Path:

@@ -13,14 +13,14 @@ reuse it. ``ensure(version)`` returns the venv's python or raises ``Unavailable`
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+from tests.support.cached_venv import build_once
 
 # The oldest supported version, the first 5.x and the last one that names the cache `past_key_values`
 # (5.24, which calls it `cache`, is the running environment's). Pins: what each needs that the running
@@ -33,6 +33,11 @@ VERSIONS = {
               "kernels>=0.9,<0.15"],
     "5.23.0": [],
 }
+
+
+# How long a builder waits for another builder of the same venv (pytest-xdist workers take turns): a build
+# takes seconds (its pip at most 900 s, venv and import check 300 s each), a longer wait is a hung builder.
+LOCK_WAIT_S = 1800
 
 
 class Unavailable(RuntimeError):
@@ -49,21 +54,15 @@ def ensure(version: str) -> Path:
     borrowed = sysconfig.get_paths()["purelib"]
     key = hashlib.sha256(repr((version, pins, sys.version, borrowed)).encode()).hexdigest()[:12]
     venv = root() / f"transformers-{version}-{key}"
-    python = venv / "bin" / "python"
-    if (venv / ".complete").is_file():
-        return python
-    root().mkdir(parents=True, exist_ok=True)
-    with open(root() / f"{venv.name}.lock", "w") as lock:  # builders (pytest-xdist workers) take turns
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (venv / ".complete").is_file():  # built by the one that held the lock before
-            return python
-        return _build(version, pins, borrowed, venv)
+    try:  # builders (pytest-xdist workers) take turns
+        return build_once(venv, lambda building: _build(version, pins, borrowed, building),
+                          wait_s=LOCK_WAIT_S) / "bin" / "python"
+    except OSError as e:  # a TimeoutError too: another builder held the lock for more than LOCK_WAIT_S
+        raise Unavailable(f"cannot build a venv for transformers=={version}: {e}") from None
 
 
-def _build(version: str, pins: list[str], borrowed: str, venv: Path) -> Path:
-    python = venv / "bin" / "python"
-    building = venv.with_name(venv.name + f".building-{os.getpid()}")
-    shutil.rmtree(building, ignore_errors=True)
+def _build(version: str, pins: list[str], borrowed: str, building: Path) -> str:
+    """Installs into ``building``; returns ``.complete``'s text (the version)."""
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(building)], check=True,
                        capture_output=True, timeout=300)
@@ -84,11 +83,6 @@ def _build(version: str, pins: list[str], borrowed: str, venv: Path) -> Path:
         if check.returncode != 0 or check.stdout.strip() != version:
             raise Unavailable(f"the venv for transformers=={version} does not import it: "
                               f"{(check.stdout + check.stderr).strip()[-1500:]}")
-        (building / ".complete").write_text(version + "\n")
-        shutil.rmtree(venv, ignore_errors=True)
-        os.replace(building, venv)
+        return version + "\n"
     except (OSError, subprocess.SubprocessError) as e:
         raise Unavailable(f"cannot build a venv for transformers=={version}: {e}") from None
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return python

