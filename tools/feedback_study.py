@@ -1,7 +1,8 @@
 """The feedback study: does the fed-back mode learn more from the same tokens, given steps?
 
     python tools/feedback_study.py [--seeds 1,2] [--scale tiny|medium] [--groups main,compute,stabilisers,state]
-                                   [--steps N] [--lr LR] [--jobs 2] [--reuse] [--out docs/results]
+                                   [--steps N] [--lr LR] [--fbt-recipe base|loss_mean|switch50] [--jobs 2]
+                                   [--reuse] [--out docs/results]
 
 Trains, from ``recipes/research/tiny_feedback.yaml`` (WSD LR, the switch to multi-pass batches on the
 plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), per seed:
@@ -15,7 +16,20 @@ plateau at 20 % of the steps, validation at 1, 2 and 3 passes every 100 steps), 
 - ``state``: a state-tracking task (running products in the symmetric group S3, one element per token,
   sequences of 32 steps, far past the 4 layers) for a standard model and FBT;
 - ``recipe`` (E1): the untied standard model, the best FBT configuration (untied, fusion LR x10, 50/40/10)
-  and that configuration with ``feedback.loss_on=mean``, and with the switch at 50 % of the steps.
+  and that configuration with ``feedback.loss_on=mean``, and with the switch at 50 % of the steps;
+- ``form`` (E2): the untied standard model, that FBT configuration with the GLU fusion and with the additive
+  one (``feedback.fusion=additive``), and the state task for each of the three (``state_standard_untied``,
+  ``state_fbt_heavy_untied_fusion_lr_x10``, ``state_fbt_heavy_untied_fusion_lr_x10_additive``, each FBT
+  state run compared with the untied standard one);
+- ``budget`` (E3, the token multiplier): the untied standard model at 0.5x, 1x and 2x the steps (each its own
+  full schedule) and the FBT configuration at 1x and 2x. The 1x runs are E1's (``standard_untied``,
+  ``fbt_heavy_untied_fusion_lr_x10``); the others carry their steps after ``untied``
+  (``standard_untied_steps600``, ``fbt_heavy_untied_steps2400_fusion_lr_x10`` at 1200 steps), so the report
+  pairs each FBT run with the standard run of its own steps.
+
+``--fbt-recipe loss_mean|switch50`` gives the FBT runs of ``form`` and ``budget`` that E1 recipe change; their
+names end in it (``fbt_heavy_untied_fusion_lr_x10_additive_loss_mean``), so runs of two recipes never stand
+in for each other under ``--reuse``.
 
 Each seed sets the model's initialisation and its own data order (``data.seed``), the same for every run of
 the seed, and every run validates on 512 held-out sequences every 200 steps; the report and runs folder get
@@ -86,6 +100,8 @@ RECIPE_VARIANTS = {"loss_mean": lambda steps: ["feedback.loss_on=mean"],
 # cost near a fifth of training's. --shared-data-order keeps the earlier studies' protocol: every seed
 # on data seed 0, 64 validation sequences every 100 steps.
 SEED_ORDER = ["data.valid_sequences=512", "eval.every=200"]
+GROUPS = ("main", "compute", "stabilisers", "state", "recipe", "form", "budget")
+FBT_RECIPES = ("base", *RECIPE_VARIANTS)  # --fbt-recipe: the E1 recipe of the form and budget groups' FBT runs
 STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
               "data.synthetic.group_size=3", "data.synthetic.vocab_size=6", "data.seq_length=32",
               "model.vocab_size=6", "model.max_sequence_length=32", "batch.global_batch_size=32",
@@ -120,11 +136,31 @@ def mix_arg(mix: list[float]) -> str:
     return "schedule.mix=[" + ",".join(str(p) for p in mix) + "]"
 
 
+def schedule_for(steps: int, overrides: list[str] = ()) -> list[str]:
+    """``overrides`` made a run of ``steps`` steps with its own full schedule: the switch at 20 % of the steps,
+    a checkpoint every 20 % (their earlier values dropped)."""
+    schedule = [f"train.steps={steps}", f"schedule.feedback_start_step={steps // 5}", f"checkpoint.every={steps // 5}"]
+    keys = {o.partition("=")[0] for o in schedule}
+    return [o for o in overrides if o.partition("=")[0] not in keys] + schedule
+
+
+def recipe_fbt(base: list[str], steps: int, recipe: str = "base", extra: list[str] = ()) -> tuple[str, list[str]]:
+    """(name suffix, overrides) of E1's FBT configuration (untied, fusion LR x10, 50/40/10) on ``base`` (a run
+    of ``steps`` steps), with ``extra`` (a change of the model, e.g. the additive fusion) and the recipe change
+    ``recipe`` (:data:`RECIPE_VARIANTS`; "base": none), which the name ends in."""
+    change = [] if recipe == "base" else RECIPE_VARIANTS[recipe](steps)
+    return ("" if recipe == "base" else f"_{recipe}",
+            base + [mix_arg(MIX_HEAVY)] + ABLATIONS["untied_fusion_lr_x10"] + list(extra) + change)
+
+
 def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
-         lr: float | None = None, shared_order: bool = False) -> dict[str, list[str]]:
+         lr: float | None = None, shared_order: bool = False, fbt_recipe: str = "base") -> dict[str, list[str]]:
     """Run name -> ``fbt train`` overrides of the research recipe (seed added per run by
     :func:`run_overrides`). ``steps``: a shorter or longer run, the switch kept at 20 % of it; ``lr``:
-    every run's peak learning rate; ``shared_order``: the earlier studies' validation (see ``SEED_ORDER``)."""
+    every run's peak learning rate; ``shared_order``: the earlier studies' validation (see ``SEED_ORDER``);
+    ``fbt_recipe``: the E1 recipe change of the ``form`` and ``budget`` groups' FBT runs (``FBT_RECIPES``)."""
+    if fbt_recipe not in FBT_RECIPES:
+        raise ValueError(f"fbt_recipe: {fbt_recipe!r} is none of {FBT_RECIPES}")
     base = SCALES[scale] + ([] if shared_order else SEED_ORDER) + (SMOKE if smoke else [])
     if steps:
         base += [f"train.steps={steps}", f"schedule.feedback_start_step={steps // 5}", f"checkpoint.every={steps // 5}"]
@@ -151,10 +187,26 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
         runs[RECIPE_BASE] = base + [mix_arg(MIX_HEAVY)] + ABLATIONS["untied_fusion_lr_x10"]
         for name, extra in RECIPE_VARIANTS.items():
             runs[f"{RECIPE_BASE}_{name}"] = runs[RECIPE_BASE] + extra(steps)
+    state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
     if "state" in groups:
-        state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
         runs["state_standard"] = state + ["feedback.fusion=off"]
         runs["state_fbt_heavy"] = state + [mix_arg(MIX_HEAVY)]
+    if "form" in groups:  # E2: the fusion's form, GLU against additive, on language and on the state task
+        untied = ABLATIONS["untied"]
+        for prefix, at in (("", base), ("state_", state)):
+            runs[f"{prefix}standard_untied"] = at + ["feedback.fusion=off"] + untied
+            suffix, glu = recipe_fbt(at, steps, fbt_recipe)
+            _, additive = recipe_fbt(at, steps, fbt_recipe, ABLATIONS["additive"])
+            runs[f"{prefix}{RECIPE_BASE}{suffix}"] = glu
+            runs[f"{prefix}{RECIPE_BASE}_additive{suffix}"] = additive
+    if "budget" in groups:  # E3: the standard model at 0.5x, 1x, 2x the steps, FBT at 1x and 2x
+        for n in (steps // 2, steps, 2 * steps):
+            at, tag = (base, "") if n == steps else (schedule_for(n, base), f"_steps{n}")  # 1x: E1's runs
+            runs[f"standard_untied{tag}"] = at + ["feedback.fusion=off"] + ABLATIONS["untied"]
+            if n >= steps:  # at 1x RECIPE_BASE; the steps follow "untied", so that the report pairs
+                # fbt_heavy_untied_stepsN_fusion_lr_x10 with standard_untied_stepsN (study.same_change_baseline)
+                suffix, fbt = recipe_fbt(at, n, fbt_recipe)
+                runs[f"fbt_heavy_untied{tag}_fusion_lr_x10{suffix}"] = fbt
     return runs
 
 
@@ -237,7 +289,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     ap.add_argument("--groups", default="main,compute,stabilisers,state",
-                    help="main, compute, stabilisers, state, recipe (E1: loss_on mean, the switch at 50 %%)")
+                    help="main, compute, stabilisers, state, recipe (E1: loss_on mean, the switch at 50 %%), "
+                    "form (E2: additive against GLU, with the state task), budget (E3: the standard model at "
+                    "0.5x, 1x, 2x the steps, FBT at 1x, 2x)")
+    ap.add_argument("--fbt-recipe", choices=FBT_RECIPES, default="base",
+                    help="the E1 recipe change of the form and budget groups' FBT runs (their names end in it)")
     ap.add_argument("--steps", type=int, default=None, help="train.steps of every run (default: the recipe's "
                     "3000), the switch at 20 %% of it; the report and the runs folder get _STEPS")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate of every run (default: the recipe's "
@@ -260,13 +316,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("FBT_DEVICE", "cpu")
     groups = [g for g in a.groups.split(",") if g]
-    unknown = set(groups) - {"main", "compute", "stabilisers", "state", "recipe"}
+    unknown = set(groups) - set(GROUPS)
     if unknown:
-        ap.error(f"--groups: unknown {sorted(unknown)}; allowed: main, compute, stabilisers, state, recipe")
+        ap.error(f"--groups: unknown {sorted(unknown)}; allowed: {', '.join(GROUPS)}")
     seeds = [int(s) for s in a.seeds.split(",")]
     name = study_name(a.scale, a.steps, a.lr, a.smoke, a.shared_data_order)
     root = Path(a.runs or f"runs/research/feedback_study/{name}").resolve()
-    runs = plan(groups, a.scale, a.smoke, a.steps, a.lr, a.shared_data_order)
+    runs = plan(groups, a.scale, a.smoke, a.steps, a.lr, a.shared_data_order, a.fbt_recipe)
     if a.only:
         only = [n for n in a.only.split(",") if n]
         if set(only) - set(runs):

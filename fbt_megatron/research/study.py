@@ -287,8 +287,8 @@ def paired_by_seed(base: dict[int, float], other: dict[int, float]) -> tuple[flo
 def summarise(summaries: dict, readouts: dict) -> dict:
     """The study's comparisons, each a paired difference over seeds (mean, standard error, seeds): per FBT
     kind, k-pass - 1-pass and its best mode against the standard baselines; per state-task FBT kind, the
-    accuracy past the layer count under the exact recurrence against 1 pass and against ``state_standard``
-    (no row where a read-out lacks ``num_layers``)."""
+    accuracy past the layer count under the exact recurrence against 1 pass, against ``state_standard`` and
+    against ``state_standard_X`` for a model change X (no row where a read-out lacks ``num_layers``)."""
     kinds = _by_kind(summaries)
     val = {name: r.get("val_loss", {}) for name, r in readouts.items()}
     rows = {}
@@ -326,8 +326,9 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         rows[kind] = row
     state_standard = {s: accuracy_past_layer_count(readouts[n]) for s, n in kinds.get("state_standard", [])}
     state_standard = {s: past["1"] for s, past in state_standard.items() if past is not None}
+    state_kinds = {k[len("state_"):]: v for k, v in kinds.items() if k.startswith("state_")}
     for kind, runs in kinds.items():
-        if not kind.startswith("state_") or kind == "state_standard":
+        if not kind.startswith("state_") or kind.startswith("state_standard"):
             continue
         past = {s: accuracy_past_layer_count(readouts[n]) for s, n in runs}
         if any(p is None for p in past.values()):
@@ -339,6 +340,11 @@ def summarise(summaries: dict, readouts: dict) -> dict:
             "state accuracy past the layer count: exact - 1-pass (same model)":
                 paired_by_seed({s: p["1"] for s, p in past.items()}, exact),
             "state accuracy past the layer count: exact - state_standard": paired_by_seed(state_standard, exact)}
+        change = same_change_baseline(kind[len("state_"):], state_kinds)
+        if change:  # e.g. untied: against the standard model with the same change
+            same = {s: accuracy_past_layer_count(readouts[n]) for s, n in kinds[f"state_standard_{change}"]}
+            rows[kind][f"state accuracy past the layer count: exact - state_standard_{change}"] = paired_by_seed(
+                {s: p["1"] for s, p in same.items() if p is not None}, exact)
     return rows
 
 
@@ -402,6 +408,18 @@ def portable_args(args: dict) -> dict:
             path = Path(out[key]).resolve()
             out[key] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
     return out
+
+
+def study_command(args) -> str:
+    """The command that rebuilds a report from its runs (as printed: it summarises or reuses, never retrains)."""
+    recipe = getattr(args, "fbt_recipe", "base")
+    options = (("seeds", args.seeds), ("groups", args.groups), ("scale", args.scale), ("steps", args.steps),
+               ("lr", args.lr), ("only", args.only), ("fbt_recipe", recipe if recipe != "base" else None))
+    return "python tools/feedback_study.py " + " ".join(
+        [f"--{k.replace('_', '-')} {v}" for k, v in options if v]
+        + (["--shared-data-order"] if getattr(args, "shared_data_order", False) else [])
+        + (["--summarise-only"] if getattr(args, "summarise_only", False)
+           else ["--reuse"] if getattr(args, "reuse", False) else []))
 
 
 def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path,
@@ -508,14 +526,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         plot, "",
         *([f"Also recorded, not selected here (kept in the JSON for `--reuse`): {', '.join(sorted(kept))}.", ""]
           if kept else []),
-        provenance("python tools/feedback_study.py " + " ".join(
-            [f"--{k.replace('_', '-')} {v}" for k, v in (("seeds", args.seeds), ("groups", args.groups),
-                                                          ("scale", args.scale), ("steps", args.steps),
-                                                          ("lr", args.lr), ("only", args.only)) if v]
-            + (["--shared-data-order"] if getattr(args, "shared_data_order", False) else [])
-            # how the runs were found: as printed, the command rebuilds this report, not retrains it
-            + (["--summarise-only"] if getattr(args, "summarise_only", False)
-               else ["--reuse"] if getattr(args, "reuse", False) else [])), seconds)])
+        provenance(study_command(args), seconds)])
     data = {"args": portable_args(vars(args)), "seeds": seeds, "comparisons": comparisons,
             "readouts": {**readouts, **{n: r["readouts"] for n, r in kept.items()}},
             "val_history": {**{n: s["val_history"] for n, s in summaries.items()},

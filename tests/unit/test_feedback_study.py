@@ -381,6 +381,39 @@ def test_state_summary_pairs_accuracy_past_the_layer_count_by_seed():
     assert "state_fbt_heavy" not in summarise({n: {} for n in readouts}, readouts)
 
 
+def test_the_printed_command_names_the_fbt_recipe_of_the_runs():
+    from argparse import Namespace
+
+    from fbt_megatron.research.study import study_command
+
+    args = Namespace(seeds="1,2,3", groups="form,budget", scale="medium", steps=1200, lr=6e-4, only=None,
+                     fbt_recipe="loss_mean", shared_data_order=False, summarise_only=False, reuse=True)
+    assert study_command(args) == ("python tools/feedback_study.py --seeds 1,2,3 --groups form,budget --scale medium "
+                                   "--steps 1200 --lr 0.0006 --fbt-recipe loss_mean --reuse")
+    args.fbt_recipe, args.summarise_only = "base", True
+    assert study_command(args).endswith("--lr 0.0006 --summarise-only")
+
+
+def test_an_untied_state_run_is_paired_with_the_untied_standard_state_run():
+    """E2's state runs change the model (untied): their accuracy past the layer count is compared with the
+    standard model with the same change, and that standard run gets no row of its own."""
+    from fbt_megatron.research.study import summarise
+
+    def ro(**acc):  # 4 positions, 1 layer: positions 1..3 lie past the layer count
+        return {"seq_length": 4, "num_layers": 1, "state_accuracy": {k.lstrip("p"): v for k, v in acc.items()}}
+
+    readouts = {"state_standard_untied_seed1": ro(p1=[1, .2, .2, .2]),
+                "state_standard_untied_seed2": ro(p1=[1, .3, .3, .3]),
+                "state_fbt_heavy_untied_fusion_lr_x10_additive_seed1": ro(p1=[1, .2, .2, .2], p4=[1, .5, .5, .5]),
+                "state_fbt_heavy_untied_fusion_lr_x10_additive_seed2": ro(p1=[1, .3, .3, .3], p4=[1, .9, .9, .9])}
+    rows = summarise({n: {} for n in readouts}, readouts)
+    assert set(rows) == {"state_fbt_heavy_untied_fusion_lr_x10_additive"}
+    mean, err, n = rows["state_fbt_heavy_untied_fusion_lr_x10_additive"][
+        "state accuracy past the layer count: exact - state_standard_untied"]
+    assert (mean, n) == (pytest.approx(((.5 - .2) + (.9 - .3)) / 2), 2)
+    assert err == pytest.approx(.15)  # stdev(.3, .6) / sqrt(2)
+
+
 def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_process):
     """sigmoid(W_G e + b_G): a bias of +20 saturates every entry whatever W_G e is; the additive fusion
     has no sigmoid, so no saturation is read."""
@@ -689,3 +722,185 @@ def test_a_study_page_opens_with_its_answers():
     (row,) = summary_rows(comparisons)
     assert row[1] == "1 supported, 1 undecided, 1 one seed, no interval (of 3 variants)"
     assert row[2].startswith("state_b: +0.080 [")
+
+
+def test_form_and_budget_groups_plan_e2_and_e3_and_share_e1s_runs(monkeypatch):
+    """E2 (``form``): the untied standard model, the untied x10 50/40/10 FBT run with the GLU and with the
+    additive fusion, and the state task for the three; E3 (``budget``): the untied standard model at 0.5x, 1x
+    and 2x the steps, each with its own full schedule, FBT at 1x and 2x. ``--fbt-recipe`` gives their FBT
+    runs an E1 recipe change and its name suffix; the 1x runs are E1's runs, name and overrides."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import RECIPE, plan
+
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.research.study import same_change_baseline
+
+    x10 = "fbt_heavy_untied_fusion_lr_x10"
+    e1 = plan(["recipe"], "tiny", False, 1200, 1e-3)
+    names = {}
+    for fbt_recipe, suffix, loss_on, switch in (("base", "", "last", 240), ("loss_mean", "_loss_mean", "mean", 240),
+                                               ("switch50", "_switch50", "last", 600)):
+        form = plan(["form"], "medium", False, 1200, 6e-4, fbt_recipe=fbt_recipe)
+        assert set(form) == {"standard_untied", f"{x10}{suffix}", f"{x10}_additive{suffix}", "state_standard_untied",
+                             f"state_{x10}{suffix}", f"state_{x10}_additive{suffix}"}
+        for name, overrides in form.items():
+            r = load_recipe(ROOT / RECIPE, overrides)
+            assert (r.model.num_layers, r.model.hidden_size, r.optimizer.lr, r.train.steps) == (8, 384, 6e-4, 1200)
+            assert not r.model.tie_embeddings, name
+            state = name.startswith("state_")
+            assert (r.data.source == "synthetic" and r.data.synthetic.task == "state_tracking"
+                    and r.data.synthetic.group == "symmetric" and r.data.seq_length == 32) == state, name
+            if "standard" in name:
+                assert r.feedback.fusion == "off", name
+                continue
+            assert r.feedback.fusion == ("additive" if "_additive" in name else "glu"), name
+            assert r.schedule.mix == [0.5, 0.4, 0.1] and r.optimizer.fusion_lr_multiplier == 10.0, name
+            assert (r.feedback.loss_on, r.schedule.feedback_start_step) == (loss_on, switch), name
+        budget = plan(["budget"], "tiny", False, 1200, 1e-3, fbt_recipe=fbt_recipe)
+        two = f"fbt_heavy_untied_steps2400_fusion_lr_x10{suffix}"
+        assert set(budget) == {"standard_untied_steps600", "standard_untied", "standard_untied_steps2400",
+                               f"{x10}{suffix}", two}
+        for name in ("standard_untied", f"{x10}{suffix}"):  # 1x: E1's run, trained once for both
+            assert budget[name] == e1[name], name
+        for name, (steps, start) in {"standard_untied_steps600": (600, 120), "standard_untied_steps2400": (2400, 480),
+                                     two: (2400, 1200 if fbt_recipe == "switch50" else 480)}.items():
+            r = load_recipe(ROOT / RECIPE, budget[name])
+            assert (r.train.steps, r.checkpoint.every, r.schedule.feedback_start_step) == (steps, steps // 5, start)
+            assert (r.optimizer.lr, r.model.tie_embeddings, r.data.valid_sequences, r.eval.every) == (1e-3, False, 512, 200)
+            assert r.feedback.fusion == ("glu" if name == two else "off"), name
+        r = load_recipe(ROOT / RECIPE, budget[two])
+        assert (r.schedule.mix, r.optimizer.fusion_lr_multiplier, r.feedback.loss_on) == ([0.5, 0.4, 0.1], 10.0, loss_on)
+        # the study report pairs each FBT run with the untied standard run of its own steps
+        kinds = dict.fromkeys(budget)
+        assert same_change_baseline(two, kinds) == "untied_steps2400"
+        assert same_change_baseline(f"{x10}{suffix}", kinds) == "untied"
+        assert same_change_baseline(f"{x10}_additive{suffix}", dict.fromkeys(form)) == "untied"
+        names[fbt_recipe] = {n for n in {**form, **budget} if "fbt" in n}
+        # planned together, the groups agree on every shared run
+        together = plan(["recipe", "form", "budget"], "tiny", False, 1200, 1e-3, fbt_recipe=fbt_recipe)
+        assert together == {**e1, **plan(["form"], "tiny", False, 1200, 1e-3, fbt_recipe=fbt_recipe), **budget}
+    # the FBT runs of two recipes never share a name (--reuse would let one stand in for the other)
+    assert not (names["base"] & names["loss_mean"] or names["base"] & names["switch50"]
+                or names["loss_mean"] & names["switch50"])
+    with pytest.raises(ValueError, match="fbt_recipe"):
+        plan(["form"], "tiny", False, fbt_recipe="mean")
+
+
+PAST = "state accuracy past the layer count: "
+
+
+def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
+    """The summary's E2 rows from a hand-made medium report (recipe switch50): additive and GLU against the
+    untied standard model and against each other (each FBT run in its best mode), and the additive model's
+    state accuracy past the layer count against the standard model and its own 1 pass; pending without
+    the report or without the additive run; the study's summary takes the new names."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import plan, study_name
+
+    from fbt_megatron.research.hypotheses import E1, HYPOTHESES, MEDIUM, Reports, row_cells
+    from fbt_megatron.research.study import summarise
+
+    # the reports the rows read are those of the documented commands
+    assert (study_name("medium", 1200, 6e-4, False, False), study_name("tiny", 1200, 1e-3, False, False)) == (MEDIUM, E1)
+    x10 = "fbt_heavy_untied_fusion_lr_x10"
+    assert set(plan(["form"], "medium", False, 1200, 6e-4, fbt_recipe="switch50")) == {
+        "standard_untied", f"{x10}_switch50", f"{x10}_additive_switch50", "state_standard_untied",
+        f"state_{x10}_switch50", f"state_{x10}_additive_switch50"}
+
+    def lm(p1, p2=None):
+        return {"seq_length": 8, "val_loss": {"1": p1} if p2 is None else {"1": p1, "2": p2, "3": p2 + 0.01, "8": p2 + 0.02}}
+
+    def st(**acc):  # 2 layers, 6 positions: positions 2..5 lie past the layer count
+        return {"seq_length": 6, "num_layers": 2, "state_accuracy": {k.lstrip("p"): v for k, v in acc.items()}}
+
+    readouts = {"standard_untied_seed1": lm(3.90), "standard_untied_seed2": lm(3.92),
+                f"{x10}_switch50_seed1": lm(4.05, 4.00), f"{x10}_switch50_seed2": lm(4.06, 4.01),
+                f"{x10}_additive_switch50_seed1": lm(3.95, 3.87), f"{x10}_additive_switch50_seed2": lm(3.96, 3.90),
+                "state_standard_untied_seed1": st(p1=[1, 1, .2, .2, .2, .2]),
+                "state_standard_untied_seed2": st(p1=[1, 1, .3, .1, .2, .2]),
+                f"state_{x10}_switch50_seed1": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .3, .3, .3, .3]),
+                f"state_{x10}_switch50_seed2": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .3, .3, .3, .3]),
+                f"state_{x10}_additive_switch50_seed1": st(p1=[1, 1, .2, .2, .3, .3], p6=[1, 1, .6, .5, .4, .3]),
+                f"state_{x10}_additive_switch50_seed2": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .4, .4, .4, .4])}
+    e2 = [h for h in HYPOTHESES if h.experiment.startswith("E2")]
+    assert len(e2) == 5 and all(row_cells(h, Reports(tmp_path))[-1] == "not run yet" for h in e2)
+    comparisons = summarise({n: {} for n in readouts}, readouts)
+    assert comparisons[f"{x10}_additive_switch50"]["best mode"] == "2"
+    assert comparisons[f"{x10}_additive_switch50"]["best mode - standard_untied (same change, equal tokens)"][2] == 2
+    assert comparisons[f"state_{x10}_additive_switch50"][PAST + "exact - 1-pass (same model)"][2] == 2
+    report = {"comparisons": comparisons, "readouts": readouts}
+    (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps(report))
+    rows = {h.claim: h.number(Reports(tmp_path)) for h in e2}
+    # by hand: additive 2 passes 3.87 / 3.90, GLU 4.00 / 4.01, the standard model 3.90 / 3.92
+    want = {"the additive fusion is ahead of the standard model at the medium size": (-0.03, -0.02),
+            "the GLU fusion is ahead of the standard model at the medium size": (0.10, 0.09),
+            "the additive fusion is ahead of the GLU": (-0.13, -0.11),
+            # past L: additive exact .45 / .4, its 1 pass .25 / .2, the standard model .2 / .2
+            "the additive model tracks the state past the layer count": (0.25, 0.2),
+            "the additive model reads its fed-back state (the wide channel)": (0.2, 0.2)}
+    assert set(rows) == set(want)
+    for claim, (a, b) in want.items():
+        mean, err, n = rows[claim]
+        assert (mean, err, n) == (pytest.approx((a + b) / 2), pytest.approx(abs(a - b) / 2, abs=1e-12), 2), claim
+    # the additive run of no recipe: pending (the GLU and state runs alone decide nothing of E2)
+    for name in [n for n in readouts if "additive" in n]:
+        del report["readouts"][name]
+    (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps(report))
+    assert all(row_cells(h, Reports(tmp_path))[-1] == "not run yet" for h in e2)
+
+
+def test_e3_rows_give_m_per_size_and_budget(tmp_path, monkeypatch):
+    """m = D_standard(L_FBT) / D_FBT per seed from one report's budget runs: the standard model's final
+    1-pass loss at 600, 1200 and 2400 steps (linear in log tokens between them, extended past the ends),
+    FBT's best mode at 1x and 2x, with the recipe of the 2x run (E1's report holds every recipe at 1x);
+    pending until the three standard runs and the 2x FBT run are there."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import plan
+
+    from fbt_megatron.research.hypotheses import E1, HYPOTHESES, MEDIUM, Reports, row_cells
+
+    x10, two = "fbt_heavy_untied_fusion_lr_x10", "fbt_heavy_untied_steps2400_fusion_lr_x10"
+    std = {600: "standard_untied_steps600", 1200: "standard_untied", 2400: "standard_untied_steps2400"}
+    assert set(plan(["budget"], "tiny", False, 1200, 1e-3, fbt_recipe="loss_mean")) == {
+        *std.values(), f"{x10}_loss_mean", f"{two}_loss_mean"}
+    standard = {1: {600: 4.30, 1200: 4.10, 2400: 3.95}, 2: {600: 4.40, 1200: 4.20, 2400: 4.00}}
+    fbt = {1: {1: 4.20, 2: 4.00}, 2: {1: 4.20, 2: 3.90}}  # best mode (2 passes), at 1x and 2x
+    # by hand, D in steps (the tokens a step cancel): seed 1, 1x: 4.20 halfway from 4.30 (600) to 4.10 (1200)
+    # in log D: D = 600 * 2^0.5, m = 600 * 2^0.5 / 1200; 2x: 4.00 two thirds from 4.10 (1200) to 3.95 (2400):
+    # D = 1200 * 2^(2/3), m = D / 2400. Seed 2, 1x: the 1200-step standard loss itself, m = 1; 2x: 3.90 is
+    # 1.5 segments past 4.20 (1200) on the last segment's slope (-0.2 per doubling): D = 1200 * 2^1.5.
+    m = {1: {1: 2 ** 0.5 / 2, 2: 2 ** (2 / 3) / 2}, 2: {1: 1.0, 2: 2 ** 1.5 / 2}}
+
+    def report(suffix):
+        readouts = {f"{std[n]}_seed{s}": {"seq_length": 128, "val_loss": {"1": loss}}
+                    for s, losses in standard.items() for n, loss in losses.items()}
+        for s, losses in fbt.items():
+            for f, kind in ((1, f"{x10}{suffix}"), (2, f"{two}{suffix}")):
+                readouts[f"{kind}_seed{s}"] = {"seq_length": 128, "val_loss": {"1": losses[f] + 0.1, "2": losses[f]}}
+            # E1's other recipes at 1x, far off: not E3's (no 2x run)
+            for other in {"", "_loss_mean", "_switch50"} - {suffix}:
+                readouts[f"{x10}{other}_seed{s}"] = {"seq_length": 128, "val_loss": {"1": 9.0, "2": 9.0}}
+        best = {k: {"best mode": "2"} for k in {n.rpartition("_seed")[0] for n in readouts} if "fbt" in k}
+        return {"comparisons": best, "readouts": readouts}
+
+    e3 = {h.claim: h for h in HYPOTHESES if h.experiment.startswith("E3")}
+    assert len(e3) == 4 and all(row_cells(h, Reports(tmp_path))[-1] == "not run yet" for h in e3.values())
+    for stem, size, suffix in ((E1, "tiny", "_loss_mean"), (MEDIUM, "medium", "")):
+        (tmp_path / f"feedback_study_{stem}.json").write_text(json.dumps(report(suffix)))
+        for factor in (1, 2):
+            (claim,) = [c for c in e3 if c.startswith(f"m > 1 at the {size} size, {factor}×")]
+            mean, err, n = e3[claim].number(Reports(tmp_path))
+            a, b = m[1][factor], m[2][factor]
+            assert (mean, err, n) == (pytest.approx((a + b) / 2), pytest.approx(abs(a - b) / 2), 2), claim
+    cells = row_cells(e3["m > 1 at the tiny size, 2× the budget (2400 steps, 4.9 M tokens)"], Reports(tmp_path))
+    assert cells[4].startswith(f"{(m[1][2] + m[2][2]) / 2:.2f}× [") and cells[5] == "2"
+    # a standard budget missing (seed 2's 600 steps): that seed has no m; without the 2x run, no row at all
+    for name, drop in ((f"{std[600]}_seed2", 1), (f"{two}_seed1", 0), (f"{two}_seed2", 0)):
+        data = json.loads((tmp_path / f"feedback_study_{MEDIUM}.json").read_text())
+        del data["readouts"][name]
+        (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps(data))
+        got = [e3[f"m > 1 at the medium size, {f}× the budget ({s} steps, {t} M tokens)"].number(Reports(tmp_path))
+               for f, s, t in ((1, 1200, 2.5), (2, 2400, 4.9))]
+        if drop:
+            assert [g[0] for g in got] == [pytest.approx(m[1][1]), pytest.approx(m[1][2])] and got[0][2] == 1
+    assert got == [None, None]
