@@ -127,7 +127,7 @@ def _missing_sources(recipe: Recipe) -> list[str]:
     return problems
 
 
-def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[list[str], dict]:
+def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[list[str], dict | None]:
     """The resumed checkpoint's datasets against today's (their fingerprints): one problem when the data
     changed and ``checkpoint.allow_data_change`` is off; and today's fingerprints, which the plan carries so
     that training does not read every dataset's index a second time."""
@@ -137,11 +137,11 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
     from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
 
     saved = (read_checkpoint_state(checkpoint).get("data") or {}).get("fingerprints")
-    now = data_fingerprints(DataConfig.model_validate(data_config))
     try:
+        now = data_fingerprints(DataConfig.model_validate(data_config))
         check_resume_data(str(checkpoint), saved, now, recipe.checkpoint.allow_data_change)
-    except DataError as e:
-        return [f"recipe key 'data.pipeline': {e}"], now
+    except DataError as e:  # a changed dataset, or an index that cannot be read
+        return [f"recipe key 'data.pipeline': {e}"], None
     return [], now
 
 

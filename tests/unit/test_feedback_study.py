@@ -397,7 +397,7 @@ def test_the_printed_command_names_the_fbt_recipe_of_the_runs():
 def test_an_untied_state_run_is_paired_with_the_untied_standard_state_run():
     """E2's state runs change the model (untied): their accuracy past the layer count is compared with the
     standard model with the same change, and that standard run gets no row of its own."""
-    from fbt_megatron.research.study import summarise
+    from fbt_megatron.research.study import summarise, summary_rows
 
     def ro(**acc):  # 4 positions, 1 layer: positions 1..3 lie past the layer count
         return {"seq_length": 4, "num_layers": 1, "state_accuracy": {k.lstrip("p"): v for k, v in acc.items()}}
@@ -409,9 +409,12 @@ def test_an_untied_state_run_is_paired_with_the_untied_standard_state_run():
     rows = summarise({n: {} for n in readouts}, readouts)
     assert set(rows) == {"state_fbt_heavy_untied_fusion_lr_x10_additive"}
     mean, err, n = rows["state_fbt_heavy_untied_fusion_lr_x10_additive"][
-        "state accuracy past the layer count: exact - state_standard_untied"]
+        "state accuracy past the layer count: exact - state_standard_untied (same change)"]
     assert (mean, n) == (pytest.approx(((.5 - .2) + (.9 - .3)) / 2), 2)
     assert err == pytest.approx(.15)  # stdev(.3, .6) / sqrt(2)
+    # the study page's question about the standard model is answered by that row
+    (row,) = [r for r in summary_rows(rows) if r[0].endswith("better than a standard model?")]
+    assert row[2].startswith("state_fbt_heavy_untied_fusion_lr_x10_additive: +0.450")
 
 
 def test_gate_saturation_reads_the_gate_with_its_bias_and_only_under_glu(single_process):
@@ -774,6 +777,8 @@ def test_form_and_budget_groups_plan_e2_and_e3_and_share_e1s_runs(monkeypatch):
         kinds = dict.fromkeys(budget)
         assert same_change_baseline(two, kinds) == "untied_steps2400"
         assert same_change_baseline(f"{x10}{suffix}", kinds) == "untied"
+        # without its own steps' standard run (--only, or not finished yet) the 2x run has no baseline
+        assert same_change_baseline(two, {k: None for k in kinds if k != "standard_untied_steps2400"}) is None
         assert same_change_baseline(f"{x10}_additive{suffix}", dict.fromkeys(form)) == "untied"
         names[fbt_recipe] = {n for n in {**form, **budget} if "fbt" in n}
         # planned together, the groups agree on every shared run

@@ -131,6 +131,30 @@ def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch
     assert resolve_run(load_recipe(data=data), 1, CPU).resume.checkpoint == step
 
 
+def test_a_resume_on_an_unreadable_dataset_index_is_a_plan_problem(tmp_path):
+    """Reading the fingerprints of a resumed run's dataset can fail (a damaged index): that is one of the
+    plan's problems, named by its recipe key, like a changed dataset."""
+    from data_pipeline.prepare import prepare_dataset
+    from tests.support.data_fixtures import write_corpus
+    from tests.support.generate_helpers import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    write_corpus(tmp_path / "raw", 0, sizes=(20, 1, 1))
+    prepare_dataset([str(tmp_path / "raw" / "web.jsonl")], tmp_path / "web", tok, name="web", num_workers=1,
+                    progress=False)
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_00000004\n")
+    (step / "state.json").write_text(json.dumps({"recipe": {}, "data": {"fingerprints": {}}}))
+    for index in (tmp_path / "web").glob("*lengths*"):
+        index.write_bytes(b"not an array")
+    data = {"run_dir": str(tmp_path / "run"), "data": {"source": "pipeline", "pipeline": {
+        "tokenizer": str(tok), "sources": [{"name": "web", "path": str(tmp_path / "web"), "weight": 1.0}]}}}
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data=data), 1, CPU)
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("recipe key 'data.pipeline': "), e.value
+
+
 def test_dry_run_prints_the_plan_writes_nothing_and_reloads_to_the_same_plan(tmp_path, monkeypatch, capsys):
     from fbt_megatron.cli import main
 
