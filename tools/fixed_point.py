@@ -67,7 +67,7 @@ def answers(results: dict) -> list[list[str]]:
     """The page's opening rows, from the recorded residuals and one-step norms."""
     names = [n for n in LABELS if n in results]
     r10 = {n: results[n]["residuals"][min(9, len(results[n]["residuals"]) - 1)] for n in names}
-    sigma = {n: sum(j["spectral_norm"] for j in results[n]["jacobian"]) / len(results[n]["jacobian"]) for n in names}
+    sigma = {n: max(j["spectral_norm"] for j in results[n]["jacobian"]) for n in names}  # < 1 at every position
     converged = [n for n in names if r10[n] < CONVERGED]
     contracts = [n for n in names if sigma[n] < 1.0]
 
@@ -80,7 +80,8 @@ def answers(results: dict) -> list[list[str]]:
          "residual after 10 passes " + " and ".join(f"{r10[n]:.1e} ({LABELS[n]})" for n in names),
          "–" if converged == names else "more feedback training"],
         ["Is the one-step map a contraction?", "No, not yet" if not contracts else which(contracts),
-         "one-step spectral norm " + " and ".join(f"{sigma[n]:.2f} ({LABELS[n]})" for n in names) + "; < 1 would be",
+         "largest one-step spectral norm over positions " + " and ".join(f"{sigma[n]:.2f} ({LABELS[n]})" for n in names)
+         + "; a contraction has it < 1",
          "–" if contracts == names else "more feedback training (one seed per mix here)"],
     ]
 
@@ -101,8 +102,6 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
                      f"{res[-1]:.1e}", f"{np.median(pre):.3f}" if pre else "n/a",
                      f"{np.mean(sig):.3f} (max {np.max(sig):.3f})",
                      f"{np.mean([n['frobenius_norm'] for n in r['jacobian']]):.3f}"])
-    if figure_too:
-        _figure(results, out_dir, figure)
     header = ["model", "S", "r(k=1)", "r(k=10)", "r(k=S/2)", f"r(k={args['passes'] - 1})", "median ratio k<S/2",
               "one-step sigma_max", "one-step ||J||_F"]
     md = "\n".join([
@@ -114,7 +113,10 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
         "travel)." % args["passes"],
         "", table(header, rows), "", "![fixed point](fixed_point.png)", "",
         provenance_line(data["provenance"])])
-    return save(out_dir, "fixed_point", md, data)
+    path = save(out_dir, "fixed_point", md, data)
+    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
+        _figure(results, out_dir, figure)
+    return path
 
 
 def _figure(results: dict, out_dir: Path, figure) -> None:
@@ -154,10 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
-    from fbt_megatron.research.report import load_recorded, provenance_record
+    from fbt_megatron.research.report import provenance_record, render_again
 
     if a.render_only:
-        print(render(load_recorded(Path(a.out), "fixed_point"), Path(a.out)).read_text())
+        print(render_again(render, Path(a.out), "fixed_point").read_text())
         return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     t0 = time.perf_counter()

@@ -131,7 +131,7 @@ def answers(data: dict) -> list[list[str]]:
         mean = statistics.fmean(d)
         sem = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
         within = mean - Z * sem <= 0 <= mean + Z * sem
-        helps = (("Slightly, within the error" if mean < 0 else "No") if within else
+        helps = ("No difference within the error" if within else
                  "Yes" if mean < 0 else "No, it is worse")
         out.append(["Does FUSED (2 prefill passes) help over 1 pass?", helps,
                     f"{fused['paired_diff_vs_standard']:+.3f} against {one['paired_diff_vs_standard']:+.3f} "
@@ -146,8 +146,6 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
     from fbt_megatron.research.report import answers_table, figure, provenance_line, save, table
 
     args, rows = data["args"], data["rows"]
-    if figure_too:
-        _figure(rows, out_dir, figure)
     md = "\n".join([
         "# FUSED prefill", "", answers_table(answers(data)), "",
         f"Checkpoint `{data['checkpoint']}`; {args['problems']} held-out math problems (generated like the embedded "
@@ -164,7 +162,10 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
                 r["median_generated_tokens"]] for r in rows]), "",
         "![FUSED prefill](fused_prefill.png)", "",
         provenance_line(data["provenance"])])
-    return save(out_dir, "fused_prefill", md, data)
+    path = save(out_dir, "fused_prefill", md, data)
+    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
+        _figure(rows, out_dir, figure)
+    return path
 
 
 def _figure(rows: list[dict], out_dir: Path, figure) -> None:
@@ -191,10 +192,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
-    from fbt_megatron.research.report import load_recorded, provenance_record
+    from fbt_megatron.research.report import provenance_record, render_again
 
     if a.render_only:
-        print(render(load_recorded(Path(a.out), "fused_prefill"), Path(a.out)).read_text())
+        print(render_again(render, Path(a.out), "fused_prefill").read_text())
         return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     from fbt_megatron import runtime

@@ -137,10 +137,11 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
             lines += [f"## {task}: `{name}`", "", table(["features", "accuracy"], rows), ""]
         losses = {k: fmt(*mean_std(v)) for k, v in per["train_loss"].items()}
         lines += [f"Final training loss ({task}): " + ", ".join(f"{k} {v}" for k, v in losses.items()), ""]
-    if figure_too:
-        _figure(results, out_dir)
     lines += ["![probes](probes.png)", "", provenance_line(data["provenance"])]
-    return save(out_dir, "probes", "\n".join(lines), data)
+    path = save(out_dir, "probes", "\n".join(lines), data)
+    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
+        _figure(results, out_dir)
+    return path
 
 
 def _row_keys(by_key: dict) -> list[str]:
@@ -177,10 +178,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
-    from fbt_megatron.research.report import load_recorded, provenance_record
+    from fbt_megatron.research.report import provenance_record, render_again
 
     if a.render_only:
-        print(render(load_recorded(Path(a.out), "probes"), Path(a.out)).read_text())
+        print(render_again(render, Path(a.out), "probes").read_text())
         return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     from fbt_megatron import runtime

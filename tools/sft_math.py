@@ -216,8 +216,6 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
     from fbt_megatron.research.report import answers_table, figure, fmt, provenance_line, save, table
 
     a, rows = data["args"], data["rows"]
-    if figure_too:
-        _figure(rows, out_dir, figure)
     f = lambda ms, d=3: fmt(ms[0], ms[1], d)  # noqa: E731
     md = "\n".join([
         "# Instruction tuning at small scale", "",
@@ -235,7 +233,10 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
                 " / ".join(map(str, r["paired_shorter_longer"])) if "paired_shorter_longer" in r else "–"] for r in rows]),
         "", "![SFT](sft.png)", "", *findings(data), "",
         provenance_line(data["provenance"])])
-    return save(out_dir, "sft", md, data)
+    path = save(out_dir, "sft", md, data)
+    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
+        _figure(rows, out_dir, figure)
+    return path
 
 
 def _figure(rows: list[dict], out_dir: Path, figure) -> None:
@@ -290,9 +291,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if a.cmd == "run" and getattr(a, "render_only", False):
-        from fbt_megatron.research.report import load_recorded
+        from fbt_megatron.research.report import render_again
 
-        print(render(load_recorded(Path(a.out), "sft"), Path(a.out)).read_text())
+        print(render_again(render, Path(a.out), "sft").read_text())
         return 0
     os.environ.setdefault("FBT_DEVICE", "cpu")
     if a.cmd == "conversations":

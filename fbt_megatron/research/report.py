@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -45,9 +46,10 @@ def provenance_record(command: str, seconds: float, conditions: str = "") -> dic
 
 
 def provenance_line(record: dict) -> str:
+    """The page's last line (after the recorded conditions, a paragraph of their own)."""
     line = (f"_Produced by `{record['command']}` on {record['date']} ({record['machine']}, torch CPU) "
             f"in {record['minutes']:.1f} min._")
-    return (record["conditions"] + "\n" + line) if record.get("conditions") else line
+    return (record["conditions"] + "\n\n" + line) if record.get("conditions") else line
 
 
 ANSWER_HEADER = ["question", "answer", "number", "what would change it"]
@@ -89,7 +91,8 @@ def figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
     try:
         import matplotlib
     except ImportError:
-        raise FigureLibraryMissing("the figures need matplotlib: pip install -e '.[research]'") from None
+        raise FigureLibraryMissing("the figures need matplotlib: pip install -e '.[research]' "
+                                   "(a tool writes its page and JSON first; --render-only draws the figure later)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,11 +101,21 @@ def figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
     return fig, axes[0]
 
 
+def render_again(render, out_dir: Path, stem: str) -> Path:
+    """``--render-only``: ``render(recorded JSON, out_dir)`` writes the page again; without matplotlib the page
+    and its JSON are still written (``render`` saves them before the figure) and the old figure is kept."""
+    try:
+        return render(load_recorded(out_dir, stem), out_dir)
+    except FigureLibraryMissing as e:
+        print(f"{stem}: the page is written, its figure kept as it was: {e}", file=sys.stderr)
+        return out_dir / f"{stem}.md"
+
+
 def run_tool(main, prog: str, argv=None) -> int:
     """A results tool's entry point: a user error is one sentence on stderr and exit status 2."""
     from fbt_megatron import errors
 
     try:
         return int(main(argv) or 0)
-    except errors.UserError as e:
+    except UserError as e:
         return errors.report(prog, e)

@@ -35,8 +35,8 @@ VERSIONS = {
 }
 
 
-# How long a builder waits for another builder of the same venv (pytest-xdist workers take turns): a build
-# takes seconds (its pip at most 900 s, venv and import check 300 s each), a longer wait is a hung builder.
+# How long a builder waits for another builder of the same venv (pytest-xdist workers take turns): longer than
+# a build's own limits (pip 900 s, venv and import check 300 s each), so a longer wait is a hung builder.
 LOCK_WAIT_S = 1800
 
 
