@@ -45,4 +45,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "feedback_summary"))

@@ -211,8 +211,15 @@ def has_kind(report: dict | None, kind: str) -> bool:
 
 
 def fbt_recipe_suffix(report: dict | None, kind_of: Callable[[str], str]) -> str | None:
-    """The first suffix of :data:`FBT_RECIPE_SUFFIXES` whose run ``kind_of(suffix)`` the report holds."""
-    return next((s for s in FBT_RECIPE_SUFFIXES if has_kind(report, kind_of(s))), None)
+    """The suffix of :data:`FBT_RECIPE_SUFFIXES` whose run ``kind_of(suffix)`` the report holds (None: none);
+    a report holding such runs of two recipes is refused, since a row would not say which one it read."""
+    found = [s for s in FBT_RECIPE_SUFFIXES if has_kind(report, kind_of(s))]
+    if len(found) > 1:
+        from fbt_megatron.errors import UserError
+
+        raise UserError(f"a report holds {', '.join(kind_of(s) for s in found)}: runs of {len(found)} FBT recipes "
+                        "for one experiment; summarise one recipe's runs (--only) into its report")
+    return found[0] if found else None
 
 
 def budget_kinds(steps: int, factor: int, suffix: str) -> tuple[dict[float, str], str]:

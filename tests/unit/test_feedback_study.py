@@ -847,6 +847,14 @@ def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
     for claim, (a, b) in want.items():
         mean, err, n = rows[claim]
         assert (mean, err, n) == (pytest.approx((a + b) / 2), pytest.approx(abs(a - b) / 2, abs=1e-12), 2), claim
+    # additive runs of two recipes in one report: refused, a row would not say which it read
+    from fbt_megatron.errors import UserError
+
+    two = {**report, "readouts": {**readouts, **{n.replace("switch50", "loss_mean"): r for n, r in readouts.items()
+                                                 if "additive" in n}}}
+    (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps(two))
+    with pytest.raises(UserError, match="runs of 2 FBT recipes"):
+        e2[0].number(Reports(tmp_path))
     # the additive run of no recipe: pending (the GLU and state runs alone decide nothing of E2)
     for name in [n for n in readouts if "additive" in n]:
         del report["readouts"][name]
