@@ -199,13 +199,11 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
                "standard at FBT's tokens", "standard final (same compute)", "token ratio", "gap before the switch"],
               table_rows), "", "![data efficiency](data_efficiency.png)", "",
         provenance_line(data["provenance"])])
-    path = save(out_dir, "data_efficiency", md, data)
-    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
-        _figure(results, args["steps"], out_dir)
-    return path
+    return save(out_dir, "data_efficiency", md, data,
+                draw=(lambda: _figure(results, args["steps"])) if figure_too else None)
 
 
-def _figure(results: dict, steps: int, out_dir: Path) -> None:
+def _figure(results: dict, steps: int):
     import numpy as np
 
     from fbt_megatron.research.report import figure
@@ -227,9 +225,7 @@ def _figure(results: dict, steps: int, out_dir: Path) -> None:
     ax.set_ylabel("held-out validation loss")
     ax.set_title("data efficiency (mean ± std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_dir / "data_efficiency.png", dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:

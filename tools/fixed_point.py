@@ -113,13 +113,10 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
         "travel)." % args["passes"],
         "", table(header, rows), "", "![fixed point](fixed_point.png)", "",
         provenance_line(data["provenance"])])
-    path = save(out_dir, "fixed_point", md, data)
-    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
-        _figure(results, out_dir, figure)
-    return path
+    return save(out_dir, "fixed_point", md, data, draw=(lambda: _figure(results, figure)) if figure_too else None)
 
 
-def _figure(results: dict, out_dir: Path, figure) -> None:
+def _figure(results: dict, figure):
     import numpy as np
 
     fig, (ax_r, ax_c, ax_j) = figure(ncols=3, width=4.4)
@@ -141,9 +138,7 @@ def _figure(results: dict, out_dir: Path, figure) -> None:
     ax_c.axhline(1.0, color="grey", lw=0.5)
     ax_j.axhline(1.0, color="grey", lw=0.5)
     ax_j.set_xlabel("position t")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_dir / "fixed_point.png", dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:

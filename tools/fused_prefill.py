@@ -162,13 +162,10 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
                 r["median_generated_tokens"]] for r in rows]), "",
         "![FUSED prefill](fused_prefill.png)", "",
         provenance_line(data["provenance"])])
-    path = save(out_dir, "fused_prefill", md, data)
-    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
-        _figure(rows, out_dir, figure)
-    return path
+    return save(out_dir, "fused_prefill", md, data, draw=(lambda: _figure(rows, figure)) if figure_too else None)
 
 
-def _figure(rows: list[dict], out_dir: Path, figure) -> None:
+def _figure(rows: list[dict], figure):
     """Per-problem answer NLL per decoding mode, with standard-error bars."""
     fig, (ax,) = figure(1)
     labels = ["standard" if r["mode"] == "standard" else f"feedback K={r['prefill_passes']}" for r in rows]
@@ -178,9 +175,7 @@ def _figure(rows: list[dict], out_dir: Path, figure) -> None:
     ax.set_ylabel("answer NLL per token (held-out math)")
     lo = min(r["per_problem_nll_mean"] - 3 * r["per_problem_nll_sem"] for r in rows)
     ax.set_ylim(bottom=max(0.0, lo))
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_dir / "fused_prefill.png", dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:

@@ -138,17 +138,14 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
         losses = {k: fmt(*mean_std(v)) for k, v in per["train_loss"].items()}
         lines += [f"Final training loss ({task}): " + ", ".join(f"{k} {v}" for k, v in losses.items()), ""]
     lines += ["![probes](probes.png)", "", provenance_line(data["provenance"])]
-    path = save(out_dir, "probes", "\n".join(lines), data)
-    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
-        _figure(results, out_dir)
-    return path
+    return save(out_dir, "probes", "\n".join(lines), data, draw=(lambda: _figure(results)) if figure_too else None)
 
 
 def _row_keys(by_key: dict) -> list[str]:
     return [k for k in ROW_ORDER if k in by_key] + sorted(k for k in by_key if k.startswith("standard/"))
 
 
-def _figure(results: dict, out_dir: Path) -> None:
+def _figure(results: dict):
     from fbt_megatron.research.report import figure, mean_std
 
     fig, axes = figure(ncols=sum(len(v["probes"]) for v in results.values()), width=4.2, height=4.2)
@@ -166,9 +163,7 @@ def _figure(results: dict, out_dir: Path) -> None:
             ax.set_xlim(0, 1)
             ax.set_title(f"{task}: {name}", fontsize=9)
             ax.set_xlabel("probe accuracy")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_dir / "probes.png", dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:

@@ -233,13 +233,10 @@ def render(data: dict, out_dir: Path, figure_too: bool = True) -> Path:
                 " / ".join(map(str, r["paired_shorter_longer"])) if "paired_shorter_longer" in r else "–"] for r in rows]),
         "", "![SFT](sft.png)", "", *findings(data), "",
         provenance_line(data["provenance"])])
-    path = save(out_dir, "sft", md, data)
-    if figure_too:  # after the page and its JSON: a missing matplotlib loses no result
-        _figure(rows, out_dir, figure)
-    return path
+    return save(out_dir, "sft", md, data, draw=(lambda: _figure(rows, figure)) if figure_too else None)
 
 
-def _figure(rows: list[dict], out_dir: Path, figure) -> None:
+def _figure(rows: list[dict], figure):
     fig, (ax1, ax2) = figure(2, width=5.5)
     labels = [f"{r['model']}\n{r['mode']}" for r in rows]
     colors = {"standard": "0.6", "feedback": "C0", "fused": "C1"}
@@ -252,9 +249,7 @@ def _figure(rows: list[dict], out_dir: Path, figure) -> None:
     ax2.set_ylabel("median generated tokens")
     for ax in (ax1, ax2):
         ax.set_xticks(list(x), labels, rotation=60, fontsize=7)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_dir / "sft.png", dpi=110)
+    return fig
 
 
 # the arguments of ``run`` that change the numbers (the rest: where files go)

@@ -75,10 +75,16 @@ def load_recorded(out_dir: Path, stem: str) -> dict:
     return data
 
 
-def save(out_dir: Path, stem: str, markdown: str, data: dict) -> Path:
+def save(out_dir: Path, stem: str, markdown: str, data: dict, draw=None) -> Path:
+    """``out_dir/STEM.{md,json}``, then ``STEM.png`` from ``draw()`` (a matplotlib figure) when given: the page and
+    its JSON are written first, so a missing matplotlib loses no result."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(markdown.rstrip() + "\n")
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1, default=float))
+    if draw is not None:
+        fig = draw()
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{stem}.png", dpi=110)
     return out_dir / f"{stem}.md"
 
 
