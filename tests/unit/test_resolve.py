@@ -101,11 +101,9 @@ def test_the_plan_names_the_checkpoint_it_resumes_and_the_rule_it_adopts(tmp_pat
                                       "feedback": {"first_input": "embedding"}}), 1, CPU)
 
 
-def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch):
-    """The resumed checkpoint recorded other fingerprints of its dataset: the plan (so --dry-run and
-    slurm submit) refuses it by the source's name; checkpoint.allow_data_change lets it through."""
-    from fbt_megatron.data import fingerprint
-
+def _resumed_run_on_a_dataset(tmp_path, fingerprints: dict) -> tuple[dict, Path]:
+    """A prepared dataset ``tmp_path/web`` and a run whose latest checkpoint recorded ``fingerprints`` for it:
+    (the recipe's data, the checkpoint's folder)."""
     from data_pipeline.prepare import prepare_dataset
     from tests.support.data_fixtures import write_corpus
     from tests.support.generate_helpers import make_tokenizer
@@ -117,12 +115,21 @@ def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch
     step = tmp_path / "run" / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("step_00000004\n")
-    old = {"web": {"path": str(tmp_path / "web"), "tokenizer_hash": "t", "documents": 119, "content": "a"}}
-    (step / "state.json").write_text(json.dumps({"recipe": {}, "data": {"fingerprints": old}}))
-    now = {"web": dict(old["web"], content="b")}
-    monkeypatch.setattr(fingerprint, "data_fingerprints", lambda config: now)
+    (step / "state.json").write_text(json.dumps({"recipe": {}, "data": {"fingerprints": fingerprints}}))
     data = {"run_dir": str(tmp_path / "run"), "data": {"source": "pipeline", "pipeline": {
         "tokenizer": str(tok), "sources": [{"name": "web", "path": str(tmp_path / "web"), "weight": 1.0}]}}}
+    return data, step
+
+
+def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch):
+    """The resumed checkpoint recorded other fingerprints of its dataset: the plan (so --dry-run and
+    slurm submit) refuses it by the source's name; checkpoint.allow_data_change lets it through."""
+    from fbt_megatron.data import fingerprint
+
+    old = {"web": {"path": str(tmp_path / "web"), "tokenizer_hash": "t", "documents": 119, "content": "a"}}
+    data, step = _resumed_run_on_a_dataset(tmp_path, old)
+    now = {"web": dict(old["web"], content="b")}
+    monkeypatch.setattr(fingerprint, "data_fingerprints", lambda config: now)
     with pytest.raises(PlanError) as e:
         resolve_run(load_recipe(data=data), 1, CPU)
     assert e.value.problems[0].startswith("recipe key 'data.pipeline': the data changed since checkpoint")
@@ -134,22 +141,9 @@ def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch
 def test_a_resume_on_an_unreadable_dataset_index_is_a_plan_problem(tmp_path):
     """Reading the fingerprints of a resumed run's dataset can fail (a damaged index): that is one of the
     plan's problems, named by its recipe key, like a changed dataset."""
-    from data_pipeline.prepare import prepare_dataset
-    from tests.support.data_fixtures import write_corpus
-    from tests.support.generate_helpers import make_tokenizer
-
-    tok = make_tokenizer(tmp_path / "tok")
-    write_corpus(tmp_path / "raw", 0, sizes=(20, 1, 1))
-    prepare_dataset([str(tmp_path / "raw" / "web.jsonl")], tmp_path / "web", tok, name="web", num_workers=1,
-                    progress=False)
-    step = tmp_path / "run" / "checkpoints" / "step_00000004"
-    step.mkdir(parents=True)
-    (step.parent / "latest").write_text("step_00000004\n")
-    (step / "state.json").write_text(json.dumps({"recipe": {}, "data": {"fingerprints": {}}}))
+    data, _ = _resumed_run_on_a_dataset(tmp_path, {})
     for index in (tmp_path / "web").glob("*lengths*"):
         index.write_bytes(b"not an array")
-    data = {"run_dir": str(tmp_path / "run"), "data": {"source": "pipeline", "pipeline": {
-        "tokenizer": str(tok), "sources": [{"name": "web", "path": str(tmp_path / "web"), "weight": 1.0}]}}}
     with pytest.raises(PlanError) as e:
         resolve_run(load_recipe(data=data), 1, CPU)
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith("recipe key 'data.pipeline': "), e.value
