@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fbt_megatron.errors import UserError
+from fbt_megatron.errors import UserError, report
 
 
 def mean_std(values) -> tuple[float, float]:
@@ -119,9 +119,7 @@ def render_again(render, out_dir: Path, stem: str) -> Path:
 
 def run_tool(main, prog: str, argv=None) -> int:
     """A results tool's entry point: a user error is one sentence on stderr and exit status 2."""
-    from fbt_megatron import errors
-
     try:
         return int(main(argv) or 0)
     except UserError as e:
-        return errors.report(prog, e)
+        return report(prog, e)

@@ -328,8 +328,11 @@ def summarise(summaries: dict, readouts: dict) -> dict:
         compute = {s: val[n]["1"] for s, n in kinds.get(f"standard_compute_{kind}", [])}
         row["best mode - standard (equal compute)"] = paired_by_seed(compute, best)
         rows[kind] = row
-    state_standard = {s: accuracy_past_layer_count(readouts[n]) for s, n in kinds.get("state_standard", [])}
-    state_standard = {s: past["1"] for s, past in state_standard.items() if past is not None}
+    def standard_past(kind: str) -> dict[int, float]:  # a standard state run's 1-pass accuracy past L, by seed
+        past = {s: accuracy_past_layer_count(readouts[n]) for s, n in kinds.get(kind, [])}
+        return {s: p["1"] for s, p in past.items() if p is not None}
+
+    state_standard = standard_past("state_standard")
     state_kinds = {k[len("state_"):]: v for k, v in kinds.items() if k.startswith("state_")}
     for kind, runs in kinds.items():
         if not kind.startswith("state_") or kind.startswith("state_standard"):
@@ -346,9 +349,8 @@ def summarise(summaries: dict, readouts: dict) -> dict:
             "state accuracy past the layer count: exact - state_standard": paired_by_seed(state_standard, exact)}
         change = same_change_baseline(kind[len("state_"):], state_kinds)
         if change:  # e.g. untied: against the standard model with the same change
-            same = {s: accuracy_past_layer_count(readouts[n]) for s, n in kinds[f"state_standard_{change}"]}
-            rows[kind][f"state accuracy past the layer count: exact - state_standard_{change} (same change)"] = paired_by_seed(
-                {s: p["1"] for s, p in same.items() if p is not None}, exact)
+            rows[kind][f"state accuracy past the layer count: exact - state_standard_{change} (same change)"] = \
+                paired_by_seed(standard_past(f"state_standard_{change}"), exact)
     return rows
 
 
