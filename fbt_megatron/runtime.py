@@ -47,6 +47,16 @@ def use_cuda() -> bool:
     return os.environ.get("FBT_DEVICE", "").lower() != "cpu" and torch.cuda.is_available()
 
 
+def cpu_threads(local_world: int, environ=os.environ, cpu_count: int | None = None) -> int:
+    """Intra-op threads for one CPU rank: ``OMP_NUM_THREADS`` when set, else the cores shared evenly
+    among the node's ranks. The user's count wins because jobs sharing cores (a study running two at
+    once) would otherwise each take them all and thrash."""
+    requested = environ.get("OMP_NUM_THREADS", "").strip()
+    if requested.isdigit() and int(requested) > 0:
+        return int(requested)
+    return max(1, (cpu_count if cpu_count is not None else os.cpu_count() or 1) // max(1, local_world))
+
+
 def device() -> torch.device:
     if use_cuda():
         return torch.device("cuda", torch.cuda.current_device())

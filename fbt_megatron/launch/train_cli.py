@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
     ensure_ds_accelerator()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if not runtime.use_cuda():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(runtime.cpu_threads(local_world))
     runtime.init_distributed(timeout_s=plan.recipe.train.collective_timeout_s)
     from fbt_megatron.train.run import format_summary, train
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
@@ -306,7 +307,8 @@ def fit(run: Run) -> None:
             log(f"training {recipe.name}: steps {state.step}->{trainer.total_steps} of {recipe.train.steps}, "
                 f"layout {run.layout}, global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
                 f"accumulation {run.plan.micro_batches_per_step}, feedback from step "
-                f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})")
+                f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})"
+                + ("" if runtime.use_cuda() else f", CPU threads {torch.get_num_threads()}"))
             trainer.fit()
         else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
             log(f"{recipe.name} is already at step {state.step} of {trainer.total_steps}: nothing to train "
