@@ -16,7 +16,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs under `pytest -m gpu` (make gpu-check), "
                             "skips with the reason elsewhere")
     os.environ.update(session_env(config.option.markexpr or "", os.environ, torch.cuda.is_available()))
+    share_cores_among_workers(torch)
     runtime.quiet_known_warnings()  # again, now that the device is decided (the package's import ran it)
+
+
+def share_cores_among_workers(torch) -> None:
+    """Under ``pytest -n N`` each worker, and the training subprocesses it starts (``OMP_NUM_THREADS``,
+    which ``fbt train`` honours), takes its share of the cores: N workers of all the cores each thrash."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 @pytest.fixture
