@@ -261,7 +261,7 @@ def test_one_step_readout_is_zero_when_the_state_is_not_read(single_process):
 
 
 @pytest.mark.slow  # tools/feedback_study.py end to end in subprocesses (~2 min)
-def test_study_smoke_trains_reads_out_and_reports(tmp_path):
+def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
     """The one command of the study at a toy size: the runs train, are read out at 1, 2, 3 passes and
     the exact recurrence, and the report compares them; with the run folders gone, ``--reuse``
     rebuilds the same report from the recorded one without training."""
@@ -275,7 +275,9 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     fbt = data["readouts"]["fbt_heavy_seed1"]
     assert set(fbt["val_loss"]) == {"1", "2", "3", "128"}  # 128 passes: the exact recurrence at seq_length 128
     assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
-    assert {"standard", "feedback"} <= set(fbt["answers"])
+    assert set(fbt["answers"]) == {"standard", "feedback", "feedback_fused", "feedback_exact"}
+    assert set(data["readouts"]["standard_seed1"]["answers"]) == {"standard"}
+    _exact_answers_are_the_recurrences(tmp_path / "runs" / "fbt_heavy_seed1", fbt["answers"])
     assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
     assert fbt["one_step"]["positions"] == [8, 32, 64, 96, 120] and min(fbt["one_step"]["spectral_norm"]) > 0
     assert "one_step" not in data["readouts"]["standard_seed1"]
@@ -286,6 +288,7 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     assert comparisons["2-pass - 1-pass"][0] == pytest.approx(fbt["val_loss"]["2"] - fbt["val_loss"]["1"])
     md = (out / "feedback_study_tiny_orders_smoke.md").read_text()
     assert "best mode - standard (equal tokens)" in md and "state_fbt_heavy, exact" in md and "one-step σ" in md
+    assert "| fbt_heavy | 1 | " in md.split("## Held-out arithmetic")[1] and "FUSED (2-pass) prefill" in md
     state = data["readouts"]["state_fbt_heavy_seed1"]
     assert state["num_layers"] == 4 and "past L" in md
     past = data["comparisons"]["state_fbt_heavy"]["state accuracy past the layer count: exact - 1-pass (same model)"]
@@ -317,6 +320,28 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path):
     kept = json.loads((out / "feedback_study_tiny_orders_smoke.json").read_text())
     assert kept["kept"] == ["fbt_heavy_seed1", "state_fbt_heavy_seed1"]
     assert kept["readouts"]["state_fbt_heavy_seed1"] == {**data["readouts"]["state_fbt_heavy_seed1"], "num_layers": 4}
+
+
+def _exact_answers_are_the_recurrences(run_dir, answers):
+    """Reference: each held-out answer's NLL per token under the exact recurrence (the sequential
+    reference over question and answer as one sequence); the 1-pass and FUSED prefills read otherwise."""
+    from fbt_megatron.generate.api import TextGenerator
+    from fbt_megatron.generate.loading import load_for_inference
+    from fbt_megatron.model.sequential import sequential_forward
+    from fbt_megatron.research.sft import held_out_problems
+
+    gen = TextGenerator(load_for_inference(run_dir), mode="feedback", prefill_passes="exact")
+    pairs = held_out_problems(len(answers["feedback_exact"]["per_problem_nll"]))
+    want = []
+    for q, a in pairs:
+        context, answer = gen.encode(f"Question: {q}\nAnswer:"), gen.encode(f" {a}")
+        with torch.no_grad():
+            logits = sequential_forward(gen.decoder.model, torch.tensor([context + answer])).logits[0].double()
+        logp = torch.log_softmax(logits[len(context) - 1:-1, :gen.decoder.model.model_config.vocab_size], -1)
+        want.append(-float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum()) / len(answer))
+    assert answers["feedback_exact"]["per_problem_nll"] == pytest.approx(want, rel=1e-4)
+    for prefill in ("feedback", "feedback_fused"):
+        assert answers[prefill]["per_problem_nll"] != pytest.approx(want, rel=1e-4), prefill
 
 
 def test_summary_pairs_runs_by_seed_and_picks_one_mode_for_all_seeds():
