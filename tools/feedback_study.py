@@ -180,13 +180,14 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
             runs[f"fbt_heavy_{name}"] = base + [mix_arg(MIX_HEAVY)] + extra
             if name in MODEL_ABLATIONS:  # the standard model with the same change: the fair baseline
                 runs[f"standard_{name}"] = base + ["feedback.fusion=off"] + extra
-    if "recipe" in groups:
-        untied = ABLATIONS["untied"]
-        runs["standard_untied"] = base + ["feedback.fusion=off"] + untied
-        runs[RECIPE_BASE] = base + [mix_arg(MIX_HEAVY)] + ABLATIONS["untied_fusion_lr_x10"]
-        for name, extra in RECIPE_VARIANTS.items():
-            runs[f"{RECIPE_BASE}_{name}"] = runs[RECIPE_BASE] + extra(steps)
     state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
+    if "recipe" in groups:  # E1; the state task for the standard model, the unchanged recipe and loss_on mean
+        for prefix, at in (("", base), ("state_", state)):
+            runs[f"{prefix}standard_untied"] = at + ["feedback.fusion=off"] + ABLATIONS["untied"]
+            runs[f"{prefix}{RECIPE_BASE}"] = at + [mix_arg(MIX_HEAVY)] + ABLATIONS["untied_fusion_lr_x10"]
+            for name, extra in RECIPE_VARIANTS.items():
+                if not prefix or name == "loss_mean":
+                    runs[f"{prefix}{RECIPE_BASE}_{name}"] = runs[f"{prefix}{RECIPE_BASE}"] + extra(steps)
     if "state" in groups:
         runs["state_standard"] = state + ["feedback.fusion=off"]
         runs["state_fbt_heavy"] = state + [mix_arg(MIX_HEAVY)]
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     ap.add_argument("--groups", default="main,compute,stabilisers,state",
-                    help="main, compute, stabilisers, state, recipe (E1: loss_on mean, the switch at 50 %%), "
+                    help="main, compute, stabilisers, state, recipe (E1: loss_on mean, the switch at 50 %%, the state task), "
                     "form (E2: additive against GLU, with the state task), budget (E3: the standard model at "
                     "0.5x, 1x, 2x the steps, FBT at 1x, 2x)")
     ap.add_argument("--fbt-recipe", choices=FBT_RECIPES, default="base",

@@ -258,6 +258,26 @@ def state_past_by_seed(report: dict | None, kind: str, mode: str = "exact") -> d
     return out
 
 
+def answers_by_seed(report: dict | None, kind: str, decoding: str) -> dict[int, float]:
+    """``{seed: held-out answer NLL per token}`` of run kind ``kind`` under ``decoding`` (a name of
+    :data:`fbt_megatron.research.study.DECODING`; runs read out before it existed are left out)."""
+    out = {}
+    for name, readout in (report or {}).get("readouts", {}).items():
+        run_kind, _, seed = name.rpartition("_seed")
+        if run_kind == kind and decoding in readout.get("answers", {}):
+            out[int(seed)] = readout["answers"][decoding]["answer_nll"]
+    return out
+
+
+def _paired(stem, pair):
+    """A row from report ``stem``: ``b - a`` paired by seed, where ``pair(report)`` gives ``(a, b)`` as
+    ``{seed: value}``."""
+    def number(r):
+        got = paired_by_seed(*pair(r(stem)))
+        return got if got[2] else None
+    return number
+
+
 def _form(difference):
     """An E2 row from the medium report: ``other - base`` paired by seed, where ``difference(report, suffix)``
     gives ``(base, other)`` as ``{seed: value}`` for the recipe (name suffix) of the report's additive run."""
@@ -295,6 +315,24 @@ HYPOTHESES = [
                -1, pending="running"),
     Hypothesis("recipe", "FBT's 1-pass mode is behind the standard model (the recipe's deficit)", "E1 (as above)",
                "1 pass − standard, equal tokens", _cmp(E1, X10, "1-pass - standard_untied"), +1, pending="running"),
+    Hypothesis("recipe", "with `loss_on: mean`, the model still reads its fed-back state", "E1, S3 state task",
+               "accuracy past L: exact − 1 pass (`loss_on: mean`)",
+               _paired(E1, lambda rep: (state_past_by_seed(rep, f"state_{X10}_loss_mean", "1"),
+                                        state_past_by_seed(rep, f"state_{X10}_loss_mean"))), +1, pending="running"),
+    Hypothesis("recipe", "`loss_on: mean` tracks the state better than the unchanged recipe", "E1, S3 state task",
+               "accuracy past L, exact: `loss_on: mean` − unchanged",
+               _paired(E1, lambda rep: (state_past_by_seed(rep, f"state_{X10}"),
+                                        state_past_by_seed(rep, f"state_{X10}_loss_mean"))), +1, pending="running"),
+    Hypothesis("recipe", "with `loss_on: mean`, feedback decoding reads held-out answers better than standard "
+               "decoding", "E1, held-out arithmetic", "answer NLL: FUSED prefill − standard decoding (same model)",
+               _paired(E1, lambda rep: (answers_by_seed(rep, f"{X10}_loss_mean", "standard"),
+                                        answers_by_seed(rep, f"{X10}_loss_mean", "feedback_fused"))), -1,
+               pending="running"),
+    Hypothesis("recipe", "`loss_on: mean` improves feedback decoding", "E1, held-out arithmetic",
+               "answer NLL, FUSED prefill: `loss_on: mean` − unchanged",
+               _paired(E1, lambda rep: (answers_by_seed(rep, X10, "feedback_fused"),
+                                        answers_by_seed(rep, f"{X10}_loss_mean", "feedback_fused"))), -1,
+               pending="running"),
     Hypothesis("recipe", "FBT's 1-pass mode is behind the standard model", "medium (8 × 384), 6e-4, untied, ×10, "
                "1200 steps", "1 pass − standard, equal tokens", _deficit("medium_1200_lr0.0006"), +1),
     Hypothesis("recipe", "FBT's 1-pass mode is behind the standard model", "tiny, 1e-3, untied, ×10, 1200 steps",

@@ -519,7 +519,7 @@ def test_each_seed_has_its_own_data_order_and_a_seeds_runs_share_it(monkeypatch)
     assert torch.equal(first_batch(recipe(shared, "state_standard", 1, True)),
                        first_batch(recipe(shared, "state_standard", 2, True)))
     mix = {"tokenizer": "tok.model", "seed": 0, "sources": [{"name": "a", "path": "a", "weight": 1.0}]}
-    lm = plan(["recipe"], "tiny", False, 1200, 1e-3)
+    lm = {n: o for n, o in plan(["recipe"], "tiny", False, 1200, 1e-3).items() if not n.startswith("state_")}
     seeds = {}
     for name in lm:
         for seed in (1, 2, 3):
@@ -544,7 +544,14 @@ def test_recipe_group_is_e1_at_eight_times_the_validation_tokens(monkeypatch):
 
     runs = {n: load_recipe(ROOT / RECIPE, o) for n, o in plan(["recipe"], "tiny", False, 1200, 1e-3).items()}
     base = "fbt_heavy_untied_fusion_lr_x10"
-    assert set(runs) == {"standard_untied", base, f"{base}_loss_mean", f"{base}_switch50"}
+    assert set(runs) == {"standard_untied", base, f"{base}_loss_mean", f"{base}_switch50",
+                         "state_standard_untied", f"state_{base}", f"state_{base}_loss_mean"}
+    # the S3 state task for the standard model, the unchanged recipe and loss_on mean, each as its language run
+    for name in ("standard_untied", base, f"{base}_loss_mean"):
+        r, lm = runs.pop(f"state_{name}"), runs[name]
+        assert (r.data.source, r.data.synthetic.task, r.data.seq_length) == ("synthetic", "state_tracking", 32), name
+        assert (r.optimizer, r.schedule, r.feedback, r.model.tie_embeddings) == (
+            lm.optimizer, lm.schedule, lm.feedback, False), name
     for name, r in runs.items():
         assert r.data.valid_sequences * r.data.seq_length >= 8 * 8192, name
         assert (r.optimizer.lr, r.train.steps, r.model.tie_embeddings) == (1e-3, 1200, False), name
@@ -701,8 +708,17 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
         readouts[f"standard_untied_seed{seed}"] = {"seq_length": 8, "val_loss": {"1": 3.95 + shift}}
         for kind, losses in ((base, (4.16, 4.10)), (f"{base}_loss_mean", (4.03, 4.06)), (f"{base}_switch50", (4.09, 4.10))):
             readouts[f"{kind}_seed{seed}"] = {"seq_length": 8, "val_loss": {"1": losses[0] + shift, "2": losses[1] + 2 * shift}}
+    # the state task (accuracy per composed step; layer count 2, so "past L" is steps 3..4) and the answers
+    for seed, shift in ((1, 0.0), (2, 0.02), (3, -0.02)):
+        readouts[f"state_{base}_seed{seed}"] = {"seq_length": 4, "num_layers": 2, "state_accuracy": {
+            "1": [1, 1, 0.5, 0.3], "4": [1, 1, 0.6 + shift, 0.6 + shift]}}
+        readouts[f"state_{base}_loss_mean_seed{seed}"] = {"seq_length": 4, "num_layers": 2, "state_accuracy": {
+            "1": [1, 1, 0.5, 0.5], "4": [1, 1, 0.9 + shift, 0.7 + shift]}}
+        readouts[f"{base}_seed{seed}"]["answers"] = {"standard": {"answer_nll": 2.0}, "feedback_fused": {"answer_nll": 1.9}}
+        readouts[f"{base}_loss_mean_seed{seed}"]["answers"] = {
+            "standard": {"answer_nll": 1.8 + shift}, "feedback_fused": {"answer_nll": 1.75 + 3 * shift}}
     e1 = [h for h in HYPOTHESES if h.experiment.startswith("E1")]
-    assert len(e1) == 4 and all(row_cells(h, Reports(tmp_path))[-1] == "running" for h in e1)
+    assert len(e1) == 8 and all(row_cells(h, Reports(tmp_path))[-1] == "running" for h in e1)
     report = {"comparisons": summarise({n: {} for n in readouts}, readouts), "readouts": readouts}
     (tmp_path / f"feedback_study_{E1}.json").write_text(json.dumps(report))
     rows = {h.claim: row_cells(h, Reports(tmp_path)) for h in e1}
@@ -710,6 +726,19 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
     assert rows["a switch at 50 % of the steps narrows the gap"][4].startswith("-0.010 [")  # 4.09 - 4.10
     assert rows["with `loss_on: mean`, FBT is ahead of the standard model"][4].startswith("+0.080 [")  # 4.03 - 3.95
     assert rows["FBT's 1-pass mode is behind the standard model (the recipe's deficit)"][4].startswith("+0.210 [")
+    t2 = 4.302652729911275  # Student's t(0.975, df = 2), from tables
+    half = t2 * 0.02 / 3 ** 0.5  # shifts 0, +0.02, -0.02: standard deviation 0.02, standard error 0.02 / sqrt(3)
+    # past L: loss_mean exact (0.9 + 0.7) / 2 + shift against its 1 pass's 0.5: +0.3 + shift
+    reads = rows["with `loss_on: mean`, the model still reads its fed-back state"]
+    assert reads[4] == f"+0.300 [{0.3 - half:+.3f}, {0.3 + half:+.3f}]" and reads[-1] == "supported"
+    # exact past L: loss_mean 0.8 + shift against the unchanged recipe's 0.6 + shift
+    assert rows["`loss_on: mean` tracks the state better than the unchanged recipe"][4].startswith("+0.200 [")
+    # answer NLL, loss_mean: FUSED 1.75 + 3 shift - standard 1.8 + shift = -0.05 + 2 shift
+    decoding = rows["with `loss_on: mean`, feedback decoding reads held-out answers better than standard decoding"]
+    assert decoding[4] == f"-0.050 [{-0.05 - 2 * half:+.3f}, {-0.05 + 2 * half:+.3f}]"
+    assert decoding[-1] == "undecided at this scale"
+    # FUSED answer NLL: loss_mean 1.75 + 3 shift against the unchanged recipe's 1.9
+    assert rows["`loss_on: mean` improves feedback decoding"][4].startswith("-0.150 [")
     assert all(r[5] == "3" for r in rows.values())
 
 
