@@ -47,14 +47,29 @@ def use_cuda() -> bool:
     return os.environ.get("FBT_DEVICE", "").lower() != "cpu" and torch.cuda.is_available()
 
 
+CPU_THREADS_ENV = "FBT_CPU_THREADS"
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a SLURM task's or taskset's, not the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def cpu_share(ways: int, cpu_count: int | None = None) -> int:
+    """The usable cores (or ``cpu_count``) split ``ways`` ways, at least one thread each."""
+    return max(1, (cpu_count if cpu_count is not None else usable_cpus()) // max(1, ways))
+
+
 def cpu_threads(local_world: int, environ=os.environ, cpu_count: int | None = None) -> int:
-    """Intra-op threads for one CPU rank: ``OMP_NUM_THREADS`` when set, else the cores shared evenly
-    among the node's ranks. The user's count wins because jobs sharing cores (a study running two at
-    once) would otherwise each take them all and thrash."""
-    requested = environ.get("OMP_NUM_THREADS", "").strip()
-    if requested.isdigit() and int(requested) > 0:
+    """Intra-op threads for one CPU rank: ``FBT_CPU_THREADS`` when it is a positive count, else the cores
+    shared evenly among the node's ``local_world`` ranks. A variable of the project's own, not
+    ``OMP_NUM_THREADS``: torchrun sets that to 1 in every multi-process run, whatever the node's cores."""
+    requested = environ.get(CPU_THREADS_ENV, "").strip()
+    if requested.isdecimal() and int(requested) > 0:
         return int(requested)
-    return max(1, (cpu_count if cpu_count is not None else os.cpu_count() or 1) // max(1, local_world))
+    return cpu_share(local_world, cpu_count)
 
 
 def device() -> torch.device:

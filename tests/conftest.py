@@ -16,18 +16,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs under `pytest -m gpu` (make gpu-check), "
                             "skips with the reason elsewhere")
     os.environ.update(session_env(config.option.markexpr or "", os.environ, torch.cuda.is_available()))
-    share_cores_among_workers(torch)
+    share_cores_among_workers()
     runtime.quiet_known_warnings()  # again, now that the device is decided (the package's import ran it)
 
 
-def share_cores_among_workers(torch) -> None:
-    """Under ``pytest -n N`` each worker, and the training subprocesses it starts (``OMP_NUM_THREADS``,
-    which ``fbt train`` honours), takes its share of the cores: N workers of all the cores each thrash."""
+def share_cores_among_workers() -> None:
+    """Under ``pytest -n N`` each worker, and the processes it starts (``fbt train`` reads
+    ``FBT_CPU_THREADS``, other programs ``OMP_NUM_THREADS``), takes its share of the cores: N workers
+    that each take them all thrash."""
+    import torch
+
+    from fbt_megatron.runtime import CPU_THREADS_ENV, cpu_share
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        share = max(1, (os.cpu_count() or 1) // workers)
-        os.environ["OMP_NUM_THREADS"] = str(share)
-        torch.set_num_threads(share)
+    if workers > 1:
+        share = cpu_share(workers)
+        for name in (CPU_THREADS_ENV, "OMP_NUM_THREADS"):
+            os.environ.setdefault(name, str(share))
+        torch.set_num_threads(int(os.environ[CPU_THREADS_ENV]))
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 The recipe is resolved into its run plan (layout against the process count, data, tokenizer, the
 checkpoint resumed; ``fbt_megatron/resolve``) before any process group starts; every problem is
-reported at once (exit 2). Launch one process (2 CPU cores are used by torch's threads) or several
-with torchrun:
+reported at once (exit 2). Launch one process or several with torchrun; on CPU each takes the node's
+cores shared among its ranks, or ``FBT_CPU_THREADS`` threads when set:
 
     fbt train recipes/tiny.yaml
     torchrun --nproc-per-node 2 -m fbt_megatron.cli train recipes/tiny.yaml parallel.zero_stage=2

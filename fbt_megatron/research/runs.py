@@ -64,12 +64,21 @@ def run_summary(run_dir: Path) -> dict:
 
 
 def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:
-    """``[fn(*a) for a in args]``, ``jobs`` at a time (training subprocesses; each is given one CPU
-    thread when several run at once, so they share the cores instead of oversubscribing them)."""
+    """``[fn(*a) for a in args]``, ``jobs`` at a time (training subprocesses; when several run at once each
+    is given its share of the cores, ``FBT_CPU_THREADS``, unless that is set already, so that they do not
+    each take them all)."""
     if jobs <= 1:
         return [fn(*a) for a in args]
     from concurrent.futures import ThreadPoolExecutor
 
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by train_run's subprocesses
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(lambda a: fn(*a), args))
+    from fbt_megatron.runtime import CPU_THREADS_ENV, cpu_share
+
+    mine = CPU_THREADS_ENV not in os.environ
+    if mine:  # inherited by train_run's subprocesses while the pool runs
+        os.environ[CPU_THREADS_ENV] = str(cpu_share(jobs))
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(lambda a: fn(*a), args))
+    finally:
+        if mine:
+            del os.environ[CPU_THREADS_ENV]
