@@ -191,6 +191,15 @@ def one_step_readout(model, input_ids, passes: int) -> dict:
     return {"positions": [n["position"] for n in norms], "spectral_norm": [n["spectral_norm"] for n in norms]}
 
 
+def exact_validation_loss(run_dir: Path, batches: list[dict]) -> float:
+    """The validation loss of the exact recurrence, each document decoded through the KV cache: one pass of
+    compute, where ``num_passes = seq_length`` Jacobi passes (the same loss) cost seq_length."""
+    from fbt_megatron.generate.loading import load_for_inference
+    from fbt_megatron.generate.recurrence import exact_recurrence_loss
+
+    return exact_recurrence_loss(load_for_inference(run_dir, need_tokenizer=False).model, batches)
+
+
 def relative_to_run(path, run_dir: Path) -> str:
     """``path`` relative to its run folder (a report names no machine's paths); as given if outside it."""
     try:
@@ -224,6 +233,7 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
 
     model, recipe, latest = load_checkpoint_model(run_dir)
     seq = recipe.data.seq_length
+    cached_exact = recipe.model.attention_mask == "document_causal"  # else seq Jacobi passes
     passes = [1] if model.feedback is None else [1, 2, 3, seq]  # seq passes: the exact recurrence
     out: dict = {"checkpoint": relative_to_run(latest, run_dir), "seq_length": seq, "num_layers": recipe.model.num_layers,
                  "fusion": recipe.feedback.fusion}
@@ -231,7 +241,8 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
         out["state_accuracy"] = state_accuracy(model, recipe, passes)
     else:
         runner, batches = get_runner(model), build_valid_batches(recipe, 0, 1)
-        out["val_loss"] = {str(k): evaluate(runner, batches, k, runtime.device()).loss for k in passes}
+        out["val_loss"] = {str(k): exact_validation_loss(run_dir, batches) if k == seq and cached_exact
+                           else evaluate(runner, batches, k, runtime.device()).loss for k in passes}
         if model.feedback is not None:
             out["one_step"] = one_step_readout(model, batches[0]["input_ids"], seq)
         out["answers"] = answer_readout(run_dir, 8 if smoke else 100)

@@ -278,6 +278,7 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
     assert set(fbt["answers"]) == {"standard", "feedback", "feedback_fused", "feedback_exact"}
     assert set(data["readouts"]["standard_seed1"]["answers"]) == {"standard"}
     _exact_answers_are_the_recurrences(tmp_path / "runs" / "fbt_heavy_seed1", fbt["answers"])
+    _exact_loss_is_the_jacobi_fixed_point(tmp_path / "runs" / "fbt_heavy_seed1", fbt["val_loss"]["128"])
     assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
     assert fbt["one_step"]["positions"] == [8, 32, 64, 96, 120] and min(fbt["one_step"]["spectral_norm"]) > 0
     assert "one_step" not in data["readouts"]["standard_seed1"]
@@ -320,6 +321,20 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
     kept = json.loads((out / "feedback_study_tiny_orders_smoke.json").read_text())
     assert kept["kept"] == ["fbt_heavy_seed1", "state_fbt_heavy_seed1"]
     assert kept["readouts"]["state_fbt_heavy_seed1"] == {**data["readouts"]["state_fbt_heavy_seed1"], "num_layers": 4}
+
+
+def _exact_loss_is_the_jacobi_fixed_point(run_dir, recorded):
+    """The read-out's exact validation loss (documents decoded through the cache) is the loss of
+    seq_length Jacobi passes of the training model, which are the exact recurrence."""
+    from fbt_megatron import runtime
+    from fbt_megatron.checkpoint.model import load_checkpoint_model
+    from fbt_megatron.data.loaders import build_valid_batches
+    from fbt_megatron.parallel.runner import get_runner
+    from fbt_megatron.train.train_step import evaluate
+
+    model, recipe, _ = load_checkpoint_model(run_dir)
+    jacobi = evaluate(get_runner(model), build_valid_batches(recipe, 0, 1), recipe.data.seq_length, runtime.device())
+    assert recorded == pytest.approx(jacobi.loss, rel=1e-5)
 
 
 def _exact_answers_are_the_recurrences(run_dir, answers):

@@ -135,3 +135,31 @@ def test_bad_generation_arguments(single_process):
         FeedbackDecoder(model).generate([ids(40, 1)], SamplingParams(max_new_tokens=20))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_exact_recurrence_of_packed_documents_is_the_sequential_reference(single_process):
+    """Rows of several documents, each decoded alone through the cache, against the recurrence written
+    from the formulas (document resets, positions from each document's start); the loss is the
+    token-weighted cross entropy of those logits, and 'causal' attention is refused."""
+    from fbt_megatron.generate.recurrence import document_recurrence_logits, documents, exact_recurrence_loss
+    from fbt_megatron.model.sequential import sequential_forward
+    from tests.support.model_helpers import make_inputs
+
+    model = tiny_model(seed=2)
+    input_ids, labels, doc_start = make_inputs(batch=2, seq=10)
+    assert documents(doc_start) == [(0, 0, 4), (0, 4, 10), (1, 0, 3), (1, 3, 7), (1, 7, 10)]
+    want = sequential_forward(model, input_ids, doc_start=doc_start).logits[..., :model.model_config.vocab_size]
+    for at_once in (256, 2):  # every document in one session, or sessions of two
+        got = document_recurrence_logits(model, input_ids, doc_start, documents_at_once=at_once)
+        torch.testing.assert_close(got, want.float(), **TOL)
+    # ... and not what one pass gives (the check can see the recurrence)
+    one_pass = model(input_ids, doc_start=doc_start, num_passes=1).logits[..., :model.model_config.vocab_size]
+    assert (one_pass - want).abs().max() > 1e-3
+    mask = torch.ones(2, 10)
+    mask[1, 9] = 0.0
+    batches = [{"input_ids": input_ids, "labels": labels, "loss_mask": mask, "doc_start": doc_start}]
+    nll = -torch.log_softmax(want.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert exact_recurrence_loss(model, batches) == pytest.approx(float((nll * mask).sum() / mask.sum()), rel=1e-6)
+    model.model_config.attention_mask = "causal"
+    with pytest.raises(ValueError, match="document_causal"):
+        document_recurrence_logits(model, input_ids, doc_start)

@@ -1,0 +1,65 @@
+"""The exact recurrence over rows of packed documents, through the decoder's KV cache.
+
+Under ``document_causal`` attention a row's documents are independent: each attends only to itself, its
+positions start at 0 and its fed-back state starts afresh. So the exact recurrence of a row is that of
+each document decoded alone, a token at a time (:class:`~fbt_megatron.generate.decoder.FeedbackDecoder`'s
+``"exact"`` prefill). That costs one pass of compute, where ``num_passes = S`` Jacobi passes cost S.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fbt_megatron.generate.decoder import FeedbackDecoder
+from fbt_megatron.model.fbt_gpt import FBTGPTModel
+
+
+def documents(doc_start: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every document of ``doc_start`` [B, S] (True at a document's first
+    token; a row's first token always starts one)."""
+    out = []
+    for row, starts in enumerate(doc_start.bool().cpu()):
+        first = [0] + [t for t in starts.nonzero().view(-1).tolist() if t > 0]
+        out += [(row, a, b) for a, b in zip(first, first[1:] + [starts.numel()])]
+    return out
+
+
+@torch.no_grad()
+def document_recurrence_logits(model: FBTGPTModel, input_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
+                               documents_at_once: int = 256) -> torch.Tensor:
+    """Logits [B, S, V] (the logical vocabulary) of the exact recurrence over ``input_ids`` [B, S], each
+    document (``doc_start``; None: one a row) decoded alone, ``documents_at_once`` in a batch."""
+    if model.feedback is None:
+        raise ValueError("feedback.fusion='off' has no recurrence to run")
+    if model.model_config.attention_mask != "document_causal":
+        raise ValueError("the exact recurrence document by document needs attention_mask='document_causal' "
+                         "(under 'causal' a document attends to the ones before it in its row)")
+    rows, seq = input_ids.shape
+    if doc_start is None:
+        doc_start = torch.zeros(rows, seq, dtype=torch.bool)
+    docs = documents(doc_start)
+    ids = input_ids.cpu().tolist()
+    decoder = FeedbackDecoder(model, "feedback", "exact")
+    out = torch.empty(rows, seq, model.model_config.vocab_size)
+    for i in range(0, len(docs), documents_at_once):
+        chunk = docs[i:i + documents_at_once]
+        session = decoder.session([ids[r][a:b] for r, a, b in chunk], 0, padding="right")
+        _, every = session.prefill(return_all=True)  # [n, W, V]: right padding, a document's tokens first
+        for j, (r, a, b) in enumerate(chunk):
+            out[r, a:b] = every[j, :b - a].cpu()
+    return out
+
+
+@torch.no_grad()
+def exact_recurrence_loss(model: FBTGPTModel, batches: list[dict]) -> float:
+    """The token-weighted mean cross entropy of the exact recurrence over ``batches`` (``input_ids``,
+    ``labels``, ``loss_mask``, ``doc_start``), as validation weighs it."""
+    total = weight = 0.0
+    for batch in batches:
+        logits = document_recurrence_logits(model, batch["input_ids"], batch.get("doc_start"))
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        nll = -logp.gather(-1, batch["labels"].cpu().long().unsqueeze(-1)).squeeze(-1)
+        mask = batch["loss_mask"].cpu().double()
+        total += float((nll * mask).sum())
+        weight += float(mask.sum())
+    return total / max(weight, 1.0)
