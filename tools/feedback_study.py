@@ -38,7 +38,8 @@ validation sequences every 100 steps) to rebuild or continue their reports.
 
 Then reads each finished run out (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes
 and at the exact recurrence (passes = sequence length), answer NLL and exact match on held-out
-arithmetic under standard and feedback decoding, the fusion's gate saturation and W_U's distance from
+arithmetic under standard decoding and feedback decoding after a 1-pass, a FUSED 2-pass and the exact
+prefill, the fusion's gate saturation and W_U's distance from
 its initialisation at every kept checkpoint; for the state task, accuracy per number of composed
 steps under 1 pass and the exact recurrence. Paired differences (k-pass - 1-pass, FBT - standard) are
 reported as mean ± standard error over seeds with the paired t-test's 95 % interval (df = seeds - 1). Writes docs/results/feedback_study_SCALE[_STEPS][_lrLR].{md,json,png};
@@ -182,12 +183,11 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
                 runs[f"standard_{name}"] = base + ["feedback.fusion=off"] + extra
     state = base + STATE_TASK + (["data.valid_sequences=8"] if smoke else [])
     if "recipe" in groups:  # E1; the state task for the standard model, the unchanged recipe and loss_on mean
-        for prefix, at in (("", base), ("state_", state)):
+        for prefix, at, recipes in (("", base, FBT_RECIPES), ("state_", state, ("base", "loss_mean"))):
             runs[f"{prefix}standard_untied"] = at + ["feedback.fusion=off"] + ABLATIONS["untied"]
-            runs[f"{prefix}{RECIPE_BASE}"] = at + [mix_arg(MIX_HEAVY)] + ABLATIONS["untied_fusion_lr_x10"]
-            for name, extra in RECIPE_VARIANTS.items():
-                if not prefix or name == "loss_mean":
-                    runs[f"{prefix}{RECIPE_BASE}_{name}"] = runs[f"{prefix}{RECIPE_BASE}"] + extra(steps)
+            for name in recipes:
+                suffix, fbt = recipe_fbt(at, steps, name)
+                runs[f"{prefix}{RECIPE_BASE}{suffix}"] = fbt
     if "state" in groups:
         runs["state_standard"] = state + ["feedback.fusion=off"]
         runs["state_fbt_heavy"] = state + [mix_arg(MIX_HEAVY)]

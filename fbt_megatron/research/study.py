@@ -1,7 +1,7 @@
 """Read-outs and report of the feedback study (``tools/feedback_study.py``).
 
 A run is read out once (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes and at the
-exact recurrence, held-out arithmetic under standard and feedback decoding, the fusion's state at
+exact recurrence, held-out arithmetic under the decodings of :data:`DECODINGS`, the fusion's state at
 each kept checkpoint, the one-step map's spectral norm at the exact recurrence (does the pass-to-pass
 map contract?); for the state-tracking task, accuracy per number of composed steps.
 """
@@ -14,12 +14,13 @@ import re
 import statistics
 from pathlib import Path
 
-# (name, TextGenerator mode, prompt prefill passes): the plain model, then feedback decoding after a 1-pass
-# prefill, the paper's FUSED 2-pass prefill and the exact recurrence (a prompt token at a time)
-DECODING = [("standard", "standard", 1), ("feedback", "feedback", 1), ("feedback_fused", "feedback", 2),
-            ("feedback_exact", "feedback", "exact")]
-DECODING_LABELS = {"standard": "standard", "feedback": "feedback, 1-pass prefill",
-                   "feedback_fused": "feedback, FUSED (2-pass) prefill", "feedback_exact": "feedback, exact recurrence"}
+# The held-out arithmetic's decodings, name: (TextGenerator mode, prompt prefill passes, label). Feedback
+# decoding after a 1-pass prefill, the paper's FUSED 2-pass prefill and the exact recurrence.
+DECODINGS = {"standard": ("standard", 1, "standard"),
+             "feedback": ("feedback", 1, "feedback, 1-pass prefill"),
+             "feedback_fused": ("feedback", 2, "feedback, FUSED (2-pass) prefill"),
+             "feedback_exact": ("feedback", "exact", "feedback, exact recurrence")}
+DECODING = [(name, mode, passes) for name, (mode, passes, _) in DECODINGS.items()]  # as sft.measure takes them
 SATURATED = 0.05  # a gate entry below this or above 1 - this is saturated
 ONE_STEP_POSITIONS = (8, 32, 64, 96, 120)  # as tools/fixed_point.py
 
@@ -484,9 +485,9 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         for k in ("1", "2", "3", seq):
             cells.append("%.3f ± %.3f" % mean_std([x["val_loss"].get(k) for x in r]) if k in r[0]["val_loss"] else "-")
         ans = [x["answers"] for x in r]
-        answer_rows.append(cells[:2] + ["%.3f / %.3f" % (statistics.fmean(a[mode]["answer_nll"] for a in ans),
-                                                         statistics.fmean(a[mode]["exact_match"] for a in ans))
-                                        if all(mode in a for a in ans) else "-" for mode in DECODING_LABELS])
+        answer_rows.append([kind, cells[1]] + ["%.3f / %.3f" % (statistics.fmean(a[name]["answer_nll"] for a in ans),
+                                                                statistics.fmean(a[name]["exact_match"] for a in ans))
+                                               if all(name in a for a in ans) else "-" for name in DECODINGS])
         sigma = [statistics.fmean(x["one_step"]["spectral_norm"]) for x in r if x.get("one_step")]
         cells.append("%.2f ± %.2f" % mean_std(sigma) if len(sigma) == len(r) else "-")
         fus = [x["fusion_history"][-1] for x in r if x["fusion_history"]]
@@ -539,7 +540,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "The answer scored and generated as each decoding reads it. Feedback decoding differs only in how the "
         "prompt is prefilled: one pass, the paper's FUSED two passes, or the exact recurrence. Means over "
         "seeds; - where a run was read out before that decoding was.", "",
-        table(["run", "seeds", *DECODING_LABELS.values()], answer_rows), "",
+        table(["run", "seeds", *(label for _, _, label in DECODINGS.values())], answer_rows), "",
         "## Paired differences (first - second; a loss is better lower, an accuracy higher)", "",
         "Paired t-test over seeds: the mean of the per-seed differences, its standard error, and the 95 % "
         "interval mean ± t(0.975, seeds - 1) · standard error.", "",

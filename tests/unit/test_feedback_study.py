@@ -21,6 +21,9 @@ from fbt_megatron.data.synthetic import make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Student's t(0.975, df = 2) in closed form, (2p - 1) / sqrt(2 p (1 - p)) at p = 0.975
+T_975_DF2 = 0.95 / (2 * 0.975 * 0.025) ** 0.5
+
 
 def test_cyclic_task_labels_are_running_sums():
     cfg = SyntheticDataConfig(task="state_tracking", group="cyclic", group_size=7, vocab_size=7, seq_length=40)
@@ -277,7 +280,7 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
     assert set(data["readouts"]["standard_seed1"]["val_loss"]) == {"1"}
     assert set(fbt["answers"]) == {"standard", "feedback", "feedback_fused", "feedback_exact"}
     assert set(data["readouts"]["standard_seed1"]["answers"]) == {"standard"}
-    _exact_answers_are_the_recurrences(tmp_path / "runs" / "fbt_heavy_seed1", fbt["answers"])
+    _exact_answers_are_the_recurrence(tmp_path / "runs" / "fbt_heavy_seed1", fbt["answers"])
     _exact_loss_is_the_jacobi_fixed_point(tmp_path / "runs" / "fbt_heavy_seed1", fbt["val_loss"]["128"])
     assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
     assert fbt["one_step"]["positions"] == [8, 32, 64, 96, 120] and min(fbt["one_step"]["spectral_norm"]) > 0
@@ -337,7 +340,7 @@ def _exact_loss_is_the_jacobi_fixed_point(run_dir, recorded):
     assert recorded == pytest.approx(jacobi.loss, rel=1e-5)
 
 
-def _exact_answers_are_the_recurrences(run_dir, answers):
+def _exact_answers_are_the_recurrence(run_dir, answers):
     """Reference: each held-out answer's NLL per token under the exact recurrence (the sequential
     reference over question and answer as one sequence); the 1-pass and FUSED prefills read otherwise."""
     from fbt_megatron.generate.api import TextGenerator
@@ -530,6 +533,11 @@ def test_each_seed_has_its_own_data_order_and_a_seeds_runs_share_it(monkeypatch)
     fbt1, std1 = first_batch(recipe(state, "state_fbt_heavy", 1)), first_batch(recipe(state, "state_standard", 1))
     std2 = first_batch(recipe(state, "state_standard", 2))
     assert torch.equal(fbt1, std1) and not torch.equal(std1, std2)
+    e1 = plan(["recipe"], "tiny", True)  # E1's state runs: one order per seed, shared by the seed's runs
+    base = "state_fbt_heavy_untied_fusion_lr_x10"
+    one = [first_batch(recipe(e1, n, 1)) for n in ("state_standard_untied", base, f"{base}_loss_mean")]
+    assert all(torch.equal(one[0], b) for b in one[1:])
+    assert not torch.equal(one[0], first_batch(recipe(e1, "state_standard_untied", 2)))
     shared = plan(["state"], "tiny", True, shared_order=True)
     assert torch.equal(first_batch(recipe(shared, "state_standard", 1, True)),
                        first_batch(recipe(shared, "state_standard", 2, True)))
@@ -741,7 +749,7 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
     assert rows["a switch at 50 % of the steps narrows the gap"][4].startswith("-0.010 [")  # 4.09 - 4.10
     assert rows["with `loss_on: mean`, FBT is ahead of the standard model"][4].startswith("+0.080 [")  # 4.03 - 3.95
     assert rows["FBT's 1-pass mode is behind the standard model (the recipe's deficit)"][4].startswith("+0.210 [")
-    t2 = 4.302652729911275  # Student's t(0.975, df = 2), from tables
+    t2 = T_975_DF2
     half = t2 * 0.02 / 3 ** 0.5  # shifts 0, +0.02, -0.02: standard deviation 0.02, standard error 0.02 / sqrt(3)
     # past L: loss_mean exact (0.9 + 0.7) / 2 + shift against its 1 pass's 0.5: +0.3 + shift
     reads = rows["with `loss_on: mean`, the model still reads its fed-back state"]
@@ -752,8 +760,8 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
     decoding = rows["with `loss_on: mean`, feedback decoding reads held-out answers better than standard decoding"]
     assert decoding[4] == f"-0.050 [{-0.05 - 2 * half:+.3f}, {-0.05 + 2 * half:+.3f}]"
     assert decoding[-1] == "undecided at this scale"
-    # FUSED answer NLL: loss_mean 1.75 + 3 shift against the unchanged recipe's 1.9
-    assert rows["`loss_on: mean` improves feedback decoding"][4].startswith("-0.150 [")
+    # FUSED - standard: loss_mean -0.05 + 2 shift against the unchanged recipe's 1.9 - 2.0 = -0.1
+    assert rows["`loss_on: mean` widens feedback decoding's lead over standard decoding"][4].startswith("+0.050 [")
     assert all(r[5] == "3" for r in rows.values())
 
 
@@ -763,7 +771,7 @@ def test_a_study_page_opens_with_its_answers():
     comparison without seeds (its baseline not in the study) is left out."""
     from fbt_megatron.research.study import summary_rows
 
-    t2 = 4.302652729911275  # Student's t(0.975, df = 2), from tables
+    t2 = T_975_DF2
     comparisons = {
         # best - standard: +0.10 ± 0.01 over 3 seeds: interval [+0.057, +0.143], behind: "ruled out"
         "fbt_a": {"seeds": [1, 2, 3], "best mode": "2", "2-pass - 1-pass": (-0.05, 0.01, 3),
