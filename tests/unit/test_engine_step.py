@@ -21,7 +21,7 @@ def test_squared_l2_is_the_sum_of_squares_in_float64():
             float((t.double() ** 2).sum())
         got = squared_l2(t)
         assert got.dtype == torch.float64
-        # float64 sums of up to ~10^5 positive terms, in another order than the reference's (which
+        # float64 sums of up to ~2·10^5 positive terms, in another order than the reference's (which
         # depends on torch's thread count): within 1e-12 relative; a float32 accumulation is ~1e-7 off.
         assert abs(float(got) - reference) <= 1e-12 * max(reference, 1e-300)
 
