@@ -65,7 +65,7 @@ def cpu_share(ways: int, cpu_count: int | None = None) -> int:
 def cpu_threads(local_world: int, environ=os.environ, cpu_count: int | None = None) -> int:
     """Intra-op threads for one CPU rank: ``FBT_CPU_THREADS`` when it is a positive count, else the cores
     shared evenly among the node's ``local_world`` ranks. A variable of the project's own, not
-    ``OMP_NUM_THREADS``: torchrun sets that to 1 in every multi-process run, whatever the node's cores."""
+    ``OMP_NUM_THREADS``: torchrun sets that to 1 in a multi-process run where it is unset, whatever the node's cores."""
     requested = environ.get(CPU_THREADS_ENV, "").strip()
     if requested.isdecimal() and int(requested) > 0:
         return int(requested)

@@ -26,14 +26,14 @@ def share_cores_among_workers() -> None:
     that each take them all thrash."""
     import torch
 
-    from fbt_megatron.runtime import CPU_THREADS_ENV, cpu_share
+    from fbt_megatron.runtime import CPU_THREADS_ENV, cpu_share, cpu_threads
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers > 1:
         share = cpu_share(workers)
         for name in (CPU_THREADS_ENV, "OMP_NUM_THREADS"):
             os.environ.setdefault(name, str(share))
-        torch.set_num_threads(int(os.environ[CPU_THREADS_ENV]))
+        torch.set_num_threads(cpu_threads(workers))
 
 
 @pytest.fixture

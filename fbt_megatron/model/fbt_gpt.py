@@ -12,7 +12,8 @@ recurrence (``sequential.py``, written from the formulas); tests check this rath
 
 Gradient modes: ``all`` backpropagates through every pass; ``last`` runs passes 1..k-1 without
 gradient (their states enter the last pass as constants), as Huginn does. The loss is the last
-pass's (``loss_on="last"``) or the mean over passes (``"mean"``).
+pass's (``loss_on="last"``) or, in training, the mean over passes (``"mean"``); in eval mode a k-pass
+loss is always the last pass's, the prediction a k-pass read-out makes.
 """
 
 from __future__ import annotations
@@ -347,6 +348,7 @@ class FBTGPTModel(MegatronModule):
             generator = torch.Generator(device=embedded.device).manual_seed(int(jitter_seed))
 
         cfg = self.feedback_config
+        every_pass = cfg.loss_on == "mean" and self.training  # the mean over passes is a training loss
         # The token path of the fusion (sigmoid(W_G e) for glu) is the same in every pass: once per step.
         gate = fb.token_gate(self._full_sequence(embedded))
         top, heads, residuals = None, [], []
@@ -355,7 +357,7 @@ class FBTGPTModel(MegatronModule):
             with torch.set_grad_enabled(torch.is_grad_enabled() and (last or cfg.grad_mode == "all")):
                 stack_input = fb.pass_input(top, embedded, gate, reset, generator)
                 local_top = self.run_stack(stack_input, mask, rotary)
-                if last or cfg.loss_on == "mean":
+                if last or every_pass:
                     heads.append(self.head(local_top, labels))
                 new_top = self._full_sequence(local_top)
             if top is not None:

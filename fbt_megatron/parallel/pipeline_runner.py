@@ -198,7 +198,8 @@ class PipelineRunner:
         if self.tied and training:
             self._tied_leaf = self.shared_weight().detach().requires_grad_()
         self._ctx = dict(k=k, grad_passes=grad_passes, training=training, scale=scale, channel=channel,
-                         backward=backward, collected=collected, loss_on=cfg.loss_on, grad_mode=cfg.grad_mode)
+                         backward=backward, collected=collected, grad_mode=cfg.grad_mode,
+                         loss_on=cfg.loss_on if training else "last")  # the mean over passes is a training loss
         self._mbs = [_MicroBatch(b) for b in micro_batches]
         self._saved: dict = {}
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)

@@ -194,7 +194,7 @@ def one_step_readout(model, input_ids, passes: int) -> dict:
 
 def exact_validation_loss(run_dir: Path, batches: list[dict]) -> float:
     """The validation loss of the exact recurrence, each document decoded through the KV cache: one pass of
-    compute, where ``num_passes = seq_length`` Jacobi passes (the same loss) cost seq_length."""
+    compute, where ``num_passes = seq_length`` Jacobi passes (the same last-pass loss) cost seq_length."""
     from fbt_megatron.generate.loading import load_for_inference
     from fbt_megatron.generate.recurrence import exact_recurrence_loss
 

@@ -104,20 +104,23 @@ def test_pass_residuals_are_the_relative_change_of_the_top_state(single_process)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
-def test_loss_on_mean_averages_each_passs_loss(single_process):
-    """``loss_on: mean``: a K-pass forward's token loss is the mean over k = 1..K of the loss after k passes
-    (each the token loss of a k-pass forward of the same model, ``loss_on: last``), per token."""
+def test_loss_on_mean_averages_each_passs_loss_in_training_only(single_process):
+    """``loss_on: mean``: in training a K-pass forward's token loss is the mean over k = 1..K of the loss
+    after k passes (each the token loss of a k-pass forward of the same model, ``loss_on: last``), per
+    token. In eval mode it is the last pass's, as under ``loss_on: last``: a K-pass read-out's loss."""
     torch.manual_seed(0)
     state = build_model(tiny_model_config(), feedback()).state_dict()
     models = {}
     for loss_on in ("last", "mean"):
         torch.manual_seed(0)
-        models[loss_on] = build_model(tiny_model_config(), feedback(loss_on=loss_on, grad_mode="all")).eval()
+        models[loss_on] = build_model(tiny_model_config(), feedback(loss_on=loss_on, grad_mode="all", jitter_std=0.0))
         models[loss_on].load_state_dict(state)
     ids, labels, doc_start = make_inputs(seq=SEQ)
     with torch.no_grad():
         per_pass = [models["last"](ids, doc_start=doc_start, labels=labels, num_passes=k).token_loss for k in (1, 2, 3)]
         mean = models["mean"](ids, doc_start=doc_start, labels=labels, num_passes=3).token_loss
+        evaluated = models["mean"].eval()(ids, doc_start=doc_start, labels=labels, num_passes=3).token_loss
     assert mean.shape == per_pass[0].shape == labels.shape
     torch.testing.assert_close(mean, sum(per_pass) / 3, rtol=1e-5, atol=1e-6)
     assert (per_pass[2] - per_pass[0]).abs().max() > 1e-3  # the passes differ: the mean is not any one of them
+    torch.testing.assert_close(evaluated, per_pass[2], rtol=1e-5, atol=1e-6)

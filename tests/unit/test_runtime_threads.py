@@ -19,7 +19,7 @@ def test_thread_count_rule():
     assert cpu_threads(1, {}, cpu_count=16) == 16
     assert cpu_threads(4, {}, cpu_count=16) == 4
     assert cpu_threads(4, {}, cpu_count=2) == 1  # never zero
-    # torchrun sets OMP_NUM_THREADS=1 for every multi-process run: a 16-core node's 2 ranks still get 8 each
+    # torchrun sets OMP_NUM_THREADS=1 where it is unset: a 16-core node's 2 ranks still get 8 each
     assert cpu_threads(2, {"OMP_NUM_THREADS": "1"}, cpu_count=16) == 8
     for unusable in ("", "0", "two", "-1", "²"):  # not a positive count: the even share
         assert cpu_threads(2, {CPU_THREADS_ENV: unusable}, cpu_count=16) == 8
