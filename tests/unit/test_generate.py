@@ -137,6 +137,31 @@ def test_bad_generation_arguments(single_process):
         SamplingParams(top_p=0)
 
 
+RECURRENCE_CASES = [({}, {}), ({"position_embedding_type": "learned_absolute"}, {}), ({}, {"first_input": "state"}),
+                    ({}, {"mixin": "bounded", "prefix_mixin": 0.3}), ({}, {"fusion": "additive", "bias": True}),
+                    ({}, {"prefix_mixin": 0.0})]
+
+
+@pytest.mark.parametrize("model_cfg,feedback_cfg", RECURRENCE_CASES)
+def test_exact_recurrence_of_the_studys_variants(single_process, model_cfg, feedback_cfg):
+    """Each model variant the study trains: the documents decoded through the cache against the recurrence
+    written from the formulas, on rows whose first token is marked a start or not and with a one-token
+    document at a row's end."""
+    from fbt_megatron.generate.model import build_inference_model
+    from fbt_megatron.generate.recurrence import document_recurrence_logits
+    from fbt_megatron.model.sequential import sequential_forward
+    from tests.support.model_helpers import make_inputs
+
+    torch.manual_seed(3)
+    model = build_inference_model(tiny_model_config(max_sequence_length=48, **model_cfg), feedback(**feedback_cfg))
+    with torch.no_grad():
+        model.feedback.value.weight.normal_(0.0, 0.3)
+    input_ids, _, doc_start = make_inputs(batch=2, seq=10)
+    doc_start[0, 0] = doc_start[1, 9] = True
+    want = sequential_forward(model, input_ids, doc_start=doc_start).logits[..., :model.model_config.vocab_size]
+    torch.testing.assert_close(document_recurrence_logits(model, input_ids, doc_start), want.float(), **TOL)
+
+
 def test_exact_recurrence_of_packed_documents_is_the_sequential_reference(single_process):
     """Rows of several documents, each decoded alone through the cache, against the recurrence written
     from the formulas (document resets, positions from each document's start); the loss is the
@@ -148,6 +173,9 @@ def test_exact_recurrence_of_packed_documents_is_the_sequential_reference(single
     model = tiny_model(seed=2)
     input_ids, labels, doc_start = make_inputs(batch=2, seq=10)
     assert documents(doc_start) == [(0, 0, 4), (0, 4, 10), (1, 0, 3), (1, 3, 7), (1, 7, 10)]
+    marked = doc_start.clone()
+    marked[:, 0] = True  # a loader may mark a row's first token: the same documents
+    assert documents(marked) == documents(doc_start)
     want = sequential_forward(model, input_ids, doc_start=doc_start).logits[..., :model.model_config.vocab_size]
     for at_once in (256, 2):  # every document in one session, or sessions of two
         got = document_recurrence_logits(model, input_ids, doc_start, documents_at_once=at_once)
