@@ -154,15 +154,13 @@ def accuracy_past_layer_count(readout: dict) -> dict[str, float] | None:
     return {k: statistics.fmean(v[layers:]) if len(v) > layers else float("nan") for k, v in acc.items()}
 
 
-def answer_readout(run_dir: Path, problems: int) -> dict:
+def answer_readout(run_dir: Path, problems: int, loaded) -> dict:
     """Held-out arithmetic: answer NLL per token (the answer scored as decoding reads it) and greedy
-    exact match, per decoding mode."""
+    exact match, per decoding mode, of ``loaded`` (the run's :func:`load_for_inference` result)."""
     from fbt_megatron.generate.api import TextGenerator
-    from fbt_megatron.generate.loading import load_for_inference
     from fbt_megatron.research.sft import held_out_problems, measure
 
     pairs = held_out_problems(problems)
-    loaded = load_for_inference(run_dir)
     modes = DECODING if loaded.feedback_config.fusion != "off" else DECODING[:1]
     exact = measure(run_dir, pairs, chat=False, modes=modes, max_new_tokens=64, loaded=loaded)
     out = {}
@@ -190,15 +188,6 @@ def one_step_readout(model, input_ids, passes: int) -> dict:
     top = iterate_passes(model, ids, passes)["top"]
     norms = one_step_jacobian_norms(model, ids, top, positions)
     return {"positions": [n["position"] for n in norms], "spectral_norm": [n["spectral_norm"] for n in norms]}
-
-
-def exact_validation_loss(run_dir: Path, batches: list[dict]) -> float:
-    """The validation loss of the exact recurrence, each document decoded through the KV cache: one pass of
-    compute, where ``num_passes = seq_length`` Jacobi passes (the same last-pass loss) cost seq_length."""
-    from fbt_megatron.generate.loading import load_for_inference
-    from fbt_megatron.generate.recurrence import exact_recurrence_loss
-
-    return exact_recurrence_loss(load_for_inference(run_dir, need_tokenizer=False).model, batches)
 
 
 def relative_to_run(path, run_dir: Path) -> str:
@@ -241,12 +230,17 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
     if recipe.data.source == "synthetic" and recipe.data.synthetic.task == "state_tracking":
         out["state_accuracy"] = state_accuracy(model, recipe, passes)
     else:
+        from fbt_megatron.generate.loading import load_for_inference
+        from fbt_megatron.generate.recurrence import exact_recurrence_loss
+
         runner, batches = get_runner(model), build_valid_batches(recipe, 0, 1)
-        out["val_loss"] = {str(k): exact_validation_loss(run_dir, batches) if k == seq and cached_exact
+        loaded = load_for_inference(latest)  # the inference model, once: the exact loss and the answers
+        # the exact recurrence through the KV cache (one pass of compute) where its documents are independent
+        out["val_loss"] = {str(k): exact_recurrence_loss(loaded.model, batches) if k == seq and cached_exact
                            else evaluate(runner, batches, k, runtime.device()).loss for k in passes}
         if model.feedback is not None:
             out["one_step"] = one_step_readout(model, batches[0]["input_ids"], seq)
-        out["answers"] = answer_readout(run_dir, 8 if smoke else 100)
+        out["answers"] = answer_readout(run_dir, 8 if smoke else 100, loaded)
     out["fusion_history"] = fusion_history(run_dir)
     cache.write_text(json.dumps(out, indent=1))
     return out
