@@ -20,6 +20,7 @@ from pathlib import Path
 def main(argv=None) -> int:
     from fbt_megatron.research.hypotheses import (M_BEGIN, M_END, Reports, multiplier_table, portable_report,
                                                   replace_summary, summary_table)
+    from fbt_megatron.files import write_text_atomic
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="docs/results")
@@ -31,13 +32,13 @@ def main(argv=None) -> int:
         ap.error(f"--results {results}: no such folder")
     if a.portable_paths:
         for path in sorted(results.glob("feedback_study_*.json")):
-            path.write_text(json.dumps(portable_report(json.loads(path.read_text())), indent=1, default=float))
+            write_text_atomic(path, json.dumps(portable_report(json.loads(path.read_text())), indent=1, default=float))
     reports = Reports(results)
     text, m_text = summary_table(reports), multiplier_table(reports)
     if a.write:
         doc = Path(a.write)
         try:
-            doc.write_text(replace_summary(replace_summary(doc.read_text(), text), m_text, M_BEGIN, M_END))
+            write_text_atomic(doc, replace_summary(replace_summary(doc.read_text(), text), m_text, M_BEGIN, M_END))
         except (OSError, ValueError) as e:
             ap.error(str(e))
     print(text + "\n\n" + m_text)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fbt_megatron.errors import UserError, report
+from fbt_megatron.files import write_text_atomic
 
 
 def mean_std(values) -> tuple[float, float]:
@@ -79,8 +80,8 @@ def save(out_dir: Path, stem: str, markdown: str, data: dict, draw=None) -> Path
     """``out_dir/STEM.{md,json}``, then ``STEM.png`` from ``draw()`` (a matplotlib figure) when given: the page and
     its JSON are written first, so a missing matplotlib loses no result."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.md").write_text(markdown.rstrip() + "\n")
-    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1, default=float))
+    write_text_atomic(out_dir / f"{stem}.md", markdown.rstrip() + "\n")
+    write_text_atomic(out_dir / f"{stem}.json", json.dumps(data, indent=1, default=float))
     if draw is not None:
         fig = draw()
         fig.tight_layout()

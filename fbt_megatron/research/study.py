@@ -14,6 +14,8 @@ import re
 import statistics
 from pathlib import Path
 
+from fbt_megatron.files import write_text_atomic
+
 # The held-out arithmetic's decodings, name: (TextGenerator mode, prompt prefill passes, label). Feedback
 # decoding after a 1-pass prefill, the paper's FUSED 2-pass prefill and the exact recurrence.
 DECODINGS = {"standard": ("standard", 1, "standard"),
@@ -213,7 +215,7 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
         model, recipe, _ = load_checkpoint_model(run_dir)
         out["one_step"] = one_step_readout(model, build_valid_batches(recipe, 0, 1)[0]["input_ids"],
                                            recipe.data.seq_length)
-        cache.write_text(json.dumps(out, indent=1))
+        write_text_atomic(cache, json.dumps(out, indent=1))
         return out
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.model import load_checkpoint_model
@@ -242,7 +244,7 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
             out["one_step"] = one_step_readout(model, batches[0]["input_ids"], seq)
         out["answers"] = answer_readout(run_dir, 8 if smoke else 100, loaded)
     out["fusion_history"] = fusion_history(run_dir)
-    cache.write_text(json.dumps(out, indent=1))
+    write_text_atomic(cache, json.dumps(out, indent=1))
     return out
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fbt_megatron import runtime
 from fbt_megatron.logs import printer
+from fbt_megatron.files import write_text_atomic
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.resolve.plan import RunPlan
 
@@ -335,7 +336,7 @@ def summarise(run: Run) -> TrainResult:
     if dist.get_rank() == 0 and trainer.history:  # (history/step_seconds stay out of summary.json)
         run.run_dir.mkdir(parents=True, exist_ok=True)
         summary = {k: v for k, v in result.summary().items() if k not in ("history", "step_seconds")}
-        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        write_text_atomic(run.run_dir / "summary.json", json.dumps(summary, indent=1, default=str))
     return result
 
 

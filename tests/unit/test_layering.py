@@ -21,6 +21,7 @@ LAYERS = {
     "fbt_megatron": 1,  # the package's __init__ only (version, runtime re-exports): see EXACT
     "fbt_megatron.runtime": 1,
     "fbt_megatron.logs": 1,
+    "fbt_megatron.files": 1,
     "fbt_megatron.config": 1,
     # 2: the data pipeline, the recipe schema (it validates the data pipeline's section), the model (with
     # the feedback rule and the HF model class every export ships as remote code)

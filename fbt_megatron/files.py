@@ -1,0 +1,29 @@
+"""Writing a file so that a kill never leaves it half-written.
+
+A study's report, a run's ``summary.json`` and a run's cached read-outs are read back by later runs
+(``--reuse`` resumes from them); a kill in the middle of an ordinary write would leave a truncated file
+where the previous, complete one was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path``: into a temporary file beside it (this process's own), flushed to disk,
+    then renamed over ``path`` (atomic on POSIX), so a reader sees the old file or the new one, never a
+    part of either."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
