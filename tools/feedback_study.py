@@ -32,11 +32,14 @@ names end in it (``fbt_heavy_untied_fusion_lr_x10_additive_loss_mean``), so runs
 in for each other under ``--reuse``.
 
 Each seed sets the model's initialisation and its own data order (``data.seed``), the same for every run of
-the seed, and every run validates on 512 held-out sequences every 200 steps; the report and runs folder get
-``_orders``. ``--shared-data-order`` keeps the earlier studies' protocol (every seed on data seed 0, 64
-validation sequences every 100 steps) to rebuild or continue their reports.
+the seed, and every run validates on 512 held-out sequences (drawn with its data seed) every 200 steps for
+its curve; the report and runs folder get ``_orders``. ``--shared-data-order`` keeps the earlier studies'
+protocol (every seed on data seed 0, 64 validation sequences every 100 steps, read out on them too) to
+rebuild or continue their reports.
 
-Then reads each finished run out (cached in ``RUN/readouts.json``): validation loss at 1, 2, 3 passes
+Then reads each finished run out (cached in ``RUN/readouts.json``) on one validation set for every run and
+seed: every held-out document of each source, the sources weighted as in the mix (the state task: the
+validation sequences of data seed 0); validation loss at 1, 2, 3 passes
 and at the exact recurrence (passes = sequence length), answer NLL and exact match on held-out
 arithmetic under standard decoding and feedback decoding after a 1-pass, a FUSED 2-pass and the exact
 prefill, the fusion's gate saturation and W_U's distance from
@@ -343,9 +346,10 @@ def main(argv=None) -> int:
 
     os.chdir(ROOT)  # the runs were trained there: their recipes name data by paths relative to it
     runtime.init_distributed()
+    validation = "recipe" if a.shared_data_order else "held_out"  # see study.VALIDATIONS
     try:
         readouts = {name: recorded[name]["readouts"] if name in recorded and not (root / name).is_dir()
-                    else read_out(root / name, smoke=a.smoke) for name in summaries}
+                    else read_out(root / name, smoke=a.smoke, validation=validation) for name in summaries}
     finally:
         runtime.shutdown()
     add_layer_counts(readouts, runs)

@@ -25,6 +25,11 @@ DECODINGS = {"standard": ("standard", 1, "standard"),
 DECODING = [(name, mode, passes) for name, (mode, passes, _) in DECODINGS.items()]  # as sft.measure takes them
 SATURATED = 0.05  # a gate entry below this or above 1 - this is saturated
 ONE_STEP_POSITIONS = (8, 32, 64, 96, 120)  # as tools/fixed_point.py
+# The validation set of a read-out: "held_out", every held-out document of each source, the sources weighted
+# as in the mix, the same tokens for every seed (data.loaders.held_out_sets; studies with a data order per
+# seed); "recipe", the run's own validation sample (build_valid_batches; the earlier studies, one data order).
+VALIDATIONS = {"held_out": "every held-out document of each source, weighted as in the mix, the same for every seed",
+               "recipe": "the run's validation sample (data.valid_sequences, drawn with its data seed)"}
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
@@ -125,14 +130,11 @@ def fusion_history(run_dir: Path) -> list[dict]:
     return rows
 
 
-def state_accuracy(model, recipe, passes: list[int]) -> dict:
+def state_accuracy(model, batches: list[dict], passes: list[int]) -> dict:
     """State-tracking accuracy per position (position t needs t + 1 composed steps) at each pass count
-    over the recipe's validation sequences."""
+    over the validation sequences ``batches``."""
     import torch
 
-    from fbt_megatron.data.loaders import build_valid_batches
-
-    batches = build_valid_batches(recipe, 0, 1)
     out = {}
     with torch.no_grad():
         for k in passes:
@@ -200,26 +202,37 @@ def relative_to_run(path, run_dir: Path) -> str:
         return str(path)
 
 
-def read_out(run_dir: Path, smoke: bool = False) -> dict:
-    """Every read-out of one finished run (cached in ``run_dir/readouts.json``). Call in a world-of-one
-    process group."""
+def validation_sets(recipe, validation: str, smoke: bool = False) -> list[tuple[str, float, list[dict]]]:
+    """``[(source, share, batches)]`` a read-out validates on (see :data:`VALIDATIONS`); ``smoke``: the held-out
+    sets cut to the recipe's ``data.valid_sequences`` rows a source."""
+    from fbt_megatron.data.loaders import build_valid_batches, held_out_sets
+
+    if validation == "held_out":
+        return held_out_sets(recipe, max_rows=recipe.data.valid_sequences if smoke else None)
+    if validation == "recipe":
+        return [("valid", 1.0, build_valid_batches(recipe, 0, 1))]
+    raise ValueError(f"validation: {validation!r} is none of {sorted(VALIDATIONS)}")
+
+
+def read_out(run_dir: Path, smoke: bool = False, validation: str = "held_out") -> dict:
+    """Every read-out of one finished run (cached in ``run_dir/readouts.json``, read again when it was made
+    on another ``validation`` set, :data:`VALIDATIONS`). Call in a world-of-one process group."""
     cache = run_dir / "readouts.json"
     if cache.is_file():
         out = json.loads(cache.read_text())
-        if "val_loss" not in out or out.get("fusion") == "off" or "one_step" in out:
-            return out
-        # read out before the one-step measure existed: add it to the cache
-        from fbt_megatron.checkpoint.model import load_checkpoint_model
-        from fbt_megatron.data.loaders import build_valid_batches
+        if out.get("validation", "recipe") == validation:
+            if "val_loss" not in out or out.get("fusion") == "off" or "one_step" in out:
+                return out
+            # read out before the one-step measure existed: add it to the cache
+            from fbt_megatron.checkpoint.model import load_checkpoint_model
 
-        model, recipe, _ = load_checkpoint_model(run_dir)
-        out["one_step"] = one_step_readout(model, build_valid_batches(recipe, 0, 1)[0]["input_ids"],
-                                           recipe.data.seq_length)
-        write_text_atomic(cache, json.dumps(out, indent=1))
-        return out
+            model, recipe, _ = load_checkpoint_model(run_dir)
+            out["one_step"] = one_step_readout(model, validation_sets(recipe, validation, smoke)[0][2][0]["input_ids"],
+                                               recipe.data.seq_length)
+            write_text_atomic(cache, json.dumps(out, indent=1))
+            return out
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.model import load_checkpoint_model
-    from fbt_megatron.data.loaders import build_valid_batches
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import evaluate
 
@@ -227,21 +240,28 @@ def read_out(run_dir: Path, smoke: bool = False) -> dict:
     seq = recipe.data.seq_length
     cached_exact = recipe.model.attention_mask == "document_causal"  # else seq Jacobi passes
     passes = [1] if model.feedback is None else [1, 2, 3, seq]  # seq passes: the exact recurrence
+    sets = validation_sets(recipe, validation, smoke)
     out: dict = {"checkpoint": relative_to_run(latest, run_dir), "seq_length": seq, "num_layers": recipe.model.num_layers,
-                 "fusion": recipe.feedback.fusion}
+                 "fusion": recipe.feedback.fusion, "validation": validation,
+                 "validation_tokens": {name: int(sum(b["loss_mask"].sum() for b in batches)) for name, _, batches in sets}}
     if recipe.data.source == "synthetic" and recipe.data.synthetic.task == "state_tracking":
-        out["state_accuracy"] = state_accuracy(model, recipe, passes)
+        out["state_accuracy"] = state_accuracy(model, sets[0][2], passes)
     else:
         from fbt_megatron.generate.loading import load_for_inference
         from fbt_megatron.generate.recurrence import exact_recurrence_loss
 
-        runner, batches = get_runner(model), build_valid_batches(recipe, 0, 1)
+        runner = get_runner(model)
         loaded = load_for_inference(latest)  # the inference model, once: the exact loss and the answers
         # the exact recurrence through the KV cache (one pass of compute) where its documents are independent
-        out["val_loss"] = {str(k): exact_recurrence_loss(loaded.model, batches) if k == seq and cached_exact
-                           else evaluate(runner, batches, k, runtime.device()).loss for k in passes}
+        by_source = {name: {str(k): exact_recurrence_loss(loaded.model, batches) if k == seq and cached_exact
+                            else evaluate(runner, batches, k, runtime.device()).loss for k in passes}
+                     for name, _, batches in sets}
+        out["val_loss"] = {str(k): sum(share * by_source[name][str(k)] for name, share, _ in sets) for k in passes}
+        if len(sets) > 1:
+            out["val_loss_by_source"] = by_source
+            out["validation_shares"] = {name: share for name, share, _ in sets}
         if model.feedback is not None:
-            out["one_step"] = one_step_readout(model, batches[0]["input_ids"], seq)
+            out["one_step"] = one_step_readout(model, sets[0][2][0]["input_ids"], seq)
         out["answers"] = answer_readout(run_dir, 8 if smoke else 100, loaded)
     out["fusion_history"] = fusion_history(run_dir)
     write_text_atomic(cache, json.dumps(out, indent=1))
@@ -442,6 +462,40 @@ def study_command(args) -> str:
            else ["--reuse"] if getattr(args, "reuse", False) else []))
 
 
+def validation_text(readouts: dict) -> str:
+    """One sentence naming the set the language-model read-outs validated on."""
+    lm = [r for r in readouts.values() if "val_loss" in r]
+    kinds = {r.get("validation", "recipe") for r in lm}
+    if kinds == {"held_out"}:
+        tokens = lm[0].get("validation_tokens", {})
+        counts = ", ".join(f"{name} {n:,}" for name, n in tokens.items())
+        return (f"Read-outs validate on every held-out document of each source ({counts} tokens), the sources "
+                "weighted as in the mix: the same tokens for every run and seed. The curves are each run's own "
+                "validation sample (drawn with its data seed).")
+    if kinds == {"recipe"}:
+        return "Validation on held-out documents of the embedded mix (each run's validation sample)."
+    return ("Read-outs on two validation sets: " + "; ".join(sorted(VALIDATIONS[k] for k in kinds if k in VALIDATIONS))
+            + ". Read the runs out again on one before comparing them.")
+
+
+def source_table(lm: dict, readouts: dict, comparisons: dict) -> str:
+    """Per source, each language-model kind's 1-pass and best-mode loss, means over seeds ("" where the
+    read-outs have no per-source losses)."""
+    from fbt_megatron.research.report import table
+
+    rows, names = [], None
+    for kind, runs in sorted(lm.items()):
+        r = [readouts[n] for _, n in runs]
+        if not all("val_loss_by_source" in x for x in r):
+            return ""
+        names = names or list(r[0]["val_loss_by_source"])
+        best = comparisons.get(kind, {}).get("best mode", "1")
+        rows.append([kind, ",".join(str(s) for s, _ in runs)]
+                    + [" / ".join("%.3f" % statistics.fmean(x["val_loss_by_source"][name][k] for x in r)
+                                  for k in dict.fromkeys(["1", best])) for name in names])
+    return table(["run", "seeds", *names], rows) if rows else ""
+
+
 def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path,
            stem: str = "feedback_study", kept: dict | None = None) -> Path:
     """``out_dir/STEM.{md,json,png}`` from the finished runs. ``kept``: runs recorded in the report before
@@ -526,12 +580,14 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "",
         "## Runs", "",
         "Runs of `recipes/research/tiny_feedback.yaml` (WSD LR, the switch on the plateau at 20 % of the steps) "
-        "and its overrides, `tools/feedback_study.py`; validation on held-out documents of the embedded mix. "
+        "and its overrides, `tools/feedback_study.py`. " + validation_text(readouts) + " "
         "*exact*: the exact recurrence (passes = sequence length). Fusion: share of saturated gate entries / W_U's relative distance from its "
         "initialisation, at the last checkpoint. One-step σ: the spectral norm of d h_t / d h_{t-1} at the exact "
         "recurrence, mean over positions 8-120 of one held-out row (< 1: the pass-to-pass map contracts). Means "
         "± standard deviation over seeds.", "",
         table(["run", "seeds", "1-pass", "2-pass", "3-pass", "exact", "one-step σ", "fusion"], loss_rows), "",
+        *(["Per source (mean over seeds; 1 pass / the run's best mode):", "", source_table(lm, readouts, comparisons), ""]
+          if source_table(lm, readouts, comparisons) else []),
         "## Held-out arithmetic (answer NLL per token / greedy exact match)", "",
         "The answer scored and generated as each decoding reads it. Feedback decoding differs only in how the "
         "prompt is prefilled: one pass, the paper's FUSED two passes, or the exact recurrence. Means over "

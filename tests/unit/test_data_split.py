@@ -195,3 +195,58 @@ def test_trainer_validation_reads_only_held_out_documents(fx):
     tb = [next(train) for _ in range(4 * 20)]
     tdocs = full_documents({k: torch.cat([b[k] for b in tb]) for k in tb[0] if k not in DOCUMENTS}, sp.eos_id())
     assert tdocs and not set(tdocs) & (held_docs - train_docs)
+
+
+def _recipe(seq_length=S, micro_batch_size=MB, extra=()):
+    from fbt_megatron.recipe import load_recipe
+
+    return load_recipe("recipes/tiny.yaml", [f"data.seq_length={seq_length}", f"model.max_sequence_length={seq_length}",
+                                             f"batch.micro_batch_size={micro_batch_size}", *extra])
+
+
+@pytest.mark.parametrize("weight_by", ["tokens", "documents"])
+def test_held_out_sets_read_every_held_out_document_once_whatever_the_seed(fx, weight_by):
+    """A study's read-out set (``held_out_sets``): per source, the held-out stream of data seed 0 from its
+    start, cut into rows, short of its end by less than a micro-batch and a row; the same for every
+    ``data.seed``; each source's share of the mix's tokens (documents: weight x mean document length)."""
+    from fbt_megatron.data.loaders import held_out_sets
+
+    sp, held, _, _ = split_documents(fx, fixture_config(fx, valid_documents=7))
+    sets = {seed: held_out_sets(_recipe(), data_config=fixture_config(fx, valid_documents=7, seed=seed,
+                                                                      weight_by=weight_by)) for seed in (1, 2)}
+    assert [name for name, _, _ in sets[1]] == list(NAMES)
+    lengths = {}
+    for i, (name, share, batches) in enumerate(sets[1]):
+        assert [n for n, _, _ in sets[2]][i] == name and sets[2][i][1] == share
+        for a, b in zip(batches, sets[2][i][2]):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+        docs = sp.encode([t for _, t in fx["docs"][name]])
+        last = [docs[j] for j in range(len(docs) - held[i], len(docs))]  # the index's last `held` documents
+        lengths[name] = sum(len(d) + 1 for d in last) / len(last)
+        one = fixture_config(fx, valid_documents=7, seed=0)
+        order = planner_for(one.model_copy(update={"sources": [one.sources[i]]}), "valid").orders[0]
+        ids = order.sample_ids(np.arange(order.n)) - (len(docs) - held[i])
+        expected = [tok for j in ids for tok in [*last[j], sp.eos_id()]]
+        flat = torch.cat([b["input_ids"] for b in batches]).reshape(-1).tolist()
+        assert flat == expected[:len(flat)]
+        assert len(expected) - 1 - len(flat) < S * MB + S, name
+    weights = dict(zip(NAMES, (0.5, 0.2, 0.3)))
+    if weight_by == "documents":
+        weights = {n: w * lengths[n] for n, w in weights.items()}
+    total = sum(weights.values())
+    assert {n: share for n, share, _ in sets[1]} == pytest.approx({n: w / total for n, w in weights.items()})
+
+
+def test_held_out_sets_of_synthetic_data_are_data_seed_zeros_validation():
+    from fbt_megatron.data.loaders import build_valid_batches, held_out_sets
+
+    state = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.vocab_size=6",
+             "model.vocab_size=6", "data.valid_sequences=8"]
+    got = {seed: held_out_sets(_recipe(32, 4, [*state, f"data.seed={seed}"])) for seed in (1, 2)}
+    zero = build_valid_batches(_recipe(32, 4, [*state, "data.seed=0"]), 0, 1)
+    one = build_valid_batches(_recipe(32, 4, [*state, "data.seed=1"]), 0, 1)
+    for seed in (1, 2):
+        (name, share, batches), = got[seed]
+        assert (name, share) == ("synthetic", 1.0)
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, zero, strict=True))
+    assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(zero, one))  # the seed matters there

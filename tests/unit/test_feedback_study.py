@@ -282,6 +282,13 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
     assert set(data["readouts"]["standard_seed1"]["answers"]) == {"standard"}
     _exact_answers_are_the_recurrence(tmp_path / "runs" / "fbt_heavy_seed1", fbt["answers"])
     _exact_loss_is_the_jacobi_fixed_point(tmp_path / "runs" / "fbt_heavy_seed1", fbt["val_loss"]["128"])
+    # read out on every source's held-out documents (cut to 8 rows a source in a smoke study), the mix's weights
+    assert fbt["validation"] == "held_out" and set(fbt["val_loss_by_source"]) == {"code", "prose", "math"}
+    assert fbt["validation_shares"] == pytest.approx({"code": 0.4, "prose": 0.3, "math": 0.3})
+    for k, loss in fbt["val_loss"].items():
+        assert loss == pytest.approx(0.4 * fbt["val_loss_by_source"]["code"][k] + 0.3 * fbt["val_loss_by_source"]["prose"][k]
+                                     + 0.3 * fbt["val_loss_by_source"]["math"][k])
+    assert "the same tokens for every run and seed" in (out / "feedback_study_tiny_orders_smoke.md").read_text()
     assert fbt["fusion_history"] and "gate_saturated" in fbt["fusion_history"][-1]
     assert fbt["one_step"]["positions"] == [8, 32, 64, 96, 120] and min(fbt["one_step"]["spectral_norm"]) > 0
     assert "one_step" not in data["readouts"]["standard_seed1"]
@@ -298,14 +305,19 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
     past = data["comparisons"]["state_fbt_heavy"]["state accuracy past the layer count: exact - 1-pass (same model)"]
     acc = state["state_accuracy"]
     assert past[0] == pytest.approx(sum(acc["32"][4:]) / 28 - sum(acc["1"][4:]) / 28)
-    # a run read out before the one-step measure existed gets it added to its cache, the rest kept
+    # a run read out before the one-step measure existed gets it added to its cache, the rest kept; a run read
+    # out on its own validation sample (the earlier protocol) is read out again
     cache = tmp_path / "runs" / "fbt_heavy_seed1" / "readouts.json"
     cached = json.loads(cache.read_text())
     del cached["one_step"]
     cache.write_text(json.dumps(cached))
+    std_cache = tmp_path / "runs" / "standard_seed1" / "readouts.json"
+    std_cached = json.loads(std_cache.read_text())
+    std_cache.write_text(json.dumps({**std_cached, "validation": "recipe", "val_loss": {"1": 99.0}}))
     refresh = subprocess.run(cmd + ["--summarise-only"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert refresh.returncode == 0, refresh.stdout[-2000:] + refresh.stderr[-2000:]
     assert json.loads(cache.read_text())["one_step"] == fbt["one_step"]
+    assert json.loads(std_cache.read_text())["val_loss"] == std_cached["val_loss"]
     shutil.rmtree(tmp_path / "runs")
     # a report recorded before read-outs carried the layer count: the runs' recipes give it
     report = out / "feedback_study_tiny_orders_smoke.json"
@@ -328,16 +340,19 @@ def test_study_smoke_trains_reads_out_and_reports(tmp_path, single_process):
 
 def _exact_loss_is_the_jacobi_fixed_point(run_dir, recorded):
     """The read-out's exact validation loss (documents decoded through the cache) is the loss of
-    seq_length Jacobi passes of the training model, which are the exact recurrence."""
+    seq_length Jacobi passes of the training model (the exact recurrence), source by source, weighted by
+    the sources' shares of the mix."""
     from fbt_megatron import runtime
     from fbt_megatron.checkpoint.model import load_checkpoint_model
-    from fbt_megatron.data.loaders import build_valid_batches
+    from fbt_megatron.data.loaders import held_out_sets
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import evaluate
 
     model, recipe, _ = load_checkpoint_model(run_dir)
-    jacobi = evaluate(get_runner(model), build_valid_batches(recipe, 0, 1), recipe.data.seq_length, runtime.device())
-    assert recorded == pytest.approx(jacobi.loss, rel=1e-5)
+    runner, seq = get_runner(model), recipe.data.seq_length
+    jacobi = sum(share * evaluate(runner, batches, seq, runtime.device()).loss
+                 for _, share, batches in held_out_sets(recipe, max_rows=recipe.data.valid_sequences))
+    assert recorded == pytest.approx(jacobi, rel=1e-5)
 
 
 def _exact_answers_are_the_recurrence(run_dir, answers):
