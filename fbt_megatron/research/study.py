@@ -12,6 +12,7 @@ import json
 import math
 import re
 import statistics
+import time
 from pathlib import Path
 
 from fbt_megatron.files import write_text_atomic
@@ -236,6 +237,7 @@ def read_out(run_dir: Path, smoke: bool = False, validation: str = "held_out") -
     from fbt_megatron.parallel.runner import get_runner
     from fbt_megatron.train.train_step import evaluate
 
+    started = time.perf_counter()
     model, recipe, latest = load_checkpoint_model(run_dir)
     seq = recipe.data.seq_length
     cached_exact = recipe.model.attention_mask == "document_causal"  # else seq Jacobi passes
@@ -264,6 +266,7 @@ def read_out(run_dir: Path, smoke: bool = False, validation: str = "held_out") -
             out["one_step"] = one_step_readout(model, sets[0][2][0]["input_ids"], seq)
         out["answers"] = answer_readout(run_dir, 8 if smoke else 100, loaded)
     out["fusion_history"] = fusion_history(run_dir)
+    out["seconds"] = round(time.perf_counter() - started, 1)  # the read-out's wall time, to plan a study
     write_text_atomic(cache, json.dumps(out, indent=1))
     return out
 
