@@ -10,15 +10,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+TEMPORARY = ".*.tmp"  # the name pattern of a temporary file a killed write leaves behind (fnmatch)
+
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path``: into a temporary file beside it (this process's own), flushed to disk,
     then renamed over ``path`` (atomic on POSIX), so a reader sees the old file or the new one, never a
-    part of either."""
+    part of either. A write killed outright leaves ``.NAME.PID.tmp`` beside ``path`` (:data:`TEMPORARY`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

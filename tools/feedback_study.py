@@ -38,7 +38,7 @@ protocol (every seed on data seed 0, 64 validation sequences every 100 steps, re
 rebuild or continue their reports.
 
 Then reads each finished run out (cached in ``RUN/readouts.json``) on one validation set for every run and
-seed: every held-out document of each source, the sources weighted as in the mix (the state task: the
+seed: the held-out documents of each source read whole, the sources weighted as in the mix (the state task: the
 validation sequences of data seed 0); validation loss at 1, 2, 3 passes
 and at the exact recurrence (passes = sequence length), answer NLL and exact match on held-out
 arithmetic under standard decoding and feedback decoding after a 1-pass, a FUSED 2-pass and the exact

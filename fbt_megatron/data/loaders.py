@@ -74,45 +74,50 @@ def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int, *, data_conf
 
 
 def held_out_sets(recipe: Recipe, *, data_config=None, max_rows: int | None = None) -> list[tuple[str, float, list[dict]]]:
-    """Every held-out document of each source, read once in one fixed order whatever ``data.seed``:
+    """The held-out documents of each source, read once in one fixed order whatever ``data.seed``:
     ``[(source, its share of the mix's tokens, its batches)]``, the shares renormalised over the sources
-    that hold documents out. A source's batches are its held-out token stream cut into rows (the last row's
-    partial remainder and the rows past a whole micro-batch dropped). Synthetic data: the recipe's
-    validation set drawn with data seed 0, one "source" of share 1. ``max_rows``: at most that many rows a
-    source (the first of the same order; a smoke test's read-out).
+    that hold documents out. A source's batches are its held-out token stream (data seed 0's order) cut
+    into rows from its start; the stream's last partial row and the rows that do not fill a whole
+    micro-batch are left out. Synthetic data: the recipe's validation set drawn with data seed 0, one
+    "source" of share 1. ``max_rows``: at most that many rows a source (a smoke test's read-out).
 
     A study's read-outs measure every model on these same tokens: a seed's validation sample
     (:func:`build_valid_batches`) varies with ``data.seed``, and on a mix of a few long documents two
     samples differ in a model pair's loss gap by as much as the effects a study measures."""
-    seq, mbs = recipe.data.seq_length, recipe.batch.micro_batch_size
+    seq = recipe.data.seq_length
     if recipe.data.source == "synthetic":
         fixed = recipe.model_copy(update={"data": recipe.data.model_copy(update={"seed": 0})})
         return [("synthetic", 1.0, build_valid_batches(fixed, 0, 1))]
-    from data_pipeline.loader import build_loader, planner_for
+    from data_pipeline.loader import build_loader, held_out_documents, planner_for
+    from data_pipeline.shards import Dataset
 
     cfg = (data_config or data_pipeline_config(recipe)).model_copy(update={"seed": 0})
     out = []
     for source, weight in zip(cfg.sources, cfg.weights):
         one = cfg.model_copy(update={"sources": [source.model_copy(update={"weight": 1.0})]})
-        order = planner_for(one, "valid").orders[0]
-        if order.n == 0:
+        datasets = [Dataset.load(source.path, allow_skip_corrupt=cfg.allow_skip_corrupt)]
+        if held_out_documents(one, datasets) == [0]:
             continue
+        order = planner_for(one, "valid", datasets=datasets).orders[0]
         positions = order.ds.tokens_between(order.lo, order.lo + order.n) + order.n  # tokens and EOS
         rows = (positions - 1) // seq  # a row reads seq + 1 positions; rows overlap by one
         if max_rows is not None:
             rows = min(rows, max_rows)
-        rows -= rows % mbs
-        if rows == 0:
-            mbs = rows = (positions - 1) // seq
-        if rows == 0:
+        micro = min(recipe.batch.micro_batch_size, rows)
+        if micro == 0:
             continue
-        share = weight if cfg.weight_by == "tokens" else weight * order.mean_length()
-        loader = build_loader(one, split="valid", micro_batch_size=mbs, global_batch_size=rows, dp_rank=0,
+        rows -= rows % micro
+        # the mix's weights share out the training stream: by documents, a source's tokens are its weight
+        # times the training split's mean document length
+        share = weight if cfg.weight_by == "tokens" else \
+            weight * planner_for(one, "train", datasets=datasets).orders[0].mean_length()
+        loader = build_loader(one, split="valid", micro_batch_size=micro, global_batch_size=rows, dp_rank=0,
                               dp_size=1, consumed_sequences=0)
         it = iter(loader)
-        out.append((source.name, share, [next(it) for _ in range(rows // mbs)]))
+        out.append((source.name, share, [next(it) for _ in range(rows // micro)]))
     if not out:
-        raise RecipeError("the data pipeline's sources hold out no document to validate on (data.pipeline.valid_documents)")
+        raise RecipeError("the data pipeline's sources hold out no row of documents to validate on "
+                          "(data.pipeline.valid_documents)")
     total = sum(share for _, share, _ in out)
     return [(name, share / total, batches) for name, share, batches in out]
 

@@ -11,14 +11,16 @@ import sys
 from pathlib import Path
 
 from data_pipeline.output_dir import earlier_output
+from fbt_megatron.files import TEMPORARY
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# What a research run writes into its folder (fbt train's outputs, the command, the log, the read-outs): a
+# What a research run writes into its folder (fbt train's outputs, the command, the log, the read-outs, a
+# killed atomic write's temporary file): a
 # folder holding only these and its command.json is the run's own, replaced when the command changes.
 RUN_ENTRIES = ("command.json", "train.log", "checkpoints", "metrics.jsonl", "summary.json", "tensorboard",
-               "profile", "readouts.json", "run.lock")
+               "profile", "readouts.json", "run.lock", TEMPORARY)
 
 
 def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,

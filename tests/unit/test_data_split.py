@@ -207,34 +207,84 @@ def _recipe(seq_length=S, micro_batch_size=MB, extra=()):
 @pytest.mark.parametrize("weight_by", ["tokens", "documents"])
 def test_held_out_sets_read_every_held_out_document_once_whatever_the_seed(fx, weight_by):
     """A study's read-out set (``held_out_sets``): per source, the held-out stream of data seed 0 from its
-    start, cut into rows, short of its end by less than a micro-batch and a row; the same for every
-    ``data.seed``; each source's share of the mix's tokens (documents: weight x mean document length)."""
+    start, cut into rows (inputs and next-token labels), short of its end by less than a micro-batch and a
+    row; the same for every ``data.seed``; each source's share of the mix's tokens (by documents: the weight
+    times the training split's mean document length, tokens and EOS)."""
     from fbt_megatron.data.loaders import held_out_sets
 
     sp, held, _, _ = split_documents(fx, fixture_config(fx, valid_documents=7))
     sets = {seed: held_out_sets(_recipe(), data_config=fixture_config(fx, valid_documents=7, seed=seed,
                                                                       weight_by=weight_by)) for seed in (1, 2)}
-    assert [name for name, _, _ in sets[1]] == list(NAMES)
-    lengths = {}
+    assert [name for name, _, _ in sets[1]] == [name for name, _, _ in sets[2]] == list(NAMES)
+    train_lengths = {}
     for i, (name, share, batches) in enumerate(sets[1]):
-        assert [n for n, _, _ in sets[2]][i] == name and sets[2][i][1] == share
-        for a, b in zip(batches, sets[2][i][2]):
+        assert sets[2][i][1] == share
+        for a, b in zip(batches, sets[2][i][2], strict=True):
             assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
         docs = sp.encode([t for _, t in fx["docs"][name]])
-        last = [docs[j] for j in range(len(docs) - held[i], len(docs))]  # the index's last `held` documents
-        lengths[name] = sum(len(d) + 1 for d in last) / len(last)
+        cut = len(docs) - held[i]
+        last = docs[cut:]  # the index's last `held` documents
+        train_lengths[name] = sum(len(d) + 1 for d in docs[:cut]) / cut
         one = fixture_config(fx, valid_documents=7, seed=0)
         order = planner_for(one.model_copy(update={"sources": [one.sources[i]]}), "valid").orders[0]
-        ids = order.sample_ids(np.arange(order.n)) - (len(docs) - held[i])
-        expected = [tok for j in ids for tok in [*last[j], sp.eos_id()]]
-        flat = torch.cat([b["input_ids"] for b in batches]).reshape(-1).tolist()
-        assert flat == expected[:len(flat)]
-        assert len(expected) - 1 - len(flat) < S * MB + S, name
+        expected = [tok for j in order.sample_ids(np.arange(order.n)) - cut for tok in [*last[j], sp.eos_id()]]
+        inputs = torch.cat([b["input_ids"] for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        for r in range(inputs.shape[0]):
+            assert inputs[r].tolist() == expected[r * S:(r + 1) * S], (name, r)
+            assert labels[r].tolist() == expected[r * S + 1:(r + 1) * S + 1], (name, r)
+        assert len(expected) - 1 - inputs.numel() < S * MB + S, name
     weights = dict(zip(NAMES, (0.5, 0.2, 0.3)))
     if weight_by == "documents":
-        weights = {n: w * lengths[n] for n, w in weights.items()}
+        weights = {n: w * train_lengths[n] for n, w in weights.items()}
     total = sum(weights.values())
     assert {n: share for n, share, _ in sets[1]} == pytest.approx({n: w / total for n, w in weights.items()})
+
+
+def test_held_out_sets_cut_each_source_to_max_rows_in_micro_batches_of_at_most_the_recipes(fx):
+    """``max_rows`` below the micro-batch: that many rows, in one micro-batch of that size, for every source
+    (a smaller micro-batch for one source does not carry over to the next)."""
+    from fbt_megatron.data.loaders import held_out_sets
+
+    cfg = fixture_config(fx, valid_documents=7)
+    full = held_out_sets(_recipe(micro_batch_size=4), data_config=cfg)
+    for max_rows, shape in ((3, [3]), (4, [4]), (9, [4, 4])):
+        cut = held_out_sets(_recipe(micro_batch_size=4), data_config=cfg, max_rows=max_rows)
+        assert [name for name, _, _ in cut] == list(NAMES)
+        for (name, _, batches), (_, _, whole) in zip(cut, full, strict=True):
+            assert [b["input_ids"].shape[0] for b in batches] == shape, (name, max_rows)
+            rows = torch.cat([b["input_ids"] for b in batches])
+            assert torch.equal(rows, torch.cat([b["input_ids"] for b in whole])[:rows.shape[0]])
+
+
+def test_held_out_sets_skip_a_source_that_holds_nothing_out(fx, tmp_path):
+    """A source of one document holds none out: the others are read, their shares renormalised; when no
+    source holds one out, one sentence says so."""
+    from data_pipeline.config import SourceConfig
+    from fbt_megatron.data.loaders import held_out_sets
+    from fbt_megatron.recipe import RecipeError
+
+    cfg = fixture_config(fx)
+    lone = _one_document_source(fx, tmp_path)
+    mixed = cfg.model_copy(update={"sources": [*cfg.sources, SourceConfig(name="lone", path=str(lone), weight=0.5)]})
+    got = held_out_sets(_recipe(), data_config=mixed)
+    assert [name for name, _, _ in got] == list(NAMES)
+    assert {n: share for n, share, _ in got} == pytest.approx({"web": 0.5, "code": 0.2, "math": 0.3})
+    alone = cfg.model_copy(update={"sources": [SourceConfig(name="lone", path=str(lone), weight=1.0)]})
+    with pytest.raises(RecipeError, match="hold out no row"):
+        held_out_sets(_recipe(), data_config=alone)
+
+
+def _one_document_source(fx, tmp_path):
+    """A prepared source of one document (the automatic split holds none of it out)."""
+    from data_pipeline.prepare import prepare_dataset
+
+    src = tmp_path / "lone.jsonl"
+    src.write_text(json.dumps({"id": "only", "text": fx["docs"]["web"][0][1]}) + "\n")
+    out = tmp_path / "lone"
+    prepare_dataset([str(src)], out, fx["tokenizer"], name="lone", num_workers=1, progress=False)
+    assert auto_valid_documents(Dataset.load(out).index["num_samples"]) == 0
+    return out
 
 
 def test_held_out_sets_of_synthetic_data_are_data_seed_zeros_validation():

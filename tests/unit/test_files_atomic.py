@@ -17,9 +17,11 @@ class Killed(BaseException):
     """Stands in for the process dying (SIGKILL, power) during a write."""
 
 
-def die_halfway(monkeypatch):
-    """Every text write from now on writes half its text, then the process 'dies'."""
+def die_halfway(monkeypatch, spare: int = 0):
+    """Text writes from now on, after the first ``spare`` ones, write half their text, then the process
+    'dies'."""
     real_open = open
+    left = [spare]
 
     class HalfFile:
         def __init__(self, f):
@@ -38,7 +40,10 @@ def die_halfway(monkeypatch):
 
     def half_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
-        return HalfFile(f) if "w" in mode else f
+        if "w" not in mode:
+            return f
+        left[0] -= 1
+        return f if left[0] >= 0 else HalfFile(f)
 
     def half_write_text(self, data, *args, **kwargs):
         with half_open(self, "w") as f:
@@ -66,9 +71,25 @@ def test_the_study_report_survives_a_kill_while_it_is_rewritten(tmp_path, monkey
     from fbt_megatron.research.report import save
 
     save(tmp_path, "study", "# page", {"readouts": {"a_seed1": {"val_loss": {"1": 4.0}}}})
-    die_halfway(monkeypatch)
-    with pytest.raises(Killed):
-        save(tmp_path, "study", "# page 2", {"readouts": {"a_seed1": {}, "b_seed1": {}}})
-    monkeypatch.undo()
-    assert json.loads((tmp_path / "study.json").read_text()) == {"readouts": {"a_seed1": {"val_loss": {"1": 4.0}}}}
-    assert (tmp_path / "study.md").read_text() == "# page\n"
+    for spare, page in ((0, "# page\n"), (1, "# page 2\n")):  # killed writing the page, then writing the JSON
+        die_halfway(monkeypatch, spare)
+        with pytest.raises(Killed):
+            save(tmp_path, "study", "# page 2", {"readouts": {"a_seed1": {}, "b_seed1": {}}})
+        monkeypatch.undo()
+        assert json.loads((tmp_path / "study.json").read_text()) == {"readouts": {"a_seed1": {"val_loss": {"1": 4.0}}}}
+        assert (tmp_path / "study.md").read_text() == page
+
+
+def test_a_run_folder_with_a_killed_writes_temporary_is_still_the_runs_own(tmp_path):
+    """A research run's folder may hold the temporary file of a write killed outright (``.summary.json.PID.tmp``):
+    the folder is still the run's own, replaced when the run is started afresh, not refused as the user's."""
+    from data_pipeline.output_dir import earlier_output
+    from fbt_megatron.research.runs import RUN_ENTRIES
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "command.json").write_text("[]")
+    (run / "summary.json").write_text("{}")
+    (run / ".summary.json.4242.tmp").write_text("{\"step\"")
+    assert earlier_output(run, markers=("command.json",), patterns=RUN_ENTRIES, writer="a research run",
+                          option="run folder") is True

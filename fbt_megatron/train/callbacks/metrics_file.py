@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from fbt_megatron.files import write_text_atomic
 from fbt_megatron.train.callbacks.base import Logger, is_rank0, step_metrics
 
 
@@ -72,9 +73,7 @@ def drop_rows_after(path: Path, step: int) -> int:
         if not isinstance(row, dict) or row.get("step", 0) <= step:
             kept.append(line)
     if len(kept) < len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 
