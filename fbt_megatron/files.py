@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-TEMPORARY = ".*.tmp"  # the name pattern of a temporary file a killed write leaves behind (fnmatch)
+TEMPORARY = ".*.[0-9]*.tmp"  # the name of the temporary file a killed write leaves behind (fnmatch: .NAME.PID.tmp)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

@@ -76,7 +76,7 @@ def build_valid_batches(recipe: Recipe, dp_rank: int, dp_size: int, *, data_conf
 def held_out_sets(recipe: Recipe, *, data_config=None, max_rows: int | None = None) -> list[tuple[str, float, list[dict]]]:
     """The held-out documents of each source, read once in one fixed order whatever ``data.seed``:
     ``[(source, its share of the mix's tokens, its batches)]``, the shares renormalised over the sources
-    that hold documents out. A source's batches are its held-out token stream (data seed 0's order) cut
+    that hold out at least one row. A source's batches are its held-out token stream (data seed 0's order) cut
     into rows from its start; the stream's last partial row and the rows that do not fill a whole
     micro-batch are left out. Synthetic data: the recipe's validation set drawn with data seed 0, one
     "source" of share 1. ``max_rows``: at most that many rows a source (a smoke test's read-out).

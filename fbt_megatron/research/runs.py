@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.output_dir import earlier_output
-from fbt_megatron.files import TEMPORARY
+from fbt_megatron.files import TEMPORARY, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
                           option="run folder"):
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        started.write_text(json.dumps(cmd[3:]))
+        write_text_atomic(started, json.dumps(cmd[3:]))
     env = dict(os.environ, FBT_DEVICE=os.environ.get("FBT_DEVICE", "cpu"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_file or run_dir / "train.log", "a" if resuming else "w") as log:

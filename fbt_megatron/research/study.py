@@ -497,7 +497,7 @@ def source_table(lm: dict, readouts: dict, comparisons: dict) -> str:
         rows.append([kind, ",".join(str(s) for s, _ in runs)]
                     + [" / ".join("%.3f" % statistics.fmean(x["val_loss_by_source"][name][k] for x in r)
                                   for k in dict.fromkeys(["1", best])) for name in names])
-    return table(["run", "seeds", *names], rows) if rows else ""
+    return table(["run", "seeds", *names], rows) if rows and len(names) > 1 else ""  # one source: the main table
 
 
 def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path,
@@ -585,7 +585,7 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "",
         "## Runs", "",
         "Runs of `recipes/research/tiny_feedback.yaml` (WSD LR, the switch on the plateau at 20 % of the steps) "
-        "and its overrides, `tools/feedback_study.py`. " + validation_text(readouts) + " "
+        "and its overrides, `tools/feedback_study.py`. " + (validation_text(readouts) + " ").lstrip() +
         "*exact*: the exact recurrence (passes = sequence length). Fusion: share of saturated gate entries / W_U's relative distance from its "
         "initialisation, at the last checkpoint. One-step σ: the spectral norm of d h_t / d h_{t-1} at the exact "
         "recurrence, mean over positions 8-120 of one held-out row (< 1: the pass-to-pass map contracts). Means "

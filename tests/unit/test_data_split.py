@@ -257,6 +257,28 @@ def test_held_out_sets_cut_each_source_to_max_rows_in_micro_batches_of_at_most_t
             assert torch.equal(rows, torch.cat([b["input_ids"] for b in whole])[:rows.shape[0]])
 
 
+@pytest.mark.parametrize("valid_documents", [1, 2])
+def test_held_out_sets_give_each_source_its_own_micro_batch(fx, valid_documents):
+    """Few held-out documents: each source's rows (its held-out tokens and EOS, less one, over S) in micro-
+    batches of min(the recipe's, its rows), a smaller one for one source not carried to the next; a source
+    without one whole row is left out and the others' shares renormalised."""
+    from fbt_megatron.data.loaders import held_out_sets
+
+    sp, held, _, _ = split_documents(fx, fixture_config(fx, valid_documents=valid_documents))
+    expected = {}
+    for name, h in zip(NAMES, held):
+        docs = sp.encode([t for _, t in fx["docs"][name]])
+        rows = (sum(len(d) + 1 for d in docs[len(docs) - h:]) - 1) // S
+        if rows:
+            micro = min(4, rows)
+            expected[name] = [micro] * (rows // micro)
+    assert len(set(map(len, expected.values()))) > 1 or len(expected) < len(NAMES)  # the case the test is for
+    got = held_out_sets(_recipe(micro_batch_size=4), data_config=fixture_config(fx, valid_documents=valid_documents))
+    assert {name: [b["input_ids"].shape[0] for b in batches] for name, _, batches in got} == expected
+    weights = {n: w for n, w in zip(NAMES, (0.5, 0.2, 0.3)) if n in expected}
+    assert {n: share for n, share, _ in got} == pytest.approx({n: w / sum(weights.values()) for n, w in weights.items()})
+
+
 def test_held_out_sets_skip_a_source_that_holds_nothing_out(fx, tmp_path):
     """A source of one document holds none out: the others are read, their shares renormalised; when no
     source holds one out, one sentence says so."""

@@ -1009,3 +1009,13 @@ def test_e3_rows_give_m_per_size_and_budget(tmp_path, monkeypatch):
         if drop:
             assert [g[0] for g in got] == [pytest.approx(m[1][1]), pytest.approx(m[1][2])] and got[0][2] == 1
     assert got == [None, None]
+
+
+def test_validation_text_names_the_read_outs_set_and_is_empty_without_language_runs():
+    from fbt_megatron.research.study import validation_text
+
+    assert validation_text({"state_fbt_seed1": {"state_accuracy": {"1": [1.0]}}}) == ""
+    held = {"validation": "held_out", "val_loss": {"1": 3.0}, "validation_tokens": {"code": 10, "math": 2}}
+    assert "(code 10, math 2 tokens)" in validation_text({"a_seed1": held, "b_seed1": held})
+    assert validation_text({"a_seed1": {"val_loss": {"1": 3.0}}}).startswith("Validation on held-out documents")
+    assert "Read the runs out again" in validation_text({"a_seed1": held, "b_seed1": {"val_loss": {"1": 3.0}}})
