@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # What a research run writes into its folder (fbt train's outputs, the command, the log, the read-outs, a
-# killed atomic write's temporary file): a
-# folder holding only these and its command.json is the run's own, replaced when the command changes.
+# killed atomic write's temporary file): a folder holding only these and its command.json is the run's own,
+# replaced when the command changes.
 RUN_ENTRIES = ("command.json", "train.log", "checkpoints", "metrics.jsonl", "summary.json", "tensorboard",
                "profile", "readouts.json", "run.lock", TEMPORARY)
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron import runtime
-from fbt_megatron.logs import printer
 from fbt_megatron.files import write_text_atomic
+from fbt_megatron.logs import printer
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.resolve.plan import RunPlan
 
