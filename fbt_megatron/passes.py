@@ -45,17 +45,22 @@ def step_flops(passes: int, grad_mode: str, stack_flops: float, fusion_flops: fl
 
 
 class PassSchedule:
-    def __init__(self, config: PassScheduleConfig):
-        self.config = config
+    """``feedback=False`` (a model without a fusion, ``feedback.fusion: off``): one pass every step, whatever
+    the mix says, because without a fusion a second pass has no state to read."""
+
+    def __init__(self, config: PassScheduleConfig, *, feedback: bool = True):
+        self.config, self.feedback = config, feedback
         self._cumulative = np.cumsum(np.asarray(config.mix, dtype=np.float64))
         self._cumulative[-1] = 1.0  # guard the last bin against rounding
 
     @property
     def max_passes(self) -> int:
+        if not self.feedback:
+            return 1
         return max(i + 1 for i, p in enumerate(self.config.mix) if p > 0)
 
     def num_passes(self, step: int) -> int:
-        if step < self.config.feedback_start_step:
+        if not self.feedback or step < self.config.feedback_start_step:
             return 1
         # One independent, counter-based draw per step (Philox keyed by (seed, step)).
         u = np.random.Generator(np.random.Philox(key=self.config.seed, counter=[0, 0, 0, step])).random()

@@ -68,8 +68,8 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         raise PlanError(problems)
     from fbt_megatron.passes import PassSchedule
 
-    deepest = PassSchedule(recipe.schedule).max_passes
-    depth = recipe.eval.feedback_passes or (deepest if recipe.feedback.fusion != "off" else 1)
+    deepest = PassSchedule(recipe.schedule, feedback=recipe.feedback.fusion != "off").max_passes
+    depth = recipe.eval.feedback_passes or deepest
     eval_passes = [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, depth]
     return RunPlan(
         recipe=recipe, layout=layout, micro_batches_per_step=recipe.accumulation_steps(dp), precision=precision,

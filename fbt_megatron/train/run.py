@@ -184,7 +184,7 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     zero = StateFragments(engine, specs)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": plan.precision}
-    state, schedule = TrainState(), PassSchedule(recipe.schedule)
+    state, schedule = TrainState(), PassSchedule(recipe.schedule, feedback=recipe.feedback.fusion != "off")
     loader = TrainBatches(recipe, dp_rank, dp_size, data_config=data)
     trained = recipe if plan.data.build_embedded is None else recipe.model_copy(  # state.json names the mix
         update={"data": recipe.data.model_copy(update={"pipeline": plan.data.config})})
@@ -307,8 +307,9 @@ def fit(run: Run) -> None:
         if state.step < trainer.total_steps:
             log(f"training {recipe.name}: steps {state.step}->{trainer.total_steps} of {recipe.train.steps}, "
                 f"layout {run.layout}, global batch {recipe.global_batch_size} seq x {recipe.data.seq_length} tok, "
-                f"accumulation {run.plan.micro_batches_per_step}, feedback from step "
-                f"{recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})"
+                f"accumulation {run.plan.micro_batches_per_step}, "
+                + (f"feedback from step {recipe.schedule.feedback_start_step} (mix {recipe.schedule.mix})"
+                   if recipe.feedback.fusion != "off" else "one pass every step (feedback.fusion: off)")
                 + ("" if runtime.use_cuda() else f", CPU threads {torch.get_num_threads()}"))
             trainer.fit()
         else:  # e.g. `make train` again after a finished run: report on the checkpoint instead

@@ -117,3 +117,10 @@ def test_step_flops_count_every_pass_and_the_fused_ones():
         assert fusion_forwards(k, "last", fused_first_pass=True) == k + 2
         assert step_flops(k, "all", stack, fusion) == 3 * k * stack + 3 * (k - 1) * fusion
         assert step_flops(k, "last", stack, fusion, fused_first_pass=True) == (k + 2) * (stack + fusion)
+
+
+def test_without_feedback_every_step_is_one_pass():
+    config = PassScheduleConfig(feedback_start_step=0, seed=0, mix=[0.2, 0.5, 0.3])
+    schedule = PassSchedule(config, feedback=False)
+    assert schedule.max_passes == 1 and schedule.counts(0, 200) == {1: 200}
+    assert PassSchedule(config).counts(0, 200).keys() == {1, 2, 3}
