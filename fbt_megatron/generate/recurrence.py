@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from data_pipeline.documents import packed_documents
 from fbt_megatron.generate.decoder import FeedbackDecoder
 from fbt_megatron.model.fbt_gpt import FBTGPTModel
 
 
 def documents(doc_start: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(row, start, end)`` of every document of ``doc_start`` [B, S] (True at a document's first
-    token; a row's first token always starts one)."""
-    out = []
-    for row, starts in enumerate(doc_start.bool().cpu()):
-        first = [0] + [t for t in starts.nonzero().view(-1).tolist() if t > 0]
-        out += [(row, a, b) for a, b in zip(first, first[1:] + [starts.numel()])]
-    return out
+    token; a row's first token always starts one): the packed bounds of ``data_pipeline.documents``, per row."""
+    seq = doc_start.shape[1]
+    bounds = packed_documents(doc_start.cpu())[0].tolist()
+    return [(a // seq, a % seq, b - a // seq * seq) for a, b in zip(bounds, bounds[1:])]
 
 
 @torch.no_grad()
