@@ -192,11 +192,11 @@ def init_distributed(timeout_minutes: float = 10, *, timeout_s: float | None = N
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
         dist.init_process_group(backend(), timeout=timeout, **_elastic_store(timeout))
-    else:  # a world of one. MASTER_*/RANK stay unset so child processes don't inherit a taken
-        # port; LOCAL_RANK is set because DeepSpeed insists on it (harmless to inherit).
+    else:  # a world of one: an in-process store, no port (a port picked free could be taken before it is
+        # bound, by a run started beside this one). MASTER_*/RANK stay unset so child processes start their
+        # own; LOCAL_RANK is set because DeepSpeed insists on it (harmless to inherit).
         os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _elastic_store(timeout) -> dict:
