@@ -217,9 +217,15 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     timeout of Megatron's groups (TP, PP, DP, ...; megatron's default is 30 minutes)."""
     from megatron.core import parallel_state
 
+    global _groups_made_for
     install_cpu_shims()
     layout.data(dist.get_world_size())  # validates divisibility with a clear message
+    groups_for = (layout.tensor, layout.pipeline, layout.context, timeout_s, dist.group.WORLD)
     if parallel_state.model_parallel_is_initialized():
+        if _groups_made_for == groups_for:  # keep them: Megatron's destroy leaves the old groups open
+            set_seed(seed)
+            seed_model_parallel_rngs(seed)
+            return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor,
@@ -228,8 +234,12 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         create_gloo_process_groups=not use_cuda(),
         **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60.0}),
     )
+    _groups_made_for = groups_for
     set_seed(seed)
     seed_model_parallel_rngs(seed)
+
+
+_groups_made_for = None  # (tensor, pipeline, context, timeout, world group) Megatron's groups were made for
 
 
 PIPELINE_SEED_STRIDE = 100  # Megatron-LM's _set_random_seed: seed + 100 * pipeline rank

@@ -27,3 +27,22 @@ def test_a_world_of_one_starts_while_every_picked_port_is_taken():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "world 1" in done.stdout
+
+
+def test_the_same_layout_again_keeps_megatrons_groups(single_process):
+    """A process that loads several models (the study's read-outs) sets the layout once per model. Megatron's
+    destroy drops its groups without closing them, so a new set each time would leave the old ones open;
+    the same layout keeps the groups it made, and still seeds as asked. Another layout makes new ones."""
+    import torch
+    from megatron.core import parallel_state
+
+    from fbt_megatron import runtime
+
+    group = parallel_state.get_data_parallel_group()
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=7)
+    assert parallel_state.get_data_parallel_group() is group
+    drawn = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(3))
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=7, timeout_s=60)  # another collective timeout
+    assert parallel_state.get_data_parallel_group() is not group
