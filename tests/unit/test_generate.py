@@ -191,3 +191,28 @@ def test_exact_recurrence_of_packed_documents_is_the_sequential_reference(single
     model.model_config.attention_mask = "causal"
     with pytest.raises(ValueError, match="document_causal"):
         document_recurrence_logits(model, input_ids, doc_start)
+
+
+def test_exact_recurrence_loss_over_batches_decoded_together_is_each_batchs_reference(single_process):
+    """Batches of 3, 1 and 2 rows (the middle one without ``doc_start``: one document a row), their rows
+    decoded together two at a time, in groups that cut across batches, or all at once, or a batch at a
+    time: the token-weighted loss of each batch's own recurrence, written from the formulas
+    (``sequential_forward``) batch by batch, with a masked position."""
+    from fbt_megatron.generate.recurrence import exact_recurrence_loss
+    from fbt_megatron.model.sequential import sequential_forward
+    from tests.support.model_helpers import make_inputs
+
+    model = tiny_model(seed=4)
+    batches, total, weight = [], 0.0, 0.0
+    for rows, seed, marked in ((3, 1, True), (1, 2, False), (2, 3, True)):
+        ids, labels, starts = (t[:rows] for t in make_inputs(batch=max(rows, 2), seq=10, seed=seed))
+        starts = starts if marked else torch.zeros_like(starts)
+        mask = torch.ones(rows, 10)
+        mask[0, seed] = 0.0
+        batch = {"input_ids": ids, "labels": labels, "loss_mask": mask}
+        batches.append(batch | {"doc_start": starts} if marked else batch)
+        logits = sequential_forward(model, ids, doc_start=starts).logits[..., :model.model_config.vocab_size]
+        nll = -torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        total, weight = total + float((nll * mask).sum()), weight + float(mask.sum())
+    for rows_at_once in (2, 1, 256):
+        assert exact_recurrence_loss(model, batches, rows_at_once=rows_at_once) == pytest.approx(total / weight, rel=1e-6)
