@@ -64,6 +64,10 @@ class CheckpointState:
     def load_state_dict(self, saved: dict) -> None:
         self.train_state.load_state_dict(saved["train_state"])
         self.pass_schedule.load_state_dict(saved.get("pass_schedule", {}))
+        counts = self.train_state.pass_counts
+        if not self.pass_schedule.feedback and set(counts) - {"1"}:  # saved before a model without a fusion
+            # counted its steps as one pass: each of them ran one pass (the model ignores the pass count)
+            self.train_state.pass_counts = {"1": sum(counts.values())}
         if self.loader is not None:
             self.loader.load_state_dict(saved.get("data_cursor", {}).get("loader"))
         self._saved_callbacks = dict(saved.get("callbacks", {}))

@@ -320,7 +320,9 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
     single = shape.step_flops_per_token(1, grad_mode)
     factor = pass_factor(mix, grad_mode, shape) if recipe.feedback.fusion != "off" else 1.0
     tokens_per_step = recipe.tokens_per_step
-    start = min(recipe.schedule.feedback_start_step, recipe.train.steps)
+    # a model without a fusion runs one pass every step: all of it is the single-pass phase
+    start = min(recipe.schedule.feedback_start_step, recipe.train.steps) if recipe.feedback.fusion != "off" \
+        else recipe.train.steps
     phases = []
     for name, steps, f, kept in (("1: single-pass", start, 1.0, 1),
                                  (f"2: feedback mix {mix}", recipe.train.steps - start, factor, passes_kept)):

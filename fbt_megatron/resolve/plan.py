@@ -107,7 +107,9 @@ class RunPlan:
                                  for s, share in zip(self.data.config["sources"], _shares(self.data.config))]
                      if self.data.config else [],
                      "chat_template": self.data.chat_template is not None},
-            "passes": {"mix": list(r.schedule.mix), "feedback_start_step": r.schedule.feedback_start_step,
+            # without a fusion the schedule does not apply (one pass every step): its mix and switch are null
+            "passes": {"mix": list(r.schedule.mix) if r.feedback.fusion != "off" else None,
+                       "feedback_start_step": r.schedule.feedback_start_step if r.feedback.fusion != "off" else None,
                        "max_passes": self.max_passes, "feedback_depth": self.feedback_depth,
                        "eval_passes": list(self.eval_passes)},
             "steps": {"total": r.train.steps, "this_invocation": self.total_steps},

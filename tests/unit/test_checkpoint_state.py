@@ -43,3 +43,16 @@ def test_state_key_tells_instances_apart_and_round_trips():
     state.load_state_dict(saved)
     state.add_callbacks(loaded)
     assert [cb.n for cb in loaded] == [2, 1, 3]
+
+
+def test_a_model_without_fusion_resumes_counting_every_step_one_pass():
+    """Checkpoints of a model without a fusion, saved before its schedule said so, count the mix's draws
+    (steps that ran one pass each): loaded, they count one pass; a model with a fusion keeps its counts."""
+    recipe = Recipe.model_validate(tiny_recipe("run"))
+    saved = _state([]).state_dict()
+    saved["train_state"]["pass_counts"] = {"1": 5, "2": 3, "3": 1}
+    for feedback, want in ((False, {"1": 9}), (True, {"1": 5, "2": 3, "3": 1})):
+        state = CheckpointState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule, feedback=feedback),
+                                recipe=recipe, layout={})
+        state.load_state_dict(saved)
+        assert state.train_state.pass_counts == want

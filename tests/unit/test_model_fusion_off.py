@@ -44,15 +44,16 @@ def test_additive_fusion_is_symmetric_sum(single_process):
 
 def test_a_run_without_fusion_trains_one_pass_every_step(tmp_path, single_process):
     """The mix draws 2 and 3 passes from step 2 (TINY), but a model without a fusion has no state to read:
-    its steps are one pass each, in the history (and so in the pass counts and the MFU that training
-    logs), and its plan's deepest pass is 1."""
+    its steps are one pass each, in the history (which the MFU that training logs counts from) and the
+    pass counts, and its plan's deepest pass is 1."""
     from fbt_megatron.recipe import load_recipe
     from fbt_megatron.resolve.resolver import resolve_run
     from tests.support.training import tiny_recipe, train_fn
 
     data = tiny_recipe(tmp_path / "run", feedback={"fusion": "off"})
     assert resolve_run(load_recipe(data=data), 1).max_passes == 1
-    history = train_fn(data)["history"]
-    assert [h[1] for h in history] == [1] * 6
+    summary = train_fn(data)
+    assert [h[1] for h in summary["history"]] == [1] * 6
+    assert summary["pass_counts"] == {"1": 6}
     with_fusion = tiny_recipe(tmp_path / "run", feedback={"fusion": "glu"})
     assert resolve_run(load_recipe(data=with_fusion), 1).max_passes == 3  # the same mix with a fusion

@@ -150,3 +150,15 @@ def test_bf16_gradients_and_reduction_buckets_by_hand():
     assert capped.detail["reduce_buckets"] == 5e8 * 4  # 11.4e9 parameters: the bucket is capped
     assert gradient_buffers(1, 1, fp32=False) == {"half_grad_bytes": 2, "half_grads_released": True}
     assert gradient_buffers(2, 8, fp32=True) == {"reduce_bucket_bytes": 4}
+
+
+def test_a_model_without_fusion_is_planned_as_one_single_pass_phase(tmp_path):
+    """``fbt plan`` and the resolved run of a standard model (``feedback.fusion=off``): every step one pass, so
+    one single-pass phase of all the steps, and no mix or switch in the resolved passes."""
+    from fbt_megatron.resolve.resolver import resolve_run
+
+    recipe = load_recipe("recipes/tiny.yaml", ["feedback.fusion=off", f"run_dir={tmp_path / 'run'}"])
+    pl = plan(recipe, 1, "cpu", 0.3, peak=1e12)
+    assert [(p["name"], p["steps"]) for p in pl.phases] == [("1: single-pass", recipe.train.steps)]
+    passes = resolve_run(recipe, 1).derived()["passes"]
+    assert (passes["mix"], passes["feedback_start_step"], passes["max_passes"]) == (None, None, 1)
