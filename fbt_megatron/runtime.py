@@ -288,6 +288,8 @@ def set_seed(seed: int) -> None:
 def shutdown() -> None:
     from megatron.core import parallel_state
 
+    global _groups_made_for
+    _groups_made_for = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

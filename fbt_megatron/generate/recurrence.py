@@ -18,30 +18,42 @@ from fbt_megatron.model.fbt_gpt import FBTGPTModel
 def documents(doc_start: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(row, start, end)`` of every document of ``doc_start`` [B, S] (True at a document's first
     token; a row's first token always starts one): the packed bounds of ``data_pipeline.documents``, per row."""
-    seq = doc_start.shape[1]
+    rows, seq = doc_start.shape
+    if rows * seq == 0:
+        return []
     bounds = packed_documents(doc_start.cpu())[0].tolist()
     return [(a // seq, a % seq, b - a // seq * seq) for a, b in zip(bounds, bounds[1:])]
+
+
+LOGITS_AT_ONCE = 2 ** 27  # logits held at once (512 MiB of float32): the rows decoded together, a session's documents
 
 
 @torch.no_grad()
 def document_recurrence_logits(model: FBTGPTModel, input_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
                                documents_at_once: int = 256) -> torch.Tensor:
     """Logits [B, S, V] (the logical vocabulary) of the exact recurrence over ``input_ids`` [B, S], each
-    document (``doc_start``; None: one a row) decoded alone, ``documents_at_once`` in a batch."""
+    document (``doc_start``; None: one a row) decoded alone, up to ``documents_at_once`` in a session
+    (fewer where their logits would pass :data:`LOGITS_AT_ONCE`), documents of like length together."""
     if model.feedback is None:
         raise ValueError("feedback.fusion='off' has no recurrence to run")
     if model.model_config.attention_mask != "document_causal":
         raise ValueError("the exact recurrence document by document needs attention_mask='document_causal' "
                          "(under 'causal' a document attends to the ones before it in its row)")
     rows, seq = input_ids.shape
+    vocab = model.model_config.vocab_size
     if doc_start is None:
         doc_start = torch.zeros(rows, seq, dtype=torch.bool)
     docs = sorted(documents(doc_start), key=lambda d: d[2] - d[1])  # a session as wide as its longest document
     ids = input_ids.cpu().tolist()
     decoder = FeedbackDecoder(model, "feedback", "exact")
-    out = torch.empty(rows, seq, model.model_config.vocab_size)
-    for i in range(0, len(docs), documents_at_once):
-        chunk = docs[i:i + documents_at_once]
+    out = torch.empty(rows, seq, vocab)
+    i = 0
+    while i < len(docs):
+        n = 1
+        while (i + n < len(docs) and n < documents_at_once
+               and (n + 1) * (docs[i + n][2] - docs[i + n][1]) * vocab <= LOGITS_AT_ONCE):
+            n += 1
+        chunk, i = docs[i:i + n], i + n
         session = decoder.session([ids[r][a:b] for r, a, b in chunk], 0, padding="right")
         _, every = session.prefill(return_all=True)  # [n, W, V]: right padding, a document's tokens first
         for j, (r, a, b) in enumerate(chunk):
@@ -50,17 +62,17 @@ def document_recurrence_logits(model: FBTGPTModel, input_ids: torch.Tensor, doc_
 
 
 @torch.no_grad()
-def exact_recurrence_loss(model: FBTGPTModel, batches: list[dict], rows_at_once: int = 256) -> float:
+def exact_recurrence_loss(model: FBTGPTModel, batches: list[dict], rows_at_once: int | None = None) -> float:
     """The token-weighted mean cross entropy of the exact recurrence over ``batches`` (``input_ids``,
-    ``labels``, ``loss_mask``, ``doc_start``), as validation weighs it. The rows of consecutive batches are
-    decoded together, about ``rows_at_once`` at a time: a decoding step costs much the same for one
-    document as for a hundred at small sizes, so fewer, wider steps."""
+    ``labels``, ``loss_mask``, ``doc_start``), as validation weighs it. The rows of consecutive batches of
+    one width are decoded together, about ``rows_at_once`` at a time (None: as many as
+    :data:`LOGITS_AT_ONCE` holds the logits of): a decoding step costs much the same for one document as
+    for a hundred at small sizes, so fewer, wider steps."""
     total = weight = 0.0
     group: list[dict] = []
-    for i, batch in enumerate(batches):
-        group.append(batch)
-        if sum(b["input_ids"].shape[0] for b in group) < rows_at_once and i + 1 < len(batches):
-            continue
+
+    def decode(group: list[dict]) -> None:
+        nonlocal total, weight
         ids = torch.cat([b["input_ids"].cpu() for b in group])
         starts = torch.cat([b["doc_start"].cpu() if b.get("doc_start") is not None
                             else torch.zeros(b["input_ids"].shape, dtype=torch.bool) for b in group])
@@ -74,5 +86,15 @@ def exact_recurrence_loss(model: FBTGPTModel, batches: list[dict], rows_at_once:
             total += float((nll * mask).sum())
             weight += float(mask.sum())
             row += n
-        group = []
+
+    for batch in batches:
+        width = batch["input_ids"].shape[1]
+        limit = rows_at_once or max(1, LOGITS_AT_ONCE // (width * model.model_config.vocab_size))
+        if group and (group[0]["input_ids"].shape[1] != width
+                      or sum(b["input_ids"].shape[0] for b in group) + batch["input_ids"].shape[0] > limit):
+            decode(group)
+            group = []
+        group.append(batch)
+    if group:
+        decode(group)
     return total / max(weight, 1.0)

@@ -193,21 +193,23 @@ def test_exact_recurrence_of_packed_documents_is_the_sequential_reference(single
         document_recurrence_logits(model, input_ids, doc_start)
 
 
-def test_exact_recurrence_loss_over_batches_decoded_together_is_each_batchs_reference(single_process):
-    """Batches of 3, 1 and 2 rows (the middle one without ``doc_start``: one document a row), their rows
-    decoded together two at a time, in groups that cut across batches, or all at once, or a batch at a
-    time: the token-weighted loss of each batch's own recurrence, written from the formulas
-    (``sequential_forward``) batch by batch, with a masked position."""
-    from fbt_megatron.generate.recurrence import exact_recurrence_loss
+def test_exact_recurrence_loss_over_batches_decoded_together_is_each_batchs_reference(single_process, monkeypatch):
+    """Batches of 3, 1, 2 and 2 rows (the second without ``doc_start``: one document a row; the last 12
+    tokens wide), their rows decoded together two at a time, a batch at a time, all of one width at once,
+    or as a budget of logits allows (sessions of at most 3 documents of 10 tokens): the token-weighted loss
+    of each batch's own recurrence, written from the formulas (``sequential_forward``) batch by batch, with
+    a masked position."""
+    from fbt_megatron.generate import recurrence
+    from fbt_megatron.generate.recurrence import documents, exact_recurrence_loss
     from fbt_megatron.model.sequential import sequential_forward
     from tests.support.model_helpers import make_inputs
 
     model = tiny_model(seed=4)
     batches, total, weight = [], 0.0, 0.0
-    for rows, seed, marked in ((3, 1, True), (1, 2, False), (2, 3, True)):
-        ids, labels, starts = (t[:rows] for t in make_inputs(batch=max(rows, 2), seq=10, seed=seed))
+    for rows, seed, marked, seq in ((3, 1, True, 10), (1, 2, False, 10), (2, 3, True, 10), (2, 4, True, 12)):
+        ids, labels, starts = (t[:rows] for t in make_inputs(batch=max(rows, 2), seq=seq, seed=seed))
         starts = starts if marked else torch.zeros_like(starts)
-        mask = torch.ones(rows, 10)
+        mask = torch.ones(rows, seq)
         mask[0, seed] = 0.0
         batch = {"input_ids": ids, "labels": labels, "loss_mask": mask}
         batches.append(batch | {"doc_start": starts} if marked else batch)
@@ -216,3 +218,10 @@ def test_exact_recurrence_loss_over_batches_decoded_together_is_each_batchs_refe
         total, weight = total + float((nll * mask).sum()), weight + float(mask.sum())
     for rows_at_once in (2, 1, 256):
         assert exact_recurrence_loss(model, batches, rows_at_once=rows_at_once) == pytest.approx(total / weight, rel=1e-6)
+    monkeypatch.setattr(recurrence, "LOGITS_AT_ONCE", 3 * 10 * model.model_config.vocab_size)
+    sessions, session = [], recurrence.FeedbackDecoder.session
+    monkeypatch.setattr(recurrence.FeedbackDecoder, "session",
+                        lambda self, prompts, *a, **k: sessions.append(prompts) or session(self, prompts, *a, **k))
+    assert exact_recurrence_loss(model, batches) == pytest.approx(total / weight, rel=1e-6)
+    assert max(len(p) * max(map(len, p)) for p in sessions) <= 3 * 10 and sum(map(len, sessions)) == 6 + 1 + 5 + 5
+    assert documents(torch.zeros(0, 10, dtype=torch.bool)) == []
