@@ -3,13 +3,13 @@ study's read-out ran) against each document decoded through the KV cache
 (``fbt_megatron.generate.recurrence``), side by side on the same rows, with the largest logit difference.
 Then the validation loss through the cache over ``--loss-rows`` rows in micro-batches of ``--micro-batch``:
 decoded a micro-batch at a time (what the read-out ran up to 2026-12-06) against ``--rows-at-once`` rows
-at a time, side by side, with the two losses.
+at a time (default: as many as ``recurrence.LOGITS_AT_ONCE`` holds), side by side, with the two losses.
 
 The model is the research recipe's tiny one at its initialisation (the cost does not depend on the
 weights); rows of ``--seq`` tokens hold documents of random lengths around ``--doc-length``.
 
 Usage: python benchmarks/bench_exact_recurrence.py [--rows 16] [--seq 128] [--doc-length 40] [--repeats 2]
-           [--loss-rows 256] [--micro-batch 8] [--rows-at-once 128] [--skip-jacobi]
+           [--loss-rows 256] [--micro-batch 8] [--rows-at-once N] [--skip-jacobi]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--loss-rows", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--rows-at-once", type=int, default=128)
+    ap.add_argument("--rows-at-once", type=int, default=None, help="default: as many as the logit budget holds")
     ap.add_argument("--skip-jacobi", action="store_true")
     a = ap.parse_args(argv)
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                for i in range(0, a.loss_rows, a.micro_batch)]
     times = side_by_side({f"a micro-batch ({a.micro_batch} rows) at a time":
                           lambda: exact_recurrence_loss(model, batches, rows_at_once=a.micro_batch),
-                          f"{a.rows_at_once} rows at a time":
+                          f"{a.rows_at_once or 'the budget of'} rows at a time":
                           lambda: exact_recurrence_loss(model, batches, rows_at_once=a.rows_at_once)}, a.repeats)
     losses = " / ".join(f"{t[1]:.9f}" for t in times.values())
     report(f"the validation loss over {a.loss_rows} rows", times, f"losses {losses}")
