@@ -209,7 +209,7 @@ class FeedbackConfig(StrictModel):
 
 
 class PassScheduleConfig(StrictModel):
-    """Passes per global batch: 1 until ``feedback_start_step``, then drawn from ``mix``.
+    """Passes per global batch: 1 until ``feedback_start_step``, then drawn from ``mix``; always 1 without a fusion (``feedback.fusion: off``).
 
     ``mix[i]`` is the probability of i+1 passes (default 75% 1-pass, 22% 2-pass, 3% 3-pass).
     ``seed`` keys the draws; a recipe that does not set it uses the recipe's ``seed`` (a checkpoint
