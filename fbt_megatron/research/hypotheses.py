@@ -316,6 +316,12 @@ HYPOTHESES = [
                -1, pending="running"),
     Hypothesis("recipe", "FBT's 1-pass mode is behind the standard model (the recipe's deficit)", "E1 (as above)",
                "1 pass − standard, equal tokens", _cmp(E1, X10, "1-pass - standard_untied"), +1, pending="running"),
+    # the mechanism: does the fed-back mode's gain survive when the 1-pass deficit closes?
+    Hypothesis("recipe", "2 passes beat 1 pass under the unchanged recipe", "E1 (as above)", "2 passes − 1 pass",
+               _cmp(E1, X10, "2-pass - 1-pass"), -1, pending="running"),
+    Hypothesis("recipe", "with `loss_on: mean`, 2 passes still beat 1 pass (the fed-back gain survives)",
+               "E1 (as above)", "2 passes − 1 pass", _cmp(E1, f"{X10}_loss_mean", "2-pass - 1-pass"), -1,
+               pending="running"),
     Hypothesis("recipe", "with `loss_on: mean`, the model still reads its fed-back state", "E1, S3 state task",
                "accuracy past L: exact − 1 pass (`loss_on: mean`)",
                _paired(E1, lambda rep: (state_past_by_seed(rep, f"state_{X10}_loss_mean", "1"),

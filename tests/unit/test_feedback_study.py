@@ -756,7 +756,7 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
         readouts[f"{base}_loss_mean_seed{seed}"]["answers"] = {
             "standard": {"answer_nll": 1.8 + shift}, "feedback_fused": {"answer_nll": 1.75 + 3 * shift}}
     e1 = [h for h in HYPOTHESES if h.experiment.startswith("E1")]
-    assert len(e1) == 8 and all(row_cells(h, Reports(tmp_path))[-1] == "running" for h in e1)
+    assert len(e1) == 10 and all(row_cells(h, Reports(tmp_path))[-1] == "running" for h in e1)
     report = {"comparisons": summarise({n: {} for n in readouts}, readouts), "readouts": readouts}
     (tmp_path / f"feedback_study_{E1}.json").write_text(json.dumps(report))
     rows = {h.claim: row_cells(h, Reports(tmp_path)) for h in e1}
@@ -764,6 +764,9 @@ def test_e1_rows_read_the_comparisons_the_study_writes(tmp_path):
     assert rows["a switch at 50 % of the steps narrows the gap"][4].startswith("-0.010 [")  # 4.09 - 4.10
     assert rows["with `loss_on: mean`, FBT is ahead of the standard model"][4].startswith("+0.080 [")  # 4.03 - 3.95
     assert rows["FBT's 1-pass mode is behind the standard model (the recipe's deficit)"][4].startswith("+0.210 [")
+    # 2 passes - 1 pass: the unchanged recipe 4.10 - 4.16 + shift, loss_mean 4.06 - 4.03 + shift
+    assert rows["2 passes beat 1 pass under the unchanged recipe"][4].startswith("-0.060 [")
+    assert rows["with `loss_on: mean`, 2 passes still beat 1 pass (the fed-back gain survives)"][4].startswith("+0.030 [")
     t2 = T_975_DF2
     half = t2 * 0.02 / 3 ** 0.5  # shifts 0, +0.02, -0.02: standard deviation 0.02, standard error 0.02 / sqrt(3)
     # past L: loss_mean exact (0.9 + 0.7) / 2 + shift against its 1 pass's 0.5: +0.3 + shift
