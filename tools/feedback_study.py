@@ -104,6 +104,9 @@ RECIPE_VARIANTS = {"loss_mean": lambda steps: ["feedback.loss_on=mean"],
 # on data seed 0, 64 validation sequences every 100 steps.
 SEED_ORDER = ["data.valid_sequences=512", "eval.every=200"]
 GROUPS = ("main", "compute", "stabilisers", "state", "recipe", "form", "budget")
+# The loss rule of every FBT run that names none: the research recipe's default before E1 (issue 59) made it
+# `loss_on: mean`, kept so that each run's name still means what it meant (``*_loss_mean``: every pass).
+LOSS_RULE = "feedback.loss_on=last"
 FBT_RECIPES = ("base", *RECIPE_VARIANTS)  # --fbt-recipe: the E1 recipe of the form and budget groups' FBT runs
 STATE_TASK = ["data.source=synthetic", "data.synthetic.task=state_tracking", "data.synthetic.group=symmetric",
               "data.synthetic.group_size=3", "data.synthetic.vocab_size=6", "data.seq_length=32",
@@ -210,7 +213,14 @@ def plan(groups: list[str], scale: str, smoke: bool, steps: int | None = None,
                 # fbt_heavy_untied_stepsN_fusion_lr_x10 with standard_untied_stepsN (study.same_change_baseline)
                 suffix, fbt = recipe_fbt(at, n, fbt_recipe)
                 runs[f"fbt_heavy_untied{tag}_fusion_lr_x10{suffix}"] = fbt
-    return runs
+    return {name: pin_loss_rule(overrides) for name, overrides in runs.items()}
+
+
+def pin_loss_rule(overrides: list[str]) -> list[str]:
+    """An FBT run's ``overrides`` with :data:`LOSS_RULE` where they set no loss rule (a standard run's as given)."""
+    if "feedback.fusion=off" in overrides or any(o.startswith("feedback.loss_on=") for o in overrides):
+        return overrides
+    return overrides + [LOSS_RULE]
 
 
 def run_overrides(runs: dict[str, list[str]], name: str, seed: int, shared_order: bool = False) -> list[str]:
