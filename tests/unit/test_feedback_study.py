@@ -1022,3 +1022,28 @@ def test_validation_text_names_the_read_outs_set_and_is_empty_without_language_r
     assert "(code 10, math 2 tokens)" in validation_text({"a_seed1": held, "b_seed1": held})
     assert validation_text({"a_seed1": {"val_loss": {"1": 3.0}}}).startswith("Validation on held-out documents")
     assert "Read the runs out again" in validation_text({"a_seed1": held, "b_seed1": {"val_loss": {"1": 3.0}}})
+
+
+def test_every_fbt_run_keeps_the_loss_rule_its_name_says(monkeypatch):
+    """The research recipe's default is ``loss_on: mean`` (E1); the study's FBT runs that name no rule were
+    all trained with the loss on the last pass, and are planned so in every group, scale and protocol: only
+    the ``_loss_mean`` runs average the passes. Standard runs get no loss rule (their commands stay as they
+    were, so their unfinished folders resume)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from feedback_study import FBT_RECIPES, GROUPS, RECIPE, plan
+
+    from fbt_megatron.recipe import load_recipe
+
+    assert load_recipe(ROOT / RECIPE).feedback.loss_on == "mean"
+    seen = set()
+    for scale, lr, shared, fbt_recipe in (("tiny", None, True, "base"), ("medium", 6e-4, False, "loss_mean"),
+                                          ("tiny", 1e-3, False, "switch50")):
+        assert fbt_recipe in FBT_RECIPES
+        for name, overrides in plan(list(GROUPS), scale, False, 1200, lr, shared, fbt_recipe).items():
+            if "feedback.fusion=off" in overrides:
+                assert not any(o.startswith("feedback.loss_on=") for o in overrides), name
+                continue
+            want = "mean" if name.endswith("_loss_mean") else "last"
+            assert load_recipe(ROOT / RECIPE, overrides).feedback.loss_on == want, name
+            seen.add(want)
+    assert seen == {"mean", "last"}
