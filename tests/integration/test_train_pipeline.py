@@ -97,3 +97,18 @@ def test_nonfinite_steps_are_skipped_alike_at_pp1_and_pp2(tmp_path):
             assert math.isfinite(x) == math.isfinite(y), f"step {step}: {what} {x} (PP=1) vs {y} (PP=2)"
             if math.isfinite(x):
                 assert abs(x - y) < TOL, f"step {step}: {what} {x} (PP=1) vs {y} (PP=2)"
+
+
+def test_a_model_without_fusion_trains_past_the_switch_at_pp2(tmp_path):
+    """A standard model (``feedback.fusion=off``) at PP=2 runs one pass every step past the switch (the
+    pipeline schedule refuses more passes without a fusion) and follows its PP=1 run."""
+    def off(run_dir, **parallel):
+        r = recipe(run_dir, **parallel)
+        r["feedback"] = {"fusion": "off"}
+        r["checkpoint"]["at_end"] = False
+        return r
+
+    one = run_distributed(train_fn, 1, off(tmp_path / "pp1"))[0]
+    assert [h[1] for h in one["history"]] == [1] * 6
+    for summary in run_distributed(train_fn, 2, off(tmp_path / "pp2", pipeline=2, zero_stage=1)):
+        assert_follows(one, summary)
