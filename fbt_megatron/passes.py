@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fbt_megatron.config import GRAD_MODES, PassScheduleConfig
+from fbt_megatron.config import GRAD_MODES, FeedbackConfig, PassScheduleConfig
 
 
 def _check_grad_mode(grad_mode: str) -> None:
@@ -52,6 +52,11 @@ class PassSchedule:
         self.config, self.feedback = config, feedback
         self._cumulative = np.cumsum(np.asarray(config.mix, dtype=np.float64))
         self._cumulative[-1] = 1.0  # guard the last bin against rounding
+
+    @classmethod
+    def of(cls, config: PassScheduleConfig, feedback: FeedbackConfig) -> PassSchedule:
+        """The schedule a model with ``feedback`` trains by: one pass every step where its fusion is off."""
+        return cls(config, feedback=feedback.fusion != "off")
 
     @property
     def max_passes(self) -> int:

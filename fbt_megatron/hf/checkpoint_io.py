@@ -153,6 +153,7 @@ def save_initial_checkpoint(run_dir: Path, model, recipe) -> Path:
 
     specs = param_specs(model)  # before DeepSpeed wraps the model (ZeRO-3 empties parameters)
     engine = Engine(model, recipe)
-    state = CheckpointState(train_state=TrainState(), pass_schedule=PassSchedule(recipe.schedule, feedback=recipe.feedback.fusion != "off"), recipe=recipe,
-                          layout={"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage})
+    state = CheckpointState(train_state=TrainState(), pass_schedule=PassSchedule.of(recipe.schedule, recipe.feedback),
+                            recipe=recipe,
+                            layout={"tensor": 1, "pipeline": 1, "data": 1, "zero_stage": recipe.parallel.zero_stage})
     return CheckpointManager(Path(run_dir) / "checkpoints").save(0, StateFragments(engine, specs), state.state_dict())

@@ -209,7 +209,7 @@ def hf_config(recipe, prov: dict, tokens: dict, dtype: str) -> dict:
     fields = mapping.hf_config_fields(recipe.model, recipe.feedback)
     from fbt_megatron.passes import PassSchedule
 
-    deepest = PassSchedule(recipe.schedule, feedback=recipe.feedback.fusion != "off").max_passes  # trained
+    deepest = PassSchedule.of(recipe.schedule, recipe.feedback).max_passes  # trained
     cfg = {
         "architectures": ["FBTForCausalLM"],
         # AutoModel: the bare stack, which refuses vLLM's Transformers backend naming the vLLM plugin

@@ -56,13 +56,14 @@ def train_toy_model(setup: ToySetup, fusion: str, seed: int, steps: int | None =
     rng = np.random.default_rng(seed)
     vocab = make_batch(setup, np.random.default_rng(0), batch=1).vocab_size
     model = build_toy_model(setup, fusion, seed, vocab)
-    schedule = PassSchedule(PassScheduleConfig(feedback_start_step=0, mix=list(setup.mix), seed=seed))
+    schedule = PassSchedule.of(PassScheduleConfig(feedback_start_step=0, mix=list(setup.mix), seed=seed),
+                               model.feedback_config)
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
     model.train()
     losses = []
     for step in range(setup.steps if steps is None else steps):
         t = _tensors(make_batch(setup, rng))
-        k = schedule.num_passes(step) if fusion != "off" else 1
+        k = schedule.num_passes(step)
         out = model(t["input_ids"], labels=t["labels"], num_passes=k, jitter_seed=seed * 100_003 + step)
         loss = (out.token_loss * t["loss_mask"]).sum() / t["loss_mask"].sum()
         opt.zero_grad(set_to_none=True)

@@ -68,7 +68,7 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         raise PlanError(problems)
     from fbt_megatron.passes import PassSchedule
 
-    deepest = PassSchedule(recipe.schedule, feedback=recipe.feedback.fusion != "off").max_passes
+    deepest = PassSchedule.of(recipe.schedule, recipe.feedback).max_passes
     depth = recipe.eval.feedback_passes or deepest
     eval_passes = [1] if recipe.feedback.fusion == "off" else recipe.eval.passes or [1, depth]
     return RunPlan(

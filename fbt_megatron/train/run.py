@@ -184,7 +184,7 @@ def build(plan: RunPlan, preemption, *, print_fn=log_info, checkpoint_fault_hook
     zero = StateFragments(engine, specs)
     layout = {"tensor": recipe.parallel.tensor, "pipeline": recipe.parallel.pipeline, "data": dp_size,
               "zero_stage": recipe.parallel.zero_stage, "dtype": plan.precision}
-    state, schedule = TrainState(), PassSchedule(recipe.schedule, feedback=recipe.feedback.fusion != "off")
+    state, schedule = TrainState(), PassSchedule.of(recipe.schedule, recipe.feedback)
     loader = TrainBatches(recipe, dp_rank, dp_size, data_config=data)
     trained = recipe if plan.data.build_embedded is None else recipe.model_copy(  # state.json names the mix
         update={"data": recipe.data.model_copy(update={"pipeline": plan.data.config})})
