@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from fbt_megatron.launch.plan import GB, Layout, Shape, memory_per_gpu, pass_factor, plan
+from fbt_megatron.launch.plan import GB, Layout, Shape, format_plan, memory_per_gpu, pass_factor, plan
 from fbt_megatron.recipe import load_recipe
 
 
@@ -160,5 +160,7 @@ def test_a_model_without_fusion_is_planned_as_one_single_pass_phase(tmp_path):
     recipe = load_recipe("recipes/tiny.yaml", ["feedback.fusion=off", f"run_dir={tmp_path / 'run'}"])
     pl = plan(recipe, 1, "cpu", 0.3, peak=1e12)
     assert [(p["name"], p["steps"]) for p in pl.phases] == [("1: single-pass", recipe.train.steps)]
+    (flops,) = [line for line in format_plan(pl, recipe, 1, "cpu", 0.3, 1e12).splitlines() if line.startswith("FLOPs")]
+    assert "no feedback mix (feedback.fusion: off" in flops and "x1.000" not in flops, flops
     passes = resolve_run(recipe, 1).derived()["passes"]
     assert (passes["mix"], passes["feedback_start_step"], passes["max_passes"]) == (None, None, 1)
