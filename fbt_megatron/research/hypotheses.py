@@ -200,6 +200,7 @@ PAST_L = "state accuracy past the layer count: "
 # every recipe at 1x, so only those runs tell which one E3 trained.
 MEDIUM = "medium_1200_lr0.0006_orders"
 FBT_RECIPE_SUFFIXES = ("", "_loss_mean", "_switch50")  # --fbt-recipe base, loss_mean, switch50
+RECIPE_LABELS = {"": "loss_on: last", "_loss_mean": "loss_on: mean", "_switch50": "switch at 50 %"}
 E3_STEPS = 1200  # 1x the budget at both sizes: E1's runs (tiny) and E2's (medium)
 
 
@@ -418,20 +419,35 @@ def summary_table(reports: Reports) -> str:
                  [row_cells(h, reports) for h in HYPOTHESES])
 
 
+def multiplier_rows(reports: Reports) -> list[tuple[str, int, dict[int, float]]]:
+    """``(experiment, FBT steps, {seed: m})`` for each budget of the earlier tiny study (3e-3, one data order)
+    and of E3 at each size (1x and 2x), in that order; a budget with no seed yet has ``{}``."""
+    rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps)) for steps in BUDGETS]
+    for stem, where in ((E1, "E3: tiny, 1e-3"), (MEDIUM, "E3: medium, 6e-4")):
+        report = reports(stem)
+        suffix = fbt_recipe_suffix(report, lambda s: budget_kinds(E3_STEPS, 2, s)[1])
+        recipe = f", {RECIPE_LABELS[suffix]}" if suffix is not None else ""
+        for factor in (1, 2):
+            rows.append((where + recipe, factor * E3_STEPS, budget_multipliers(report, factor)))
+    return rows
+
+
 def multiplier_table(reports: Reports) -> str:
-    """The markdown table of m per seed at each tiny budget, with its mean and t-interval."""
+    """The markdown table of m per seed for each experiment and budget (:func:`multiplier_rows`), with its
+    mean and t-interval; budgets not run yet say so."""
     from fbt_megatron.research.report import table
 
     rows = []
-    for steps in BUDGETS:
-        m = tiny_multipliers(reports, steps)
+    for where, steps, m in multiplier_rows(reports):
+        tokens = f"{steps} ({steps * TOKENS_PER_STEP / 1e6:.2f} M)"
         got = estimate(m)
         if got is None:
+            rows.append([where, tokens, "not run yet", "–", "–"])
             continue
         lo, hi = t_interval(*got)
-        rows.append([f"{steps} ({steps * TOKENS_PER_STEP / 1e6:.2f} M)", " / ".join(f"{m[s]:.2f}×" for s in sorted(m)),
+        rows.append([where, tokens, " / ".join(f"{m[s]:.2f}×" for s in sorted(m)), ", ".join(map(str, sorted(m))),
                      f"{got[0]:.2f}× [{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) else f"{got[0]:.2f}×"])
-    return table(["FBT steps (tokens)", "m, per seed", "mean [95 % t-interval]"], rows)
+    return table(["experiment", "FBT steps (tokens)", "m, per seed", "seeds", "mean [95 % t-interval]"], rows)
 
 
 def replace_summary(document: str, table_text: str, begin: str = BEGIN, end: str = END) -> str:
