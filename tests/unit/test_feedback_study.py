@@ -1051,23 +1051,33 @@ def test_every_fbt_run_keeps_the_loss_rule_its_name_says(monkeypatch):
 
 def test_multiplier_table_gives_m_per_seed_for_each_size_and_budget(tmp_path):
     """The token multiplier's table: the earlier tiny budgets, then E3's 1x and 2x at each size with the FBT
-    recipe of its runs, each seed's m (by hand from the formula) and the seeds; budgets without runs say so."""
+    recipe of its runs, each seed's m at FBT's best mode (by hand from the formula), the seeds, and the mean
+    with its t-interval (t(0.975, 1) = 12.706); budgets without runs say so."""
     from fbt_megatron.research.hypotheses import E1, MEDIUM, Reports, multiplier_table
 
     x10, two = "fbt_heavy_untied_fusion_lr_x10_loss_mean", "fbt_heavy_untied_steps2400_fusion_lr_x10_loss_mean"
+    standard = {1: (4.3, 4.1, 3.9), 3: (4.4, 4.2, 4.0)}  # 600, 1200, 2400 steps
+    fbt = {1: (4.2, 3.95), 3: (4.25, 4.15)}  # the best mode (2 passes) at 1x and 2x; 1 pass 0.3 worse
     readouts = {}
-    for seed, shift in ((1, 0.0), (3, 0.1)):
-        for kind, loss in (("standard_untied_steps600", 4.3), ("standard_untied", 4.1),
-                           ("standard_untied_steps2400", 3.9), (x10, 4.2), (two, 3.95)):
-            readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss + shift}}
-    (tmp_path / f"feedback_study_{E1}.json").write_text(json.dumps({"comparisons": {}, "readouts": readouts}))
+    for seed in standard:
+        for kind, loss in zip(("standard_untied_steps600", "standard_untied", "standard_untied_steps2400"),
+                              standard[seed]):
+            readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss}}
+        for kind, loss in zip((x10, two), fbt[seed]):
+            readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss + 0.3, "2": loss}}
+    report = {"comparisons": {x10: {"best mode": "2"}, two: {"best mode": "2"}}, "readouts": readouts}
+    (tmp_path / f"feedback_study_{E1}.json").write_text(json.dumps(report))
     text = multiplier_table(Reports(tmp_path))
     rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in text.splitlines()[2:]}
-    # 4.2 lies halfway (in log tokens) from 600 to 1200 steps: m = 600 * 2^0.5 / 1200 = 0.71; 3.95 three
-    # quarters from 1200 to 2400: m = 1200 * 2^0.75 / 2400 = 0.84, for both seeds (the shift moves every loss alike)
-    for steps, m in (("1200 (2.46 M)", "0.71"), ("2400 (4.92 M)", "0.84")):
-        cells = [c.strip() for c in rows[("E3: tiny, 1e-3, loss_on: mean", steps)].strip("|").split("|")]
-        assert cells[2:4] == [f"{m}× / {m}×", "1, 3"] and cells[4].startswith(f"{m}×"), cells
+    # seed 1: 4.2 halfway (in log tokens) from 600 to 1200 steps, m = 600 * 2^0.5 / 1200; 3.95 three quarters
+    # from 1200 to 2400, m = 1200 * 2^0.75 / 2400. Seed 3: 4.25 three quarters from 600 to 1200, m = 2^0.75 / 2;
+    # 4.15 a quarter from 1200 to 2400, m = 2^0.25 / 2.
+    m = {1200: (2 ** 0.5 / 2, 2 ** 0.75 / 2), 2400: (2 ** 0.75 / 2, 2 ** 0.25 / 2)}
+    for steps, (m1, m3) in m.items():
+        mean, half = (m1 + m3) / 2, 12.706 * abs(m1 - m3) / 2
+        cells = [c.strip() for c in rows[("E3: tiny, 1e-3, loss_on: mean", f"{steps} ({steps * 2048 / 1e6:.2f} M)")]
+                 .strip("|").split("|")]
+        assert cells[2:] == [f"{m1:.2f}× / {m3:.2f}×", "1, 3", f"{mean:.2f}× [{mean - half:.2f}, {mean + half:.2f}]"], cells
     for steps in ("1200 (2.46 M)", "2400 (4.92 M)"):
         assert "not run yet" in rows[("E3: medium, 6e-4", steps)]
     assert all("not run yet" in rows[("tiny, 3e-3, one data order", f"{s} ({s * 2048 / 1e6:.2f} M)")]
