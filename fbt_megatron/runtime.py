@@ -226,7 +226,11 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
             set_seed(seed)
             seed_model_parallel_rngs(seed)
             return
-        parallel_state.destroy_model_parallel()
+        old_groups = megatron_groups()
+        parallel_state.destroy_model_parallel()  # drops its references to the groups, closes only some
+        for group in old_groups:
+            if group in dist.distributed_c10d._world.pg_map:  # the registry Megatron's own destroy consults
+                dist.destroy_process_group(group)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
@@ -240,6 +244,20 @@ def init_parallel_state(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
 
 
 _groups_made_for = None  # (tensor, pipeline, context, timeout, world group) Megatron's groups were made for
+
+
+def megatron_groups() -> list:
+    """The process groups Megatron's parallel state holds now (its module globals, lists of groups included),
+    the world group left out."""
+    from megatron.core import parallel_state
+
+    found: list = []
+    for value in vars(parallel_state).values():
+        for group in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD \
+                    and not any(group is f for f in found):
+                found.append(group)
+    return found
 
 
 PIPELINE_SEED_STRIDE = 100  # Megatron-LM's _set_random_seed: seed + 100 * pipeline rank

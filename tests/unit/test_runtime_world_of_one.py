@@ -32,7 +32,8 @@ def test_a_world_of_one_starts_while_every_picked_port_is_taken():
 def test_the_same_layout_again_keeps_megatrons_groups(single_process):
     """A process that loads several models (the study's read-outs) sets the layout once per model. Megatron's
     destroy drops its groups without closing them, so a new set each time would leave the old ones open;
-    the same layout keeps the groups it made, and still seeds as asked. Another layout makes new ones."""
+    the same layout keeps the groups it made, and still seeds as asked. Another layout makes new ones and
+    closes the old ones."""
     import torch
     from megatron.core import parallel_state
 
@@ -44,5 +45,11 @@ def test_the_same_layout_again_keeps_megatrons_groups(single_process):
     drawn = torch.rand(3)
     torch.manual_seed(7)
     assert torch.equal(drawn, torch.rand(3))
+    open_groups = len(torch.distributed.distributed_c10d._world.pg_map)
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=7, timeout_s=60)  # another collective timeout
     assert parallel_state.get_data_parallel_group() is not group
+    # the old set is closed: as many groups open as before, none of them the old ones
+    assert len(torch.distributed.distributed_c10d._world.pg_map) == open_groups
+    assert group not in torch.distributed.distributed_c10d._world.pg_map
+    runtime.init_parallel_state(runtime.ParallelLayout(), seed=7, timeout_s=90)
+    assert len(torch.distributed.distributed_c10d._world.pg_map) == open_groups
