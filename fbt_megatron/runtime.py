@@ -247,12 +247,14 @@ _groups_made_for = None  # (tensor, pipeline, context, timeout, world group) Meg
 
 
 def megatron_groups() -> list:
-    """The process groups Megatron's parallel state holds now (its module globals, lists of groups included),
-    the world group left out."""
+    """The process groups Megatron's parallel state holds now (its module globals, with the lists and dicts
+    of groups newer versions keep), the world group left out."""
     from megatron.core import parallel_state
 
     found: list = []
     for value in vars(parallel_state).values():
+        if isinstance(value, dict):
+            value = list(value.values())
         for group in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD \
                     and not any(group is f for f in found):
