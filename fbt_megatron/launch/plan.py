@@ -377,7 +377,7 @@ def format_plan(pl: Plan, recipe, gpus: int, gpu: str, mfu: float, peak: float) 
         f"FLOPs/token  {pl.flops_per_token_single:.4g} single-pass training (3 x forward {s.forward_flops_per_token():.4g}"
         f"{'' if s.fused_first_pass or not s.fusion else '; the fusion runs from pass 2'}); "
         + (f"feedback mix x{pl.factor_feedback:.3f} ({recipe.feedback.grad_mode} passes backpropagated)"
-           if recipe.feedback.fusion != "off" else "no feedback mix (feedback.fusion: off, one pass every step)"),
+           if s.fusion else "no feedback mix (feedback.fusion: off, one pass every step)"),
         f"batch        {recipe.global_batch_size} seq x {s.seq} = {recipe.tokens_per_step:,} tokens/step, "
         f"{recipe.train.steps:,} steps = {tokens / 1e9:.4g} B tokens",
         f"layout       {pl.layout}, DP={pl.dp}, accumulation {recipe.global_batch_size // max(1, pl.layout.micro_batch * pl.dp)}",

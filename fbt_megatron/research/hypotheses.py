@@ -199,8 +199,9 @@ PAST_L = "state accuracy past the layer count: "
 # this order, whose own runs the report holds (E2: the additive run; E3: the 2x FBT run); E1's report holds
 # every recipe at 1x, so only those runs tell which one E3 trained.
 MEDIUM = "medium_1200_lr0.0006_orders"
-FBT_RECIPE_SUFFIXES = ("", "_loss_mean", "_switch50")  # --fbt-recipe base, loss_mean, switch50
+# --fbt-recipe base, loss_mean, switch50: the run names' suffix -> the recipe change in words
 RECIPE_LABELS = {"": "loss_on: last", "_loss_mean": "loss_on: mean", "_switch50": "switch at 50 %"}
+FBT_RECIPE_SUFFIXES = tuple(RECIPE_LABELS)
 E3_STEPS = 1200  # 1x the budget at both sizes: E1's runs (tiny) and E2's (medium)
 
 
