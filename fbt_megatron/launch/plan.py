@@ -288,7 +288,7 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
     if g % (layout.micro_batch * dp):
         warnings.append(f"global batch {g} is not divisible by micro-batch {layout.micro_batch} x DP {dp}")
     mix, grad_mode = recipe.schedule.mix, recipe.feedback.grad_mode
-    kmax = max_passes(mix) if recipe.feedback.fusion != "off" else 1
+    kmax = max_passes(mix) if shape.fusion else 1
     passes_kept = kmax if grad_mode == "all" else 1
     if recipe.schedule.feedback_start_step >= recipe.train.steps:
         passes_kept = 1
@@ -318,11 +318,10 @@ def plan(recipe, gpus: int, gpu: str, mfu: float, *, peak: float | None = None, 
             warnings.append("the suggested layout needs pipeline parallelism (parallel.pipeline; ZeRO <= 2 there, "
                             "docs/pipeline.md)")
     single = shape.step_flops_per_token(1, grad_mode)
-    factor = pass_factor(mix, grad_mode, shape) if recipe.feedback.fusion != "off" else 1.0
+    factor = pass_factor(mix, grad_mode, shape) if shape.fusion else 1.0
     tokens_per_step = recipe.tokens_per_step
     # a model without a fusion runs one pass every step: all of it is the single-pass phase
-    start = min(recipe.schedule.feedback_start_step, recipe.train.steps) if recipe.feedback.fusion != "off" \
-        else recipe.train.steps
+    start = min(recipe.schedule.feedback_start_step, recipe.train.steps) if shape.fusion else recipe.train.steps
     phases = []
     for name, steps, f, kept in (("1: single-pass", start, 1.0, 1),
                                  (f"2: feedback mix {mix}", recipe.train.steps - start, factor, passes_kept)):
