@@ -40,10 +40,11 @@ test: $(STAMP)
 # CI's second corner, the image's (docs/install.md, "Tested versions"): Python 3.12, torch 2.11, megatron-core
 # 0.19.2, the newest DeepSpeed, in a venv of its own built once and cached under ~/.cache/fbt_megatron/corner-envs
 # (tests/support/corner_env.py; it prints the build's seconds). It runs the unit tier and the multi-process
-# checkpoint, TP, PP, SP and resume tests on this checkout; either failing (or collecting nothing) fails it.
+# checkpoint, TP, PP, SP, resume and elastic-restart tests on this checkout; either failing (or collecting
+# nothing) fails it.
 CORNER_TESTS := tests/integration/test_model_tp.py tests/integration/test_pipeline.py \
 	tests/integration/test_model_sequence_parallel.py tests/integration/test_checkpoint_torchrun.py \
-	tests/integration/test_train_resume.py
+	tests/integration/test_train_resume.py tests/integration/test_elastic.py
 corner-env: $(STAMP)
 	$(PY) -m tests.support.corner_env
 
