@@ -106,3 +106,36 @@ def test_bundled_tasks_name_each_missing_file(tmp_path):
     (tmp_path / "math500").mkdir()
     (tmp_path / "math500" / "test.jsonl").write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n")
     assert set(tasks.math500_dataset(data_dir=str(tmp_path))) == {"test"}
+
+
+def test_the_evaluate_guide_names_the_files_the_bundled_tasks_read(tmp_path):
+    """docs/guides/evaluate.md's table of bundled tasks gives each task's files under DATA_DIR; each named
+    file is the one its loader asks for (it once said fbt_gsm8k/ where the loader reads gsm8k/)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    import fbt_megatron.eval
+
+    spec = importlib.util.spec_from_file_location(
+        "fbt_tasks_under_test", f"{fbt_megatron.eval.__path__[0]}/tasks/fbt_tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "evaluate.md").read_text()
+    rows = re.findall(r"^\| `fbt_(\w+)` \|[^|]*\| (.*DATA_DIR.*) \|$", guide, re.M)
+    assert {task for task, _ in rows} == {"gsm8k", "math500", "mbpp"}
+    for task, cell in rows:
+        folder, first = re.search(r"DATA_DIR/(\w+)/(\w+\.jsonl)", cell).groups()
+        named = [first] + re.findall(r"`(\w+\.jsonl)` \(the shots\)", cell)
+        asked = []
+        for _ in range(len(named) + 1):  # the loader names the first missing file; give it and ask again
+            try:
+                getattr(tasks, f"{task}_dataset")(data_dir=str(tmp_path))
+                break
+            except FileNotFoundError as e:
+                missing = Path(re.search(r"(\S+\.jsonl) not found", str(e)).group(1))
+                asked.append(f"{missing.parent.name}/{missing.name}")
+                missing.parent.mkdir(parents=True, exist_ok=True)
+                missing.write_text('{"question": "q", "answer": "#### 1", "problem": "p", "text": "t", '
+                                   '"code": "c", "test_list": []}\n')
+        assert asked == [f"{folder}/{n}" for n in named], task
