@@ -220,7 +220,8 @@ class PassScheduleConfig(StrictModel):
     mix: list[float] = Field(
         default_factory=lambda: [0.75, 0.22, 0.03],
         description="After the switch, mix[i] is the probability of i+1 passes; sums to 1.")
-    seed: int = Field(0, ge=0, description="Keys the pass-count draws (unset: the recipe's seed).")
+    seed: int = Field(0, ge=0, description="Keys the pass-count draws (unset: the recipe's seed).",
+                      json_schema_extra={"default_shown": "the recipe's `seed`"})
     # True when ``seed`` was taken from the recipe's seed rather than set (Recipe's validator).
     _seed_follows_recipe: bool = PrivateAttr(False)
 

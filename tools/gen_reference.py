@@ -45,6 +45,8 @@ def _model_of(annotation) -> type[BaseModel] | None:
 
 def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a constrained type: its bounds go to the "allowed" column
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         kinds = {type(a).__name__ for a in typing.get_args(annotation)}
         return kinds.pop() if len(kinds) == 1 else "literal"
@@ -78,6 +80,9 @@ def _allowed(field) -> str:
 
 
 def _default(field) -> str:
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if "default_shown" in extra:  # a default filled from another key
+        return extra["default_shown"]
     if field.default_factory is not None:
         value = field.default_factory()
         if isinstance(value, BaseModel):
@@ -103,8 +108,9 @@ def _rows(model: type[BaseModel], prefix: str, missing: list[str]):
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub = _model_of(field.annotation)
-        if sub is not None:
-            yield from _rows(sub, f"{key}.", missing)
+        if sub is not None:  # a section, or a list of them (``key[].field``)
+            listed = typing.get_origin(field.annotation) is list
+            yield from _rows(sub, f"{key}[]." if listed else f"{key}.", missing)
             continue
         if not field.description:
             missing.append(key)
@@ -117,7 +123,7 @@ def _first_paragraph(doc: str | None) -> str:
 
 def recipe_reference() -> tuple[str, list[str]]:
     """The recipe page's text, and the keys whose field has no description."""
-    from data_pipeline.config import DataConfig, SourceConfig
+    from data_pipeline.config import DataConfig
     from fbt_megatron.recipe import Recipe
 
     missing: list[str] = []
@@ -150,8 +156,8 @@ def recipe_reference() -> tuple[str, list[str]]:
         if name == "data":
             out += ["### data.pipeline", "", _first_paragraph(DataConfig.__doc__)
                     + " `seq_length` comes from `data.seq_length`.", ""]
-            rows = [r for r in _rows(DataConfig, "data.pipeline.", missing) if r[0] != "data.pipeline.sources"]
-            rows += list(_rows(SourceConfig, "data.pipeline.sources[].", missing))
+            rows = [(k, t, "`data.seq_length`" if k == "data.pipeline.seq_length" else d, a, m)
+                    for k, t, d, a, m in _rows(DataConfig, "data.pipeline.", missing)]
             out += table(rows)
     return "\n".join(out).rstrip() + "\n", missing
 

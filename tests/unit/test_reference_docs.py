@@ -33,6 +33,22 @@ def test_recipe_page_lists_every_key_of_the_schema():
     assert "| `data.pipeline.sources[].weight` |" in page
 
 
+def test_each_key_is_listed_once_with_a_readable_type_and_its_real_default():
+    """A list of sections is ``key[].field`` (once, not also ``key.field``); a constrained type reads as
+    its type; a default filled from another key names that key, not the field's placeholder."""
+    import re
+
+    text, _ = gen.recipe_reference()
+    rows = re.findall(r"^\| `([^`]+)` \| ([^|]*) \| ([^|]*) \|", text, re.M)
+    keys = [k for k, _, _ in rows]
+    assert len(keys) == len(set(keys)) and "data.pipeline.sources.name" not in keys
+    types_ = {k: t for k, t, _ in rows}
+    defaults = {k: d for k, _, d in rows}
+    assert types_["optimizer.betas"] == "tuple[float, float]" and not any("Annotated" in t for t in types_.values())
+    assert defaults["schedule.seed"] == "the recipe's `seed`"
+    assert defaults["data.pipeline.seq_length"] == "`data.seq_length`"
+
+
 def test_recipe_page_is_current():
     text, _ = gen.recipe_reference()
     assert (ROOT / "docs/reference/recipe.md").read_text() == text, "run python tools/gen_reference.py"
