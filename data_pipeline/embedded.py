@@ -10,7 +10,7 @@ Sources:
   from a seeded generator.
 
 ``build_embedded(out)`` trains a sentencepiece tokenizer on a sample of all three, writes one dataset
-directory per source and ``mix.yaml`` (the recipe's ``data:`` section). It is idempotent: a build with
+directory per source and ``mix.yaml`` (the loader's ``data:`` section; a recipe's ``data.pipeline``). It is idempotent: a build with
 the same settings (and the same Python) is detected by ``embedded.json`` and skipped.
 """
 
@@ -36,7 +36,7 @@ from .tokenizer import train_tokenizer, tokenizer_hash
 BUILD_VERSION = 2  # 2: index format version 2 (memory-mapped arrays), mix.yaml states token shares
 EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "pydoc_data", "__pycache__",
                 "turtledemo", "lib2to3"}
-# Share of *tokens* per source, written into mix.yaml as the weights (data.weight_by: tokens).
+# Share of *tokens* per source, written into mix.yaml as the weights (data.pipeline.weight_by: tokens).
 TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
 # what a build writes into its directory: only a directory holding these (and embedded.json) is built over
 EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",

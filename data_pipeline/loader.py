@@ -328,7 +328,7 @@ def build_loader(
     seed, S = cfg.seed, cfg.seq_length
     held_out = held_out_documents(cfg, datasets)
     if split == "valid" and not any(held_out):
-        raise DataError(f"the 'valid' split is empty: data.valid_documents={cfg.valid_documents!r} holds out no "
+        raise DataError(f"the 'valid' split is empty: valid_documents={cfg.valid_documents!r} holds out no "
                         f"document of any source ({dict(zip(names, held_out))})")
 
     if state is not None:
@@ -348,10 +348,10 @@ def build_loader(
             raise DataError(f"loader state sources {state_names} != data.sources {names}")
         sw = [state["weights"][n] for n in names]
         if not np.allclose(sw, weights, rtol=0, atol=1e-9):
-            raise DataError(f"loader state weights {state['weights']} != data.sources weights "
+            raise DataError(f"loader state weights {state['weights']} != the sources' weights "
                             f"{dict(zip(names, weights))}")
         if state.get("weight_by") != cfg.weight_by:
-            raise DataError(f"loader state has weight_by {state.get('weight_by')!r}, data.weight_by is "
+            raise DataError(f"loader state has weight_by {state.get('weight_by')!r}, the mix's weight_by is "
                             f"{cfg.weight_by!r}: the mix differs")
         st_split = state.get("split", "train")  # states from before the split: train, nothing held out
         if st_split != split:
@@ -359,7 +359,7 @@ def build_loader(
         st_held = state.get("valid_documents", {n: 0 for n in names})
         if [st_held.get(n) for n in names] != held_out:
             raise DataError(f"loader state was saved with valid_documents (held-out documents per source) "
-                            f"{st_held}; data.valid_documents={cfg.valid_documents!r} now holds out "
+                            f"{st_held}; valid_documents={cfg.valid_documents!r} now holds out "
                             f"{dict(zip(names, held_out))}: the train/valid split differs")
         if consumed_sequences not in (0, state["consumed_sequences"]):
             raise DataError(f"consumed_sequences={consumed_sequences} contradicts the state's "
@@ -403,7 +403,7 @@ def held_out_documents(cfg: DataConfig, datasets: list[Dataset]) -> list[int]:
             out.append(auto_valid_documents(n))
             continue
         if cfg.valid_documents >= n:
-            raise DataError(f"data.valid_documents={cfg.valid_documents} would hold out every document of "
+            raise DataError(f"valid_documents={cfg.valid_documents} would hold out every document of "
                             f"source '{s.name}' ({n} documents, {ds.path}); it must be smaller than each "
                             f"source's document count")
         out.append(int(cfg.valid_documents))

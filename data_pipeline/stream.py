@@ -211,10 +211,10 @@ class Planner:
         empty = [ds.name for i, ds in enumerate(datasets) if i not in active]
         if split == "train" and empty:
             raise DataError(f"sources {empty} have no training document left (held out: "
-                            f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; data.valid_documents)")
+                            f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; valid_documents)")
         if not active:
             raise DataError(f"the {split!r} split holds no usable document in any source (held out per source: "
-                            f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; data.valid_documents)")
+                            f"{dict((ds.name, h) for ds, h in zip(datasets, self.held_out))}; valid_documents)")
         self._active = np.asarray(active, np.int64)
         w = self.weights[self._active]
         if weight_by == "tokens":  # a token share over the mean document length is a document share

@@ -109,10 +109,31 @@ def _data_plan(recipe: Recipe, read_files: bool = True, read_sources: bool = Tru
         except DataError as e:
             raise RecipeError(f"recipe key 'data.pipeline.tokenizer': {e}") from None
         template = chat_template(recipe, config) if read_sources else None
+        if read_sources:
+            _check_held_out(config)
     if vocab > recipe.model.vocab_size:
         raise RecipeError(f"recipe key 'model.vocab_size': {recipe.model.vocab_size} is smaller than the "
                           f"tokenizer's vocabulary ({vocab})")
     return DataPlan(d.source, config.model_dump(mode="json"), build, files, template)
+
+
+def _check_held_out(config) -> None:
+    """``data.pipeline.valid_documents`` against each source's document count, as the loader checks it at
+    start-up: a dry run names the key. A dataset that does not open is left to the loader's own error."""
+    from data_pipeline.errors import DataError
+    from data_pipeline.loader import held_out_documents
+    from data_pipeline.shards import Dataset
+
+    if config.valid_documents is None:
+        return
+    try:
+        datasets = [Dataset.load(s.path) for s in config.sources]
+    except DataError:
+        return
+    try:
+        held_out_documents(config, datasets)
+    except DataError as e:
+        raise RecipeError(f"recipe key 'data.pipeline.valid_documents': {e}") from None
 
 
 def _missing_sources(recipe: Recipe) -> list[str]:

@@ -138,6 +138,22 @@ def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch
     assert resolve_run(load_recipe(data=data), 1, CPU).resume.checkpoint == step
 
 
+def test_a_held_out_count_a_source_cannot_spare_is_a_plan_problem(tmp_path):
+    """``data.pipeline.valid_documents`` that would hold out every document of a source: the plan (so
+    --dry-run and slurm submit) names the recipe key and the source, as the loader would at start-up."""
+    data, _ = _resumed_run_on_a_dataset(tmp_path, {})
+    documents = json.loads((tmp_path / "web" / "index.json").read_text())["num_samples"]
+    data["data"]["pipeline"]["valid_documents"] = documents
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data=data), 1, CPU)
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
+        f"recipe key 'data.pipeline.valid_documents': valid_documents={documents} would hold out every document "
+        f"of source 'web' ({documents} documents"), e.value
+    data["data"]["pipeline"]["valid_documents"] = documents - 1
+    data["checkpoint"] = {"allow_data_change": True}  # the stand-in checkpoint recorded no fingerprints
+    assert resolve_run(load_recipe(data=data), 1, CPU).data.config["valid_documents"] == documents - 1
+
+
 def test_a_resume_on_an_unreadable_dataset_index_is_a_plan_problem(tmp_path):
     """Reading the fingerprints of a resumed run's dataset can fail (a damaged index): that is one of the
     plan's problems, named by its recipe key, like a changed dataset."""
