@@ -43,3 +43,24 @@ def test_no_machine_paths_in_docs():
                 if MACHINE_PATH.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
     assert not found, "\n".join(found[:40])
+
+
+def orphan_table_rows(text: str) -> list[int]:
+    """Line numbers of table rows that start a table without its header separator (``|---|``): rows cut off
+    from their table by a blank line render as plain text. Code blocks are skipped."""
+    lines, out, fenced = text.splitlines(), [], False
+    for n, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|") or (n and lines[n - 1].startswith("|")):
+            continue
+        if n + 1 >= len(lines) or not re.match(r"^\|\s*:?-{3,}", lines[n + 1]):
+            out.append(n + 1)
+    return out
+
+
+def test_every_table_has_its_header():
+    assert orphan_table_rows("| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n") == [5]
+    assert orphan_table_rows("```\n| not a table |\n```\n| h |\n| --- |\n") == []
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in doc_stats.default_pages() for n in orphan_table_rows(p.read_text())]
+    assert not found, found
