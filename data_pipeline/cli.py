@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--sequences", type=COUNT, default=2)
     k.add_argument("--start", type=INDEX, default=0)
     k.add_argument("--split", choices=("train", "valid"), default="train",
-                   help="train (default) or the held-out valid split (data.valid_documents)")
+                   help="train (default) or the held-out valid split (valid_documents)")
     k.set_defaults(fn=_cmd_peek)
     return p
 

@@ -300,7 +300,7 @@ def build_loader(
     the stream continues at the state's token position with the new length.
 
     ``split``: ``"train"`` (every document except the held-out ones) or ``"valid"`` (only the held-out
-    documents: the last ``data.valid_documents`` samples of each source, see
+    documents: the last ``valid_documents`` samples of each source, see
     :func:`held_out_documents`). A state is only accepted by the same split with the same held-out
     counts.
     """
@@ -394,7 +394,7 @@ def build_loader(
 def held_out_documents(cfg: DataConfig, datasets: list[Dataset]) -> list[int]:
     """Per source, how many documents the split holds out: the last that many sample ids of its index.
 
-    Depends only on ``data.valid_documents`` and each index's ``num_samples`` (not on which shards are
+    Depends only on ``valid_documents`` and each index's ``num_samples`` (not on which shards are
     usable), so every rank, worker and resume agrees."""
     out = []
     for s, ds in zip(cfg.sources, datasets):

@@ -27,7 +27,7 @@ Definition (seed ``s``, normalised weights ``w``, block size ``B = 1024`` docume
   consecutive sequences overlap by one token, as in Megatron's GPT dataset); ``P0 = c0 * S`` for a
   fresh stream.
 * **Splits.** Each source holds out its last ``h`` sample ids (by position in its ``index.json``;
-  ``h`` from ``data.valid_documents``, see :func:`auto_valid_documents`). The ``train`` split of a
+  ``h`` from ``valid_documents``, see :func:`auto_valid_documents`). The ``train`` split of a
   source is sample ids ``[0, N - h)``, the ``valid`` split ``[N - h, N)``; the valid split's source choice
   runs over the sources that hold out at least one document (weights renormalised). Everything else is
   the same definition; with ``h = 0`` the train split is exactly the unsplit stream.

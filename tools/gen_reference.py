@@ -45,7 +45,7 @@ def _model_of(annotation) -> type[BaseModel] | None:
 
 def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:  # a constrained type: its bounds go to the "allowed" column
+    if origin is typing.Annotated:  # a constrained type reads as its type (a field's description states bounds inside it)
         return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         kinds = {type(a).__name__ for a in typing.get_args(annotation)}
@@ -156,7 +156,7 @@ def recipe_reference() -> tuple[str, list[str]]:
         if name == "data":
             out += ["### data.pipeline", "", _first_paragraph(DataConfig.__doc__)
                     + " `seq_length` comes from `data.seq_length`.", ""]
-            rows = [(k, t, "`data.seq_length`" if k == "data.pipeline.seq_length" else d, a, m)
+            rows = [(k, t, "always `data.seq_length`" if k == "data.pipeline.seq_length" else d, a, m)
                     for k, t, d, a, m in _rows(DataConfig, "data.pipeline.", missing)]
             out += table(rows)
     return "\n".join(out).rstrip() + "\n", missing

@@ -7,8 +7,8 @@ here, in this order, and all problems are reported at once (:class:`PlanError`):
 
 1. the recipe: ``task``, ``init_from``'s model/feedback sections (resolve/sft.py);
 2. the layout against the world size, the batch, the precision (recipe.check_layout);
-3. the data: the embedded mix's section, the tokenizer against ``model.vocab_size``, the chat template
-   (SFT: chat datasets, document-causal attention);
+3. the data: the embedded mix's section, the tokenizer against ``model.vocab_size``, each source's
+   documents against ``valid_documents``, the chat template (SFT: chat datasets, document-causal attention);
 4. the checkpoint to resume and the rule adopted from it (recipe.adopt_checkpoint_rule);
 5. what the run derives: feedback depth, validation passes, warnings.
 """
@@ -80,7 +80,9 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
 
 def _data_plan(recipe: Recipe, read_files: bool = True, read_sources: bool = True) -> DataPlan:
     """The data pipeline's config (the embedded mix's section when the recipe names no sources), the
-    tokenizer checked against ``model.vocab_size``, the checkpoint's tokenizer files, the chat template."""
+    tokenizer checked against ``model.vocab_size``, the held-out counts against the sources, the
+    checkpoint's tokenizer files, the chat template. ``data.seq_length`` sets the pipeline's row length:
+    a different ``data.pipeline.seq_length`` is refused rather than silently replaced."""
     d = recipe.data
     if d.source != "pipeline":
         return DataPlan(d.source, None, None, {}, None)
@@ -95,6 +97,10 @@ def _data_plan(recipe: Recipe, read_files: bool = True, read_sources: bool = Tru
         section = embedded.embedded_section(d.embedded_dir)
     else:
         section = dict(d.pipeline)
+        if section.get("seq_length", d.seq_length) != d.seq_length:
+            raise RecipeError(f"recipe key 'data.pipeline.seq_length': {section['seq_length']!r} differs from "
+                              f"data.seq_length ({d.seq_length}), which sets the rows' length; drop it or set "
+                              f"data.seq_length")
     fixed = {"seq_length": d.seq_length} | ({"seed": d.seed} if d.seed is not None else {})  # data.seed: the order
     config = DataConfig.model_validate(dict(section, **fixed))
     tokenizer = Path(config.tokenizer)
@@ -127,7 +133,7 @@ def _check_held_out(config) -> None:
     if config.valid_documents is None:
         return
     try:
-        datasets = [Dataset.load(s.path) for s in config.sources]
+        datasets = [Dataset.load(s.path, allow_skip_corrupt=config.allow_skip_corrupt) for s in config.sources]
     except DataError:
         return
     try:

@@ -46,7 +46,7 @@ def test_each_key_is_listed_once_with_a_readable_type_and_its_real_default():
     defaults = {k: d for k, _, d in rows}
     assert types_["optimizer.betas"] == "tuple[float, float]" and not any("Annotated" in t for t in types_.values())
     assert defaults["schedule.seed"] == "the recipe's `seed`"
-    assert defaults["data.pipeline.seq_length"] == "`data.seq_length`"
+    assert defaults["data.pipeline.seq_length"] == "always `data.seq_length`"
 
 
 def test_recipe_page_is_current():

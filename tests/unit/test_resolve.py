@@ -152,6 +152,38 @@ def test_a_held_out_count_a_source_cannot_spare_is_a_plan_problem(tmp_path):
     data["data"]["pipeline"]["valid_documents"] = documents - 1
     data["checkpoint"] = {"allow_data_change": True}  # the stand-in checkpoint recorded no fingerprints
     assert resolve_run(load_recipe(data=data), 1, CPU).data.config["valid_documents"] == documents - 1
+    # a new run (no checkpoint) on a dataset with one of its shards gone, which it may skip
+    # (allow_skip_corrupt): the count is still checked
+    import shutil
+
+    from data_pipeline.prepare import prepare_dataset
+    from data_pipeline.shards import shard_name
+
+    shutil.rmtree(tmp_path / "run")
+    pipeline = data["data"]["pipeline"]
+    index = prepare_dataset([str(tmp_path / "raw" / "web.jsonl")], tmp_path / "sharded", pipeline["tokenizer"],
+                            name="web", num_workers=1, progress=False, shard_bytes=1 << 10)
+    assert index["num_shards"] > 1
+    (tmp_path / "sharded" / shard_name(0)).unlink()
+    pipeline["sources"][0]["path"] = str(tmp_path / "sharded")
+    pipeline.update(valid_documents=documents, allow_skip_corrupt=True)
+    with pytest.raises(PlanError, match=r"recipe key 'data.pipeline.valid_documents': "):
+        resolve_run(load_recipe(data=data), 1, CPU)
+
+
+def test_a_pipeline_row_length_other_than_the_recipes_is_refused_not_replaced(tmp_path):
+    """``data.seq_length`` sets the pipeline's rows; a different ``data.pipeline.seq_length`` (copied from a
+    mix.yaml, say) was silently replaced: now it is a plan problem naming both. An equal one is accepted."""
+    data, _ = _resumed_run_on_a_dataset(tmp_path, {})
+    data["checkpoint"] = {"allow_data_change": True}  # the stand-in checkpoint recorded no fingerprints
+    data["data"]["seq_length"] = 32
+    data["data"]["pipeline"]["seq_length"] = 7
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data=data), 1, CPU)
+    assert e.value.problems == ["recipe key 'data.pipeline.seq_length': 7 differs from data.seq_length (32), which "
+                                "sets the rows' length; drop it or set data.seq_length"]
+    data["data"]["pipeline"]["seq_length"] = 32
+    assert resolve_run(load_recipe(data=data), 1, CPU).data.config["seq_length"] == 32
 
 
 def test_a_resume_on_an_unreadable_dataset_index_is_a_plan_problem(tmp_path):
