@@ -62,12 +62,17 @@ def _type_name(annotation) -> str:
     return str(annotation)
 
 
+def _schema_extra(field) -> dict:
+    """The field's ``json_schema_extra`` when it is a dict (``allowed``, ``default_shown``), else empty."""
+    return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+
+
 def _allowed(field) -> str:
     """Allowed values: a Literal's choices, a validator's list, or the numeric bounds."""
     for ann in (field.annotation, *typing.get_args(field.annotation)):
         if typing.get_origin(ann) is typing.Literal:
             return ", ".join(f"`{a}`" for a in typing.get_args(ann))
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    extra = _schema_extra(field)
     if "allowed" in extra:
         return ", ".join(f"`{a}`" for a in extra["allowed"])
     bounds = []
@@ -80,7 +85,7 @@ def _allowed(field) -> str:
 
 
 def _default(field) -> str:
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    extra = _schema_extra(field)
     if "default_shown" in extra:  # a default filled from another key
         return extra["default_shown"]
     if field.default_factory is not None:
