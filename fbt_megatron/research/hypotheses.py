@@ -302,6 +302,10 @@ ADDITIVE_STATE_VS_STANDARD = _form(lambda rep, s: (state_past_by_seed(rep, "stat
                                                    state_past_by_seed(rep, f"state_{X10}_additive{s}")))
 ADDITIVE_STATE_VS_ONE_PASS = _form(lambda rep, s: (state_past_by_seed(rep, f"state_{X10}_additive{s}", "1"),
                                                    state_past_by_seed(rep, f"state_{X10}_additive{s}")))
+GLU_STATE_VS_ONE_PASS = _form(lambda rep, s: (state_past_by_seed(rep, f"state_{X10}{s}", "1"),
+                                              state_past_by_seed(rep, f"state_{X10}{s}")))
+ADDITIVE_STATE_VS_GLU = _form(lambda rep, s: (state_past_by_seed(rep, f"state_{X10}{s}"),
+                                              state_past_by_seed(rep, f"state_{X10}_additive{s}")))
 E2 = "E2: medium, 6e-4, untied, ×10, 50/40/10, 1200 steps, a data order per seed, the recipe chosen by E1"
 E3 = "E3: tiny, 1e-3, untied, ×10, the recipe chosen by E1; standard at 600 / 1200 / 2400 steps, a data order per seed"
 
@@ -379,6 +383,10 @@ HYPOTHESES = [
                "accuracy: additive's exact − the standard model", ADDITIVE_STATE_VS_STANDARD, +1),
     Hypothesis("fusion form", "the additive model reads its fed-back state (the wide channel)", "E2, S3 state task",
                "accuracy: additive's exact − its 1 pass", ADDITIVE_STATE_VS_ONE_PASS, +1),
+    Hypothesis("fusion form", "the GLU model reads its fed-back state", "E2, S3 state task",
+               "accuracy: GLU's exact − its 1 pass", GLU_STATE_VS_ONE_PASS, +1),
+    Hypothesis("fusion form", "the additive model tracks the state better than the GLU", "E2, S3 state task",
+               "accuracy: additive's exact − GLU's exact", ADDITIVE_STATE_VS_GLU, +1),
     Hypothesis("LR", "a lower peak LR (1e-3 against 3e-3) narrows the tiny gap",
                "tiny, untied, ×10, 1200 steps, seeds 1–2", "gap at 1e-3 − gap at 3e-3",
                _gap_change("tiny_1200", X10, "tiny_1200_lr0.001", X10), -1),

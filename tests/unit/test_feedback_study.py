@@ -892,7 +892,8 @@ PAST = "state accuracy past the layer count: "
 def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
     """The summary's E2 rows from a hand-made medium report (recipe switch50): additive and GLU against the
     untied standard model and against each other (each FBT run in its best mode), and the additive model's
-    state accuracy past the layer count against the standard model and its own 1 pass; pending without
+    state accuracy past the layer count against the standard model, its own 1 pass and the GLU's, and the
+    GLU's against its 1 pass; pending without
     the report or without the additive run; the study's summary takes the new names."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     from feedback_study import plan, study_name
@@ -923,7 +924,7 @@ def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
                 f"state_{x10}_additive_switch50_seed1": st(p1=[1, 1, .2, .2, .3, .3], p6=[1, 1, .6, .5, .4, .3]),
                 f"state_{x10}_additive_switch50_seed2": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .4, .4, .4, .4])}
     e2 = [h for h in HYPOTHESES if h.experiment.startswith("E2")]
-    assert len(e2) == 5 and all(row_cells(h, Reports(tmp_path))[-1] == "not run yet" for h in e2)
+    assert len(e2) == 7 and all(row_cells(h, Reports(tmp_path))[-1] == "not run yet" for h in e2)
     comparisons = summarise({n: {} for n in readouts}, readouts)
     assert comparisons[f"{x10}_additive_switch50"]["best mode"] == "2"
     assert comparisons[f"{x10}_additive_switch50"]["best mode - standard_untied (same change, equal tokens)"][2] == 2
@@ -937,7 +938,10 @@ def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
             "the additive fusion is ahead of the GLU": (-0.13, -0.11),
             # past L: additive exact .45 / .4, its 1 pass .25 / .2, the standard model .2 / .2
             "the additive model tracks the state past the layer count": (0.25, 0.2),
-            "the additive model reads its fed-back state (the wide channel)": (0.2, 0.2)}
+            "the additive model reads its fed-back state (the wide channel)": (0.2, 0.2),
+            # the GLU's exact .3 / .3, its 1 pass .2 / .2
+            "the GLU model reads its fed-back state": (0.1, 0.1),
+            "the additive model tracks the state better than the GLU": (0.15, 0.1)}
     assert set(rows) == set(want)
     for claim, (a, b) in want.items():
         mean, err, n = rows[claim]
