@@ -428,9 +428,10 @@ def summary_rows(comparisons: dict) -> list[list[str]]:
         found = [(kind, v) for kind, row in comparisons.items() if (v := _answering(row, endings)) is not None]
         if not found:
             continue
-        verdicts = [verdict(*t_interval(*v[:3]), sign) if v[2] > 1 else "one seed, no interval" for _, v in found]
-        counts = ", ".join(f"{verdicts.count(w)} {w}" for w in ("supported", "ruled out", "undecided",
-                                                                "one seed, no interval") if verdicts.count(w))
+        one_seed = "with one seed (no interval)"
+        verdicts = [verdict(*t_interval(*v[:3]), sign) if v[2] > 1 else one_seed for _, v in found]
+        counts = ", ".join(f"{verdicts.count(w)} {w}" for w in ("supported", "ruled out", "undecided", one_seed)
+                           if verdicts.count(w))
         most_seeds = max(v[2] for _, v in found)
         kind, best = min(((k, v) for k, v in found if v[2] == most_seeds),
                          key=lambda f: -sign * f[1][0] if math.isfinite(f[1][0]) else math.inf)

@@ -808,7 +808,7 @@ def test_a_study_page_opens_with_its_answers():
     lo, hi = -0.02 - t2 * 0.01, -0.02 + t2 * 0.01
     assert ahead[2] == f"fbt_b_untied: -0.020 [{lo:+.3f}, {hi:+.3f}] (3 seeds)"
     passes = rows["Do 2 passes beat 1 pass of the same model?"]
-    assert passes[1] == "1 supported, 1 undecided, 1 one seed, no interval (of 3 variants)"  # fbt_a: [-0.093, -0.007]
+    assert passes[1] == "1 supported, 1 undecided, 1 with one seed (no interval) (of 3 variants)"  # fbt_a: [-0.093, -0.007]
     assert passes[2].startswith("fbt_a: -0.050 [")
     assert not any("state" in q for q in rows)  # no state comparisons: no such question
     # a claim of a positive difference: the largest mean is the one shown; one seed has no interval
@@ -818,7 +818,7 @@ def test_a_study_page_opens_with_its_answers():
         "state_c": {"seeds": [1], "state accuracy past the layer count: exact - state_standard": (0.5, float("nan"), 1)},
     }
     (row,) = summary_rows(comparisons)
-    assert row[1] == "1 supported, 1 undecided, 1 one seed, no interval (of 3 variants)"
+    assert row[1] == "1 supported, 1 undecided, 1 with one seed (no interval) (of 3 variants)"
     assert row[2].startswith("state_b: +0.080 [")
 
 
