@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=INDEX, default=0)
     e.add_argument("--seq-length", type=COUNT, default=256)
     e.add_argument("--workers", type=COUNT, default=None)
-    e.add_argument("--force", action="store_true", help="rebuild even if built with the same settings")
+    e.add_argument("--force", action="store_true", help="rebuild from this Python's standard library even if an earlier build has the same settings")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(fn=_cmd_embedded)
 

@@ -11,7 +11,8 @@ Sources:
 
 ``build_embedded(out)`` trains a sentencepiece tokenizer on a sample of all three, writes one dataset
 directory per source and ``mix.yaml`` (the loader's ``data:`` section; a recipe's ``data.pipeline``). It is idempotent: a build with
-the same settings (and the same Python) is detected by ``embedded.json`` and skipped.
+the same settings is detected by ``embedded.json`` and kept, also when another Python's standard library made it
+(``force`` rebuilds it from this one's), so that two Pythons sharing a checkout never rewrite data a run reads.
 """
 
 from __future__ import annotations
@@ -191,20 +192,26 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
     ``out`` must be absent, empty or an earlier build's (``embedded.json``): anything else is refused
     (:class:`output_dir.OutputDirError`), nothing written."""
     out = Path(out)
+    corpus = {"python": sys.version.split()[0], "stdlib": sysconfig.get_paths()["stdlib"]}  # what the text is read from
     settings = {"version": BUILD_VERSION, "vocab_size": vocab_size, "code_mb": code_mb, "prose_mb": prose_mb,
-                "math_docs": math_docs, "seed": seed, "python": sys.version.split()[0],
-                "stdlib": sysconfig.get_paths()["stdlib"]}
+                "math_docs": math_docs, "seed": seed, **corpus}
     stamp = out / "embedded.json"
     earlier_output(out, markers=(stamp.name,), patterns=EMBEDDED_ENTRIES, writer="fbt data embedded")  # else refused
     if not force and stamp.is_file():
         try:
-            prev = json.loads(stamp.read_text())
+            stamped = json.loads(stamp.read_text())
         except json.JSONDecodeError:
-            prev = {}
-        if prev.get("settings") == settings and all((out / n / INDEX_FILE).is_file() for n in TOKEN_SHARES) \
+            stamped = {}
+        prev = (stamped.get("settings") if isinstance(stamped, dict) else None) or {}
+        same = {k: v for k, v in prev.items() if k not in corpus} == {k: v for k, v in settings.items() if k not in corpus}
+        if same and all((out / n / INDEX_FILE).is_file() for n in TOKEN_SHARES) \
                 and (out / "tokenizer.model").is_file() and (out / "mix.yaml").is_file() \
-                and tokenizer_hash(out / "tokenizer.model") == prev.get("tokenizer_hash"):
-            log(f"embedded data already built in {out} (same settings); skipping")
+                and tokenizer_hash(out / "tokenizer.model") == stamped.get("tokenizer_hash"):
+            if prev.get("python") == corpus["python"] and prev.get("stdlib") == corpus["stdlib"]:
+                log(f"embedded data already built in {out} (same settings); skipping")
+            else:  # a run may be reading it: never rebuild it under another Python's feet
+                log(f"embedded data in {out} was built from Python {prev.get('python')}'s standard library "
+                    f"({prev.get('stdlib')}); using it (--force rebuilds it from this Python's)")
             return yaml.safe_load((out / "mix.yaml").read_text())["data"]
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -122,6 +123,22 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys):
     assert "skipping" in captured.err and yaml.safe_load(captured.out)["data"] == mix
     assert (out / "embedded.json").stat().st_mtime_ns == stamp
     assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
+    # a build from another Python's standard library: kept as it is (a run may be reading it), said so
+    built = json.loads((out / "embedded.json").read_text())
+    built["settings"].update(python="3.99.0", stdlib="/elsewhere/lib/python3.99")
+    (out / "embedded.json").write_text(json.dumps(built))
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert "built from Python 3.99.0's standard library" in captured.err and "--force" in captured.err
+    assert yaml.safe_load(captured.out)["data"] == mix
+    assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
+    assert json.loads((out / "embedded.json").read_text())["settings"]["python"] == "3.99.0"
+    # other settings (not only the Python): rebuilt
+    built["settings"].update(math_docs=399)
+    (out / "embedded.json").write_text(json.dumps(built))
+    assert cli.main(args) == 0
+    assert "skipping" not in capsys.readouterr().err
+    assert json.loads((out / "embedded.json").read_text())["settings"]["python"] == sys.version.split()[0]
 
 
 def test_cli_inspect_and_peek(fx, tmp_path, capsys):
