@@ -12,7 +12,7 @@ Sources:
 ``build_embedded(out)`` trains a sentencepiece tokenizer on a sample of all three, writes one dataset
 directory per source and ``mix.yaml`` (the loader's ``data:`` section; a recipe's ``data.pipeline``). It is idempotent: a build with
 the same settings is detected by ``embedded.json`` and kept, also when another Python's standard library made it
-(``force`` rebuilds it from this one's), so that two Pythons sharing a checkout never rewrite data a run reads.
+(``force`` rebuilds it from this one's): a second Python sharing the checkout does not rewrite data a run reads.
 """
 
 from __future__ import annotations
@@ -200,9 +200,10 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
     if not force and stamp.is_file():
         try:
             stamped = json.loads(stamp.read_text())
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, not UTF-8: an unfinished or damaged build of this project's, rebuilt
             stamped = {}
-        prev = (stamped.get("settings") if isinstance(stamped, dict) else None) or {}
+        stamped = stamped if isinstance(stamped, dict) else {}
+        prev = stamped.get("settings") if isinstance(stamped.get("settings"), dict) else {}
         same = {k: v for k, v in prev.items() if k not in corpus} == {k: v for k, v in settings.items() if k not in corpus}
         if same and all((out / n / INDEX_FILE).is_file() for n in TOKEN_SHARES) \
                 and (out / "tokenizer.model").is_file() and (out / "mix.yaml").is_file() \

@@ -133,12 +133,17 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys):
     assert yaml.safe_load(captured.out)["data"] == mix
     assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
     assert json.loads((out / "embedded.json").read_text())["settings"]["python"] == "3.99.0"
-    # other settings (not only the Python): rebuilt
-    built["settings"].update(math_docs=399)
-    (out / "embedded.json").write_text(json.dumps(built))
-    assert cli.main(args) == 0
-    assert "skipping" not in capsys.readouterr().err
+    # --force: rebuilt from this Python's standard library
+    assert cli.main(args + ["--force"]) == 0
+    assert "training tokenizer" in capsys.readouterr().err
     assert json.loads((out / "embedded.json").read_text())["settings"]["python"] == sys.version.split()[0]
+    # other settings (not only the Python), or a stamp this project did not finish: rebuilt
+    for stamp in [{**built, "settings": {**built["settings"], "math_docs": 399}}, {"settings": "x"},
+                  {"settings": [1]}, [1], "{not json", {"building": built["settings"]}]:
+        (out / "embedded.json").write_text(stamp if isinstance(stamp, str) else json.dumps(stamp))
+        assert cli.main(args) == 0, stamp
+        assert "training tokenizer" in capsys.readouterr().err, stamp
+        assert json.loads((out / "embedded.json").read_text())["settings"]["python"] == sys.version.split()[0]
 
 
 def test_cli_inspect_and_peek(fx, tmp_path, capsys):

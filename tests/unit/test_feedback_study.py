@@ -920,7 +920,7 @@ def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
                 "state_standard_untied_seed1": st(p1=[1, 1, .2, .2, .2, .2]),
                 "state_standard_untied_seed2": st(p1=[1, 1, .3, .1, .2, .2]),
                 f"state_{x10}_switch50_seed1": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .3, .3, .3, .3]),
-                f"state_{x10}_switch50_seed2": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .3, .3, .3, .3]),
+                f"state_{x10}_switch50_seed2": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .4, .4, .4, .4]),
                 f"state_{x10}_additive_switch50_seed1": st(p1=[1, 1, .2, .2, .3, .3], p6=[1, 1, .6, .5, .4, .3]),
                 f"state_{x10}_additive_switch50_seed2": st(p1=[1, 1, .2, .2, .2, .2], p6=[1, 1, .4, .4, .4, .4])}
     e2 = [h for h in HYPOTHESES if h.experiment.startswith("E2")]
@@ -939,9 +939,9 @@ def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
             # past L: additive exact .45 / .4, its 1 pass .25 / .2, the standard model .2 / .2
             "the additive model tracks the state past the layer count": (0.25, 0.2),
             "the additive model reads its fed-back state (the wide channel)": (0.2, 0.2),
-            # the GLU's exact .3 / .3, its 1 pass .2 / .2
-            "the GLU model reads its fed-back state": (0.1, 0.1),
-            "the additive model tracks the state better than the GLU": (0.15, 0.1)}
+            # the GLU's exact .3 / .4, its 1 pass .2 / .2
+            "the GLU model reads its fed-back state": (0.1, 0.2),
+            "the additive model tracks the state better than the GLU": (0.15, 0.0)}
     assert set(rows) == set(want)
     for claim, (a, b) in want.items():
         mean, err, n = rows[claim]
