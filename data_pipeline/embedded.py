@@ -40,7 +40,7 @@ EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", 
 # Share of *tokens* per source, written into mix.yaml as the weights (data.pipeline.weight_by: tokens).
 TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
 # what a build writes into its directory: only a directory holding these (and embedded.json) is built over
-EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
+EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", "mix.yaml.tmp", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
                     *(f"{n}{suffix}" for n in TOKEN_SHARES for suffix in ("", ".tmp", ".lock")))
 
 
@@ -184,6 +184,31 @@ def embedded_section(out: str | os.PathLike, *, seq_length: int = 256, seed: int
     }
 
 
+def _point_mix_here(mix: Path, data: dict, log) -> None:
+    """Rewrite the file paths of a build's ``mix.yaml`` that name another folder (the build was copied or
+    moved) to ``data``'s, keeping its other keys: it would read the old folder's files."""
+    raw = yaml.safe_load(mix.read_text())
+    old = raw.get("data") if isinstance(raw, dict) else None
+    if not isinstance(old, dict):
+        return
+    here = {"tokenizer": data["tokenizer"], **{s["name"]: s["path"] for s in data["sources"]}}
+    named = {"tokenizer": old.get("tokenizer"),
+             **{s.get("name"): s.get("path") for s in old.get("sources") or [] if isinstance(s, dict)}}
+    moved = {k: p for k, p in named.items() if k in here and p and Path(p).resolve() != Path(here[k]).resolve()}
+    if not moved:
+        return
+    old["tokenizer"] = data["tokenizer"]
+    for s in old.get("sources") or []:
+        if isinstance(s, dict) and s.get("name") in here:
+            s["path"] = here[s["name"]]
+    header = "".join(line + "\n" for line in mix.read_text().splitlines() if line.startswith("#"))
+    tmp = mix.with_name(mix.name + ".tmp")
+    tmp.write_text(header + yaml.safe_dump({**raw, "data": old}, sort_keys=False))
+    os.replace(tmp, mix)  # a reader sees the old file or the new one
+    log(f"{mix} named files in {Path(next(iter(moved.values()))).parent} (the build was copied or moved); "
+        f"its paths now point into {mix.parent}")
+
+
 def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code_mb: float = 6.0,
                    prose_mb: float = 3.0, math_docs: int = 20_000, seed: int = 0,
                    num_workers: int | None = None, seq_length: int = 256, force: bool = False,
@@ -213,7 +238,9 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
             else:  # a run may be reading it: never rebuild it under another Python's feet
                 log(f"embedded data in {out} was built from Python {prev.get('python')}'s standard library "
                     f"({prev.get('stdlib')}); using it (--force rebuilds it from this Python's)")
-            return yaml.safe_load((out / "mix.yaml").read_text())["data"]
+            data = embedded_section(out, seq_length=seq_length, seed=seed)
+            _point_mix_here(out / "mix.yaml", data, log)
+            return data
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps({"building": settings}))  # the directory is a build's from now on (not done yet)

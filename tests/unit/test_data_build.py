@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -123,6 +124,21 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys):
     assert "skipping" in captured.err and yaml.safe_load(captured.out)["data"] == mix
     assert (out / "embedded.json").stat().st_mtime_ns == stamp
     assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
+    # a copied build: the section and mix.yaml name the copy's files, the original is left as it was
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    original_mix = (out / "mix.yaml").read_text()
+    assert cli.main([*args[:2], str(copy), *args[3:]]) == 0
+    captured = capsys.readouterr()
+    assert "skipping" in captured.err and "copied or moved" in captured.err
+    for section in (yaml.safe_load(captured.out)["data"], yaml.safe_load((copy / "mix.yaml").read_text())["data"]):
+        assert section["tokenizer"] == str(copy / "tokenizer.model")
+        assert [s["path"] for s in section["sources"]] == [str(copy / n) for n in ("code", "prose", "math")]
+        assert {k: v for k, v in section.items() if k not in ("tokenizer", "sources")} == \
+            {k: v for k, v in mix.items() if k not in ("tokenizer", "sources")}
+    assert (out / "mix.yaml").read_text() == original_mix and not (copy / "mix.yaml.tmp").exists()
+    assert cli.main([*args[:2], str(copy), *args[3:]]) == 0  # now at home: nothing rewritten
+    assert "copied or moved" not in capsys.readouterr().err
     # a build from another Python's standard library: kept as it is (a run may be reading it), said so
     built = json.loads((out / "embedded.json").read_text())
     built["settings"].update(python="3.99.0", stdlib="/elsewhere/lib/python3.99")
