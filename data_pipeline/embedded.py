@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import os
 import random
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", 
 # Share of *tokens* per source, written into mix.yaml as the weights (data.pipeline.weight_by: tokens).
 TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
 # what a build writes into its directory: only a directory holding these (and embedded.json) is built over
-EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", "mix.yaml.tmp", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
+EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", ".mix.yaml.*.tmp", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
                     *(f"{n}{suffix}" for n in TOKEN_SHARES for suffix in ("", ".tmp", ".lock")))
 
 
@@ -184,29 +186,45 @@ def embedded_section(out: str | os.PathLike, *, seq_length: int = 256, seed: int
     }
 
 
-def _point_mix_here(mix: Path, data: dict, log) -> None:
-    """Rewrite the file paths of a build's ``mix.yaml`` that name another folder (the build was copied or
-    moved) to ``data``'s, keeping its other keys: it would read the old folder's files."""
-    raw = yaml.safe_load(mix.read_text())
-    old = raw.get("data") if isinstance(raw, dict) else None
-    if not isinstance(old, dict):
+def _point_mix_here(out: Path, log) -> None:
+    """Point a build's ``mix.yaml`` at the build's own files where it names, by absolute paths, the same
+    files in another folder (the build was copied or moved), keeping its other keys: it would read the
+    old folder. Relative paths, paths a user changed and a file that does not parse are left as they are."""
+    mix = out / "mix.yaml"
+    try:
+        text = mix.read_text()
+        raw = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        log(f"{mix} could not be read; left as it is (--force rebuilds it)")
         return
-    here = {"tokenizer": data["tokenizer"], **{s["name"]: s["path"] for s in data["sources"]}}
-    named = {"tokenizer": old.get("tokenizer"),
-             **{s.get("name"): s.get("path") for s in old.get("sources") or [] if isinstance(s, dict)}}
-    moved = {k: p for k, p in named.items() if k in here and p and Path(p).resolve() != Path(here[k]).resolve()}
-    if not moved:
+    section = raw.get("data") if isinstance(raw, dict) else None
+    sources = [s for s in section.get("sources") or [] if isinstance(s, dict)] if isinstance(section, dict) else []
+    named = {"tokenizer.model": section.get("tokenizer") if isinstance(section, dict) else None,
+             **{s.get("name"): s.get("path") for s in sources}}
+    if set(named) != {"tokenizer.model", *TOKEN_SHARES} \
+            or not all(isinstance(p, str) and os.path.isabs(p) and Path(p).name == n for n, p in named.items()):
+        return  # not the layout a build writes
+    folders = {Path(p).parent for p in named.values()}
+    home = out.resolve()
+    if len(folders) != 1 or (old := folders.pop()).resolve() == home:
         return
-    old["tokenizer"] = data["tokenizer"]
-    for s in old.get("sources") or []:
-        if isinstance(s, dict) and s.get("name") in here:
-            s["path"] = here[s["name"]]
-    header = "".join(line + "\n" for line in mix.read_text().splitlines() if line.startswith("#"))
-    tmp = mix.with_name(mix.name + ".tmp")
-    tmp.write_text(header + yaml.safe_dump({**raw, "data": old}, sort_keys=False))
-    os.replace(tmp, mix)  # a reader sees the old file or the new one
-    log(f"{mix} named files in {Path(next(iter(moved.values()))).parent} (the build was copied or moved); "
-        f"its paths now point into {mix.parent}")
+    section["tokenizer"] = str(home / "tokenizer.model")
+    for s in sources:
+        s["path"] = str(home / s["name"])
+    header = "".join(itertools.takewhile(lambda line: line.startswith("#"), text.splitlines(keepends=True)))
+    tmp = None
+    try:  # a reader sees the old file or the new one; two callers at once each write their own temporary
+        with tempfile.NamedTemporaryFile("w", dir=out, prefix=".mix.yaml.", suffix=".tmp", delete=False) as f:
+            tmp = Path(f.name)
+            f.write(header + yaml.safe_dump(raw, sort_keys=False))
+        os.replace(tmp, mix)
+    except OSError as e:
+        log(f"could not point {mix} at {home} ({e.strerror}); it still names the files in {old}")
+        return
+    finally:
+        if tmp is not None and tmp.exists():
+            tmp.unlink()
+    log(f"{mix} named the files in {old}; it now names those in {home} (the build was copied or moved)")
 
 
 def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code_mb: float = 6.0,
@@ -239,7 +257,7 @@ def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code
                 log(f"embedded data in {out} was built from Python {prev.get('python')}'s standard library "
                     f"({prev.get('stdlib')}); using it (--force rebuilds it from this Python's)")
             data = embedded_section(out, seq_length=seq_length, seed=seed)
-            _point_mix_here(out / "mix.yaml", data, log)
+            _point_mix_here(out, log)
             return data
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)

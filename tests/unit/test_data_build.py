@@ -12,7 +12,7 @@ import pytest
 import webdataset as wds
 import yaml
 
-from data_pipeline import cli
+from data_pipeline import cli, embedded
 from data_pipeline.config import DataConfig
 from data_pipeline.embedded import math_documents
 from data_pipeline.loader import build_loader
@@ -98,7 +98,7 @@ def test_math_generator_answers_are_correct():
     assert list(math_documents(5, seed=1)) == list(math_documents(5, seed=1))
 
 
-def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys):
+def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeypatch):
     out = tmp_path / "emb"
     args = ["embedded", "--out", str(out), "--vocab-size", "512", "--code-mb", "0.3", "--prose-mb", "0.3",
             "--math-docs", "400", "--workers", "2", "--seq-length", "64", "--quiet"]
@@ -124,21 +124,58 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys):
     assert "skipping" in captured.err and yaml.safe_load(captured.out)["data"] == mix
     assert (out / "embedded.json").stat().st_mtime_ns == stamp
     assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
-    # a copied build: the section and mix.yaml name the copy's files, the original is left as it was
+    # a copied build: the section and mix.yaml name the copy's files (its other keys and comments kept),
+    # the original is left as it was; the section has the asked sequence length
+    def embedded_at(where, *extra):
+        assert cli.main([*args[:2], str(where), *args[3:], *extra]) == 0
+        captured = capsys.readouterr()
+        return captured.err, yaml.safe_load(captured.out)["data"]
+
+    def names(section, where):
+        return [section["tokenizer"], *(s["path"] for s in section["sources"])] == \
+            [str(where / n) for n in ("tokenizer.model", "code", "prose", "math")]
+
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     original_mix = (out / "mix.yaml").read_text()
-    assert cli.main([*args[:2], str(copy), *args[3:]]) == 0
-    captured = capsys.readouterr()
-    assert "skipping" in captured.err and "copied or moved" in captured.err
-    for section in (yaml.safe_load(captured.out)["data"], yaml.safe_load((copy / "mix.yaml").read_text())["data"]):
-        assert section["tokenizer"] == str(copy / "tokenizer.model")
-        assert [s["path"] for s in section["sources"]] == [str(copy / n) for n in ("code", "prose", "math")]
-        assert {k: v for k, v in section.items() if k not in ("tokenizer", "sources")} == \
-            {k: v for k, v in mix.items() if k not in ("tokenizer", "sources")}
-    assert (out / "mix.yaml").read_text() == original_mix and not (copy / "mix.yaml.tmp").exists()
-    assert cli.main([*args[:2], str(copy), *args[3:]]) == 0  # now at home: nothing rewritten
-    assert "copied or moved" not in capsys.readouterr().err
+    (copy / "mix.yaml").write_text(original_mix + "note: kept\n")
+    err, printed = embedded_at(copy, "--seq-length", "32")
+    assert "skipping" in err and f"named the files in {out}" in err and "copied or moved" in err
+    assert names(printed, copy) and printed["seq_length"] == 32
+    copied_mix = yaml.safe_load((copy / "mix.yaml").read_text())
+    assert names(copied_mix["data"], copy.resolve()) and copied_mix["note"] == "kept"
+    assert {k: v for k, v in copied_mix["data"].items() if k not in ("tokenizer", "sources")} == \
+        {k: v for k, v in mix.items() if k not in ("tokenizer", "sources")}
+    assert (copy / "mix.yaml").read_text().startswith("# Embedded default token mix")
+    assert (out / "mix.yaml").read_text() == original_mix and sorted(copy.glob(".mix.yaml*")) == []
+    assert "copied or moved" not in embedded_at(copy)[0]  # now at home: nothing rewritten
+    # moved, the folder it names gone: the moved mix.yaml is what a loader reads
+    moved = tmp_path / "moved"
+    shutil.move(copy, moved)
+    err, printed = embedded_at(moved)
+    assert f"named the files in {copy.resolve()}" in err and names(printed, moved)
+    moved_mix = DataConfig(**yaml.safe_load((moved / "mix.yaml").read_text())["data"])
+    assert next(build_loader(moved_mix, micro_batch_size=4, global_batch_size=4, dp_rank=0, dp_size=1))[
+        "input_ids"].shape == (4, 64)
+    # a folder it cannot write: said, left as it was, the section printed
+    at_home = (moved / "mix.yaml").read_text()
+    elsewhere = at_home.replace(str(moved.resolve()), "/elsewhere/emb")
+    (moved / "mix.yaml").write_text(elsewhere)
+    with monkeypatch.context() as m:
+        m.setattr(embedded.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+        err, printed = embedded_at(moved)
+    assert f"could not point {moved / 'mix.yaml'} at {moved.resolve()} (Permission denied)" in err and names(printed, moved)
+    assert (moved / "mix.yaml").read_text() == elsewhere and sorted(moved.glob(".mix.yaml*")) == []
+    (moved / "mix.yaml").write_text(at_home)
+    # paths a user changed, relative paths, a file that does not parse: left as they are
+    for text in (at_home.replace(str(moved.resolve() / "code"), "/datasets/mycode"),
+                 at_home.replace(str(moved.resolve()), "data/embedded").replace(str(out), "data/embedded"),
+                 original_mix.replace("data:", "data: [", 1), "\xff not UTF-8"):
+        assert text != at_home
+        (moved / "mix.yaml").write_text(text, encoding="latin-1")
+        err, printed = embedded_at(moved)
+        assert (moved / "mix.yaml").read_text(encoding="latin-1") == text and names(printed, moved), text
+        assert "copied or moved" not in err
     # a build from another Python's standard library: kept as it is (a run may be reading it), said so
     built = json.loads((out / "embedded.json").read_text())
     built["settings"].update(python="3.99.0", stdlib="/elsewhere/lib/python3.99")
