@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -198,9 +199,10 @@ def _point_mix_here(out: Path, log) -> None:
         log(f"{mix} could not be read; left as it is (--force rebuilds it)")
         return
     section = raw.get("data") if isinstance(raw, dict) else None
-    sources = [s for s in section.get("sources") or [] if isinstance(s, dict)] if isinstance(section, dict) else []
+    listed = section.get("sources") if isinstance(section, dict) else None
+    sources = [s for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
     named = {"tokenizer.model": section.get("tokenizer") if isinstance(section, dict) else None,
-             **{s.get("name"): s.get("path") for s in sources}}
+             **{str(s.get("name")): s.get("path") for s in sources}}
     if set(named) != {"tokenizer.model", *TOKEN_SHARES} \
             or not all(isinstance(p, str) and os.path.isabs(p) and Path(p).name == n for n, p in named.items()):
         return  # not the layout a build writes
@@ -217,6 +219,7 @@ def _point_mix_here(out: Path, log) -> None:
         with tempfile.NamedTemporaryFile("w", dir=out, prefix=".mix.yaml.", suffix=".tmp", delete=False) as f:
             tmp = Path(f.name)
             f.write(header + yaml.safe_dump(raw, sort_keys=False))
+        shutil.copymode(mix, tmp)  # the temporary is private (0600); the build's readers keep reading it
         os.replace(tmp, mix)
     except OSError as e:
         log(f"could not point {mix} at {home} ({e.strerror}); it still names the files in {old}")

@@ -139,6 +139,7 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeyp
     shutil.copytree(out, copy)
     original_mix = (out / "mix.yaml").read_text()
     (copy / "mix.yaml").write_text(original_mix + "note: kept\n")
+    (copy / "mix.yaml").chmod(0o644)
     err, printed = embedded_at(copy, "--seq-length", "32")
     assert "skipping" in err and f"named the files in {out}" in err and "copied or moved" in err
     assert names(printed, copy) and printed["seq_length"] == 32
@@ -147,6 +148,7 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeyp
     assert {k: v for k, v in copied_mix["data"].items() if k not in ("tokenizer", "sources")} == \
         {k: v for k, v in mix.items() if k not in ("tokenizer", "sources")}
     assert (copy / "mix.yaml").read_text().startswith("# Embedded default token mix")
+    assert (copy / "mix.yaml").stat().st_mode & 0o777 == 0o644
     assert (out / "mix.yaml").read_text() == original_mix and sorted(copy.glob(".mix.yaml*")) == []
     assert "copied or moved" not in embedded_at(copy)[0]  # now at home: nothing rewritten
     # moved, the folder it names gone: the moved mix.yaml is what a loader reads
@@ -170,7 +172,8 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeyp
     # paths a user changed, relative paths, a file that does not parse: left as they are
     for text in (at_home.replace(str(moved.resolve() / "code"), "/datasets/mycode"),
                  at_home.replace(str(moved.resolve()), "data/embedded").replace(str(out), "data/embedded"),
-                 original_mix.replace("data:", "data: [", 1), "\xff not UTF-8"):
+                 original_mix.replace("data:", "data: [", 1), "\xff not UTF-8", "data: {sources: 5}\n",
+                 "data: {tokenizer: /x/tokenizer.model, sources: [{name: [code], path: /x/code}]}\n"):
         assert text != at_home
         (moved / "mix.yaml").write_text(text, encoding="latin-1")
         err, printed = embedded_at(moved)
