@@ -23,14 +23,14 @@ import itertools
 import json
 import os
 import random
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from fbt_megatron.files import TEMPORARY, write_text_atomic
 
 from .output_dir import earlier_output
 from .prepare import prepare_dataset
@@ -43,7 +43,7 @@ EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", 
 # Share of *tokens* per source, written into mix.yaml as the weights (data.pipeline.weight_by: tokens).
 TOKEN_SHARES = {"code": 0.4, "prose": 0.3, "math": 0.3}
 # what a build writes into its directory: only a directory holding these (and embedded.json) is built over
-EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", ".mix.yaml.*.tmp", "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
+EMBEDDED_ENTRIES = ("embedded.json", "mix.yaml", TEMPORARY, "tokenizer.model", "tokenizer.model.tmp", ".*.replaced-*",
                     *(f"{n}{suffix}" for n in TOKEN_SHARES for suffix in ("", ".tmp", ".lock")))
 
 
@@ -214,19 +214,11 @@ def _point_mix_here(out: Path, log) -> None:
     for s in sources:
         s["path"] = str(home / s["name"])
     header = "".join(itertools.takewhile(lambda line: line.startswith("#"), text.splitlines(keepends=True)))
-    tmp = None
     try:  # a reader sees the old file or the new one; two callers at once each write their own temporary
-        with tempfile.NamedTemporaryFile("w", dir=out, prefix=".mix.yaml.", suffix=".tmp", delete=False) as f:
-            tmp = Path(f.name)
-            f.write(header + yaml.safe_dump(raw, sort_keys=False))
-        shutil.copymode(mix, tmp)  # the temporary is private (0600); the build's readers keep reading it
-        os.replace(tmp, mix)
+        write_text_atomic(mix, header + yaml.safe_dump(raw, sort_keys=False))
     except OSError as e:
         log(f"could not point {mix} at {home} ({e.strerror}); it still names the files in {old}")
         return
-    finally:
-        if tmp is not None and tmp.exists():
-            tmp.unlink()
     log(f"{mix} named the files in {old}; it now names those in {home} (the build was copied or moved)")
 
 

@@ -8,6 +8,7 @@ where the previous, complete one was.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 TEMPORARY = ".*.[0-9]*.tmp"  # the name of the temporary file a killed write leaves behind (fnmatch: .NAME.PID.tmp)
@@ -16,7 +17,8 @@ TEMPORARY = ".*.[0-9]*.tmp"  # the name of the temporary file a killed write lea
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path``: into a temporary file beside it (this process's own), flushed to disk,
     then renamed over ``path`` (atomic on POSIX), so a reader sees the old file or the new one, never a
-    part of either. A write killed outright leaves ``.NAME.PID.tmp`` beside ``path`` (:data:`TEMPORARY`)."""
+    part of either; a file it replaces keeps its mode. A write killed outright leaves ``.NAME.PID.tmp``
+    beside ``path`` (:data:`TEMPORARY`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -24,6 +26,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            shutil.copymode(path, tmp)  # its readers keep reading it
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

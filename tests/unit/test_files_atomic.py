@@ -93,3 +93,13 @@ def test_a_run_folder_with_a_killed_writes_temporary_is_still_the_runs_own(tmp_p
     (run / ".summary.json.4242.tmp").write_text("{\"step\"")
     assert earlier_output(run, markers=("command.json",), patterns=RUN_ENTRIES, writer="a research run",
                           option="run folder") is True
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    path = tmp_path / "mix.yaml"
+    path.write_text("old\n")
+    path.chmod(0o640)
+    write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and path.stat().st_mode & 0o777 == 0o640
+    fresh = write_text_atomic(tmp_path / "fresh.json", "{}")
+    assert fresh.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["fresh.json", "mix.yaml"]
