@@ -200,9 +200,10 @@ def _point_mix_here(out: Path, log) -> None:
         return
     section = raw.get("data") if isinstance(raw, dict) else None
     listed = section.get("sources") if isinstance(section, dict) else None
-    sources = [s for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
-    named = {"tokenizer.model": section.get("tokenizer") if isinstance(section, dict) else None,
-             **{str(s.get("name")): s.get("path") for s in sources}}
+    if not isinstance(listed, list):
+        return  # not the layout a build writes
+    sources = [s for s in listed if isinstance(s, dict)]
+    named = {"tokenizer.model": section.get("tokenizer"), **{str(s.get("name")): s.get("path") for s in sources}}
     if set(named) != {"tokenizer.model", *TOKEN_SHARES} \
             or not all(isinstance(p, str) and os.path.isabs(p) and Path(p).name == n for n, p in named.items()):
         return  # not the layout a build writes
