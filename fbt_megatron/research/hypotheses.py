@@ -87,10 +87,11 @@ def standard_tokens_for(standard: list[tuple[float, float]], loss: float) -> flo
 
 def multiplier_by_seed(standard_runs: dict[float, dict | None], fbt: dict | None, fbt_kind: str,
                        tokens: float, standard: str | dict[float, str] = "standard_untied",
-                       budgets: int = 2) -> dict[int, float]:
+                       planned: list[float] | None = None) -> dict[int, float]:
     """``{seed: m}``: FBT's best mode at ``tokens`` against that seed's standard runs (``{tokens: report}``,
-    the standard run kind ``standard``, or ``{tokens: kind}`` where each budget's run has its own name), for the
-    seeds with standard runs at ``budgets`` budgets or more."""
+    the standard run kind ``standard``, or ``{tokens: kind}`` where each budget's run has its own name). A
+    seed needs standard runs at two budgets or more; with ``planned`` budgets, it needs all of them or two
+    neighbouring ones whose losses bracket FBT's, since the missing runs cannot then change its m."""
     curves: dict[int, list[tuple[float, float]]] = {}
     for budget, report in standard_runs.items():
         kind = standard if isinstance(standard, str) else standard[budget]
@@ -98,9 +99,19 @@ def multiplier_by_seed(standard_runs: dict[float, dict | None], fbt: dict | None
             curves.setdefault(seed, []).append((budget, loss))
     out = {}
     for seed, loss in losses_by_seed(fbt, fbt_kind).items():
-        if len(curves.get(seed, [])) >= max(budgets, 2):
-            out[seed] = standard_tokens_for(curves[seed], loss) / tokens
+        curve = curves.get(seed, [])
+        if len(curve) >= 2 and (planned is None or _settled(dict(curve), sorted(planned), loss)):
+            out[seed] = standard_tokens_for(curve, loss) / tokens
     return out
+
+
+def _settled(have: dict[float, float], planned: list[float], loss: float) -> bool:
+    """Whether the standard losses ``have`` ({tokens: loss}) fix D_standard(``loss``) as all ``planned``
+    budgets would: all are there, or two neighbouring ones whose losses bracket ``loss``."""
+    if all(b in have for b in planned):
+        return True
+    return any(a in have and b in have and min(have[a], have[b]) <= loss <= max(have[a], have[b])
+               for a, b in zip(planned, planned[1:]))
 
 
 def estimate(values: dict[int, float]) -> Estimate | None:
@@ -230,15 +241,26 @@ def budget_kinds(steps: int, factor: int, suffix: str) -> tuple[dict[float, str]
     return standard, f"fbt_heavy_untied{tag[factor * steps]}_fusion_lr_x10{suffix}"
 
 
-def budget_multipliers(report: dict | None, factor: int, steps: int = E3_STEPS) -> dict[int, float]:
-    """``{seed: m}`` of E3 at ``factor`` x the budget, all from one report: FBT's best mode against the seed's
-    standard runs at 0.5x, 1x and 2x (all three needed), with the recipe that has the 2x FBT run."""
+def e3_recipe_suffix(report: dict | None, steps: int = E3_STEPS) -> str | None:
+    """The FBT recipe (a suffix of :data:`FBT_RECIPE_SUFFIXES`) E3 reads from ``report``: that of its 2x FBT
+    run, else that of its 1x FBT run when the report holds one recipe's (None: neither)."""
     suffix = fbt_recipe_suffix(report, lambda s: budget_kinds(steps, 2, s)[1])
+    if suffix is None:
+        at_1x = [s for s in FBT_RECIPE_SUFFIXES if has_kind(report, budget_kinds(steps, 1, s)[1])]
+        suffix = at_1x[0] if len(at_1x) == 1 else None
+    return suffix
+
+
+def budget_multipliers(report: dict | None, factor: int, steps: int = E3_STEPS) -> dict[int, float]:
+    """``{seed: m}`` of E3 at ``factor`` x the budget, all from one report: FBT's best mode (the recipe of
+    :func:`e3_recipe_suffix`) against the seed's standard runs at 0.5x, 1x and 2x; a seed without all three
+    gets m once the two that bracket FBT's loss are there."""
+    suffix = e3_recipe_suffix(report, steps)
     if suffix is None:
         return {}
     standard, fbt = budget_kinds(steps, factor, suffix)
     return multiplier_by_seed({t: report for t in standard}, report, fbt, factor * steps * TOKENS_PER_STEP,
-                              standard, budgets=3)
+                              standard, planned=list(standard))
 
 
 def _budget(stem, factor):
@@ -434,7 +456,7 @@ def multiplier_rows(reports: Reports) -> list[tuple[str, int, dict[int, float]]]
     rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps)) for steps in BUDGETS]
     for stem, where in ((E1, "E3: tiny, 1e-3"), (MEDIUM, "E3: medium, 6e-4")):
         report = reports(stem)
-        suffix = fbt_recipe_suffix(report, lambda s: budget_kinds(E3_STEPS, 2, s)[1])
+        suffix = e3_recipe_suffix(report)
         recipe = f", {RECIPE_LABELS[suffix]}" if suffix is not None else ""
         for factor in (1, 2):
             rows.append((where + recipe, factor * E3_STEPS, budget_multipliers(report, factor)))

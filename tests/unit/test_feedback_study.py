@@ -964,8 +964,8 @@ def test_e2_rows_read_the_form_groups_runs(tmp_path, monkeypatch):
 def test_e3_rows_give_m_per_size_and_budget(tmp_path, monkeypatch):
     """m = D_standard(L_FBT) / D_FBT per seed from one report's budget runs: the standard model's final
     1-pass loss at 600, 1200 and 2400 steps (linear in log tokens between them, extended past the ends),
-    FBT's best mode at 1x and 2x, with the recipe of the 2x run (E1's report holds every recipe at 1x);
-    pending until the three standard runs and the 2x FBT run are there."""
+    FBT's best mode at 1x and 2x, with the recipe of the 2x run (E1's report holds every recipe at 1x), else
+    of the 1x run; a seed's m waits for the standard runs that fix it: all three, or the two that bracket it."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     from feedback_study import plan
 
@@ -1006,16 +1006,29 @@ def test_e3_rows_give_m_per_size_and_budget(tmp_path, monkeypatch):
             assert (mean, err, n) == (pytest.approx((a + b) / 2), pytest.approx(abs(a - b) / 2), 2), claim
     cells = row_cells(e3["m > 1 at the tiny size, 2× the budget (2400 steps, 4.9 M tokens)"], Reports(tmp_path))
     assert cells[4].startswith(f"{(m[1][2] + m[2][2]) / 2:.2f}× [") and cells[5] == "2"
-    # a standard budget missing (seed 2's 600 steps): that seed has no m; without the 2x run, no row at all
-    for name, drop in ((f"{std[600]}_seed2", 1), (f"{two}_seed1", 0), (f"{two}_seed2", 0)):
-        data = json.loads((tmp_path / f"feedback_study_{MEDIUM}.json").read_text())
-        del data["readouts"][name]
-        (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps(data))
-        got = [e3[f"m > 1 at the medium size, {f}× the budget ({s} steps, {t} M tokens)"].number(Reports(tmp_path))
-               for f, s, t in ((1, 1200, 2.5), (2, 2400, 4.9))]
-        if drop:
-            assert [g[0] for g in got] == [pytest.approx(m[1][1]), pytest.approx(m[1][2])] and got[0][2] == 1
-    assert got == [None, None]
+    # a standard budget missing (seed 2's 600 steps): seed 2 keeps m at 1x, its FBT loss lying between its
+    # 1200- and 2400-step losses, and has none at 2x, extrapolated past its runs; without the 2x runs the
+    # report holds three recipes at 1x, so no row says which one it read
+    medium = tmp_path / f"feedback_study_{MEDIUM}.json"
+
+    def drop(*names):
+        data = json.loads(medium.read_text())
+        for name in names:
+            del data["readouts"][name]
+        medium.write_text(json.dumps(data))
+        return [e3[f"m > 1 at the medium size, {f}× the budget ({s} steps, {t} M tokens)"].number(Reports(tmp_path))
+                for f, s, t in ((1, 1200, 2.5), (2, 2400, 4.9))]
+
+    got = drop(f"{std[600]}_seed2")
+    assert got[0][0] == pytest.approx((m[1][1] + m[2][1]) / 2) and got[0][2] == 2
+    assert got[1][0] == pytest.approx(m[1][2]) and got[1][2] == 1
+    assert drop(f"{two}_seed1", f"{two}_seed2") == [None, None]
+    # one recipe's 1x runs alone (E2's at the medium size): m at 1x from the standard runs that bracket it;
+    # seed 1 without its 1200-step run has 600 and 2400 steps, not neighbours: no m
+    got = drop(*(f"{x10}{o}_seed{s}" for o in ("_loss_mean", "_switch50") for s in (1, 2)))
+    assert got[0][0] == pytest.approx((m[1][1] + m[2][1]) / 2) and got[0][2] == 2 and got[1] is None
+    got = drop(f"{std[1200]}_seed1")
+    assert got[0][0] == pytest.approx(m[2][1]) and got[0][2] == 1
 
 
 def test_validation_text_names_the_read_outs_set_and_is_empty_without_language_runs():
