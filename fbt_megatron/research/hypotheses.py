@@ -90,8 +90,9 @@ def multiplier_by_seed(standard_runs: dict[float, dict | None], fbt: dict | None
                        planned: list[float] | None = None) -> dict[int, float]:
     """``{seed: m}``: FBT's best mode at ``tokens`` against that seed's standard runs (``{tokens: report}``,
     the standard run kind ``standard``, or ``{tokens: kind}`` where each budget's run has its own name). A
-    seed needs standard runs at two budgets or more; with ``planned`` budgets, it needs all of them or two
-    neighbouring ones whose losses bracket FBT's, since the missing runs cannot then change its m."""
+    seed needs standard runs at two budgets or more; with ``planned`` budgets, all of them, or the two
+    smallest when their losses bracket FBT's: the first bracketing segment is then fixed, so the missing
+    runs cannot change its m."""
     curves: dict[int, list[tuple[float, float]]] = {}
     for budget, report in standard_runs.items():
         kind = standard if isinstance(standard, str) else standard[budget]
@@ -107,11 +108,12 @@ def multiplier_by_seed(standard_runs: dict[float, dict | None], fbt: dict | None
 
 def _settled(have: dict[float, float], planned: list[float], loss: float) -> bool:
     """Whether the standard losses ``have`` ({tokens: loss}) fix D_standard(``loss``) as all ``planned``
-    budgets would: all are there, or two neighbouring ones whose losses bracket ``loss``."""
+    budgets would (:func:`standard_tokens_for` takes the first segment that brackets the loss): all are
+    there, or the two smallest, and their losses bracket ``loss``."""
     if all(b in have for b in planned):
         return True
-    return any(a in have and b in have and min(have[a], have[b]) <= loss <= max(have[a], have[b])
-               for a, b in zip(planned, planned[1:]))
+    a, b = planned[:2]
+    return a in have and b in have and min(have[a], have[b]) <= loss <= max(have[a], have[b])
 
 
 def estimate(values: dict[int, float]) -> Estimate | None:
@@ -243,7 +245,8 @@ def budget_kinds(steps: int, factor: int, suffix: str) -> tuple[dict[float, str]
 
 def e3_recipe_suffix(report: dict | None, steps: int = E3_STEPS) -> str | None:
     """The FBT recipe (a suffix of :data:`FBT_RECIPE_SUFFIXES`) E3 reads from ``report``: that of its 2x FBT
-    run, else that of its 1x FBT run when the report holds one recipe's (None: neither)."""
+    run, else that of its 1x FBT run when the report holds one recipe's; None without a 2x run and with no
+    1x run or several recipes' 1x runs."""
     suffix = fbt_recipe_suffix(report, lambda s: budget_kinds(steps, 2, s)[1])
     if suffix is None:
         at_1x = [s for s in FBT_RECIPE_SUFFIXES if has_kind(report, budget_kinds(steps, 1, s)[1])]
@@ -254,7 +257,7 @@ def e3_recipe_suffix(report: dict | None, steps: int = E3_STEPS) -> str | None:
 def budget_multipliers(report: dict | None, factor: int, steps: int = E3_STEPS) -> dict[int, float]:
     """``{seed: m}`` of E3 at ``factor`` x the budget, all from one report: FBT's best mode (the recipe of
     :func:`e3_recipe_suffix`) against the seed's standard runs at 0.5x, 1x and 2x; a seed without all three
-    gets m once the two that bracket FBT's loss are there."""
+    gets m once its 0.5x and 1x runs are there and bracket FBT's loss."""
     suffix = e3_recipe_suffix(report, steps)
     if suffix is None:
         return {}
