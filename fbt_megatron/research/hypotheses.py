@@ -437,7 +437,7 @@ HYPOTHESES = [
     Hypothesis("budget", "m > 1 at the tiny size, 2× the budget (2400 steps, 4.9 M tokens)", "E3 (as above)",
                "token multiplier m", _budget(E1, 2), +1, null=1.0),
     Hypothesis("budget", "m > 1 at the medium size, 1× the budget (1200 steps, 2.5 M tokens)",
-               "E3: medium, 6e-4, untied, ×10, the recipe chosen by E1 (E2's runs at 1×); standard at 600 / 1200 / "
+               "E3: medium, 6e-4, untied, ×10, the recipe chosen by E1 (E2's GLU runs at 1×); standard at 600 / 1200 / "
                "2400 steps",
                "token multiplier m", _budget(MEDIUM, 1), +1, null=1.0),
     Hypothesis("budget", "m > 1 at the medium size, 2× the budget (2400 steps, 4.9 M tokens)", "E3 (as above)",

@@ -1007,7 +1007,7 @@ def test_e3_rows_give_m_per_size_and_budget(tmp_path, monkeypatch):
     cells = row_cells(e3["m > 1 at the tiny size, 2× the budget (2400 steps, 4.9 M tokens)"], Reports(tmp_path))
     assert cells[4].startswith(f"{(m[1][2] + m[2][2]) / 2:.2f}× [") and cells[5] == "2"
     # seed 2's 600-step run missing: no m for seed 2, though its 1200- and 2400-step losses bracket its 1x
-    # loss (a 600-step loss at or below 4.20 would put the first bracketing segment below them)
+    # loss: without the 600-step run, which segment brackets it first is not known
     medium = tmp_path / f"feedback_study_{MEDIUM}.json"
 
     def drop(*names):
