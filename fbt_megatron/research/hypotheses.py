@@ -223,10 +223,15 @@ def has_kind(report: dict | None, kind: str) -> bool:
     return any(name.rpartition("_seed")[0] == kind for name in (report or {}).get("readouts", {}))
 
 
+def recipes_held(report: dict | None, kind_of: Callable[[str], str]) -> list[str]:
+    """The suffixes of :data:`FBT_RECIPE_SUFFIXES` whose run ``kind_of(suffix)`` the report holds, in order."""
+    return [s for s in FBT_RECIPE_SUFFIXES if has_kind(report, kind_of(s))]
+
+
 def fbt_recipe_suffix(report: dict | None, kind_of: Callable[[str], str]) -> str | None:
     """The suffix of :data:`FBT_RECIPE_SUFFIXES` whose run ``kind_of(suffix)`` the report holds (None: none);
     a report holding such runs of two recipes is refused, since a row would not say which one it read."""
-    found = [s for s in FBT_RECIPE_SUFFIXES if has_kind(report, kind_of(s))]
+    found = recipes_held(report, kind_of)
     if len(found) > 1:
         from fbt_megatron.errors import UserError
 
@@ -249,7 +254,7 @@ def e3_recipe_suffix(report: dict | None, steps: int = E3_STEPS) -> str | None:
     1x run or several recipes' 1x runs."""
     suffix = fbt_recipe_suffix(report, lambda s: budget_kinds(steps, 2, s)[1])
     if suffix is None:
-        at_1x = [s for s in FBT_RECIPE_SUFFIXES if has_kind(report, budget_kinds(steps, 1, s)[1])]
+        at_1x = recipes_held(report, lambda s: budget_kinds(steps, 1, s)[1])
         suffix = at_1x[0] if len(at_1x) == 1 else None
     return suffix
 
