@@ -500,9 +500,8 @@ def replace_summary(document: str, table_text: str, begin: str = BEGIN, end: str
 
 def portable_report(data: dict) -> dict:
     """A report JSON with its machine paths made relative: each read-out's checkpoint to its run folder,
-    the study's runs and output folders by name (a report written before reports did this)."""
-    from fbt_megatron.research.study import portable_args
-
+    the study's runs and output folders by name (a report written before reports did this); what is already
+    relative is left as it is, since reports store their folders relative to the repository."""
     for name, readout in data.get("readouts", {}).items():
         ckpt = readout.get("checkpoint")
         if ckpt and Path(ckpt).is_absolute():
@@ -512,5 +511,4 @@ def portable_report(data: dict) -> dict:
     for key in ("runs", "out"):
         if args.get(key) and Path(args[key]).is_absolute():
             args[key] = "docs/results" if Path(args[key]).parts[-2:] == ("docs", "results") else Path(args[key]).name
-    data["args"] = portable_args(args) if args else args
     return data

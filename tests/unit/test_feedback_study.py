@@ -720,9 +720,12 @@ def test_summary_rows_give_the_interval_and_the_verdict_and_wait_for_missing_run
         replace_summary("# T\n", "| new |")
 
 
-def test_old_reports_paths_become_relative():
-    """A report written with machine paths: the checkpoint relative to its run folder, the folders by name."""
+def test_old_reports_paths_become_relative(tmp_path, monkeypatch):
+    """A report written with machine paths: the checkpoint relative to its run folder, the folders by name;
+    the same from any working directory (tools/feedback_summary.py may run outside the repository)."""
     from fbt_megatron.research.hypotheses import portable_report
+
+    monkeypatch.chdir(tmp_path)
 
     data = {"args": {"runs": "/work/study_runs/tiny_600", "out": "/work/main/docs/results", "seeds": "1,2"},
             "readouts": {"standard_seed1": {"checkpoint": "/work/study_runs/tiny_600/standard_seed1/checkpoints/step_00000600"},
