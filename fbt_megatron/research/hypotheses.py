@@ -128,7 +128,8 @@ def estimate(values: dict[int, float]) -> Estimate | None:
 class Hypothesis:
     """One row: ``number(reports)`` is the estimate; the claim holds when its interval lies on
     ``claim_sign``'s side of ``null`` (0 for a difference, 1 for a multiplier). ``pending``: what the
-    row says while its report lacks the runs ("running", "not run yet")."""
+    row says while its report lacks the runs ("running", "not run yet"), or a function of the reports that
+    tells."""
 
     area: str
     claim: str
@@ -137,14 +138,15 @@ class Hypothesis:
     number: Callable[[Reports], Estimate | tuple[float, float, float, int] | None]
     claim_sign: int
     null: float = 0.0
-    pending: str = "not run yet"
+    pending: str | Callable[[Reports], str] = "not run yet"
 
 
 def row_cells(h: Hypothesis, reports: Reports) -> list[str]:
     """The table row of ``h``: area, claim, experiment, measure, number [interval], seeds, verdict."""
     got = h.number(reports)
     if got is None:
-        return [h.area, h.claim, h.experiment, h.measure, "–", "–", h.pending]
+        pending = h.pending(reports) if callable(h.pending) else h.pending
+        return [h.area, h.claim, h.experiment, h.measure, "–", "–", pending]
     if len(got) == 4:  # a difference of two independent estimates: (diff, lo, hi, seeds)
         diff, lo, hi, n = got
         text = f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else f"{diff:+.3f}"
@@ -271,8 +273,24 @@ def budget_multipliers(report: dict | None, factor: int, steps: int = E3_STEPS) 
                               standard, planned=list(standard))
 
 
+def budget_pending(report: dict | None, factor: int, steps: int = E3_STEPS) -> str:
+    """What E3 at ``factor`` x the budget says while no seed has m: the seeds whose FBT run is read out and
+    waits for standard runs, else "not run yet"."""
+    suffix = e3_recipe_suffix(report, steps)
+    fbt = budget_kinds(steps, factor, suffix)[1] if suffix is not None else None
+    seeds = sorted(int(seed) for kind, _, seed in (n.rpartition("_seed") for n in (report or {}).get("readouts", {}))
+                   if kind == fbt)
+    if not seeds:
+        return "not run yet"
+    return f"waits for standard runs (FBT: seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})"
+
+
 def _budget(stem, factor):
     return lambda r: estimate(budget_multipliers(r(stem), factor))
+
+
+def _budget_pending(stem, factor):
+    return lambda r: budget_pending(r(stem), factor)
 
 
 def state_past_by_seed(report: dict | None, kind: str, mode: str = "exact") -> dict[int, float]:
@@ -438,15 +456,19 @@ HYPOTHESES = [
     Hypothesis("budget", "m > 1 (2400 steps, 4.9 M tokens)", "(as above)", "token multiplier m",
                _multiplier(2400), +1, null=1.0),
     Hypothesis("budget", "m > 1 at the tiny size, 1× the budget (1200 steps, 2.5 M tokens)", E3,
-               "token multiplier m", _budget(E1, 1), +1, null=1.0),
+               "token multiplier m", _budget(E1, 1), +1, null=1.0,
+               pending=_budget_pending(E1, 1)),
     Hypothesis("budget", "m > 1 at the tiny size, 2× the budget (2400 steps, 4.9 M tokens)", "E3 (as above)",
-               "token multiplier m", _budget(E1, 2), +1, null=1.0),
+               "token multiplier m", _budget(E1, 2), +1, null=1.0,
+               pending=_budget_pending(E1, 2)),
     Hypothesis("budget", "m > 1 at the medium size, 1× the budget (1200 steps, 2.5 M tokens)",
                "E3: medium, 6e-4, untied, ×10, the recipe chosen by E1 (E2's GLU runs at 1×); standard at 600 / 1200 / "
                "2400 steps",
-               "token multiplier m", _budget(MEDIUM, 1), +1, null=1.0),
+               "token multiplier m", _budget(MEDIUM, 1), +1, null=1.0,
+               pending=_budget_pending(MEDIUM, 1)),
     Hypothesis("budget", "m > 1 at the medium size, 2× the budget (2400 steps, 4.9 M tokens)", "E3 (as above)",
-               "token multiplier m", _budget(MEDIUM, 2), +1, null=1.0),
+               "token multiplier m", _budget(MEDIUM, 2), +1, null=1.0,
+               pending=_budget_pending(MEDIUM, 2)),
 ]
 
 
@@ -458,30 +480,33 @@ def summary_table(reports: Reports) -> str:
                  [row_cells(h, reports) for h in HYPOTHESES])
 
 
-def multiplier_rows(reports: Reports) -> list[tuple[str, int, dict[int, float]]]:
-    """``(experiment, FBT steps, {seed: m})`` for each budget of the earlier tiny study (3e-3, one data order)
-    and of E3 at each size (1x and 2x), in that order; a budget with no seed yet has ``{}``."""
-    rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps)) for steps in BUDGETS]
+def multiplier_rows(reports: Reports) -> list[tuple[str, int, dict[int, float], str]]:
+    """``(experiment, FBT steps, {seed: m}, what it says without m)`` for each budget of the earlier tiny study
+    (3e-3, one data order) and of E3 at each size (1x and 2x), in that order; a budget with no seed yet has
+    ``{}`` (E3's: :func:`budget_pending` tells why)."""
+    rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps), "not run yet")
+            for steps in BUDGETS]
     for stem, where in ((E1, "E3: tiny, 1e-3"), (MEDIUM, "E3: medium, 6e-4")):
         report = reports(stem)
         suffix = e3_recipe_suffix(report)
         recipe = f", {RECIPE_LABELS[suffix]}" if suffix is not None else ""
         for factor in (1, 2):
-            rows.append((where + recipe, factor * E3_STEPS, budget_multipliers(report, factor)))
+            rows.append((where + recipe, factor * E3_STEPS, budget_multipliers(report, factor),
+                         budget_pending(report, factor)))
     return rows
 
 
 def multiplier_table(reports: Reports) -> str:
     """The markdown table of m per seed for each experiment and budget (:func:`multiplier_rows`), with its
-    mean and t-interval; budgets not run yet say so."""
+    mean and t-interval; budgets without m say why."""
     from fbt_megatron.research.report import table
 
     rows = []
-    for where, steps, m in multiplier_rows(reports):
+    for where, steps, m, pending in multiplier_rows(reports):
         tokens = f"{steps} ({steps * TOKENS_PER_STEP / 1e6:.2f} M)"
         got = estimate(m)
         if got is None:
-            rows.append([where, tokens, "not run yet", "–", "–"])
+            rows.append([where, tokens, pending, "–", "–"])
             continue
         lo, hi = t_interval(*got)
         rows.append([where, tokens, " / ".join(f"{m[s]:.2f}×" for s in sorted(m)), ", ".join(map(str, sorted(m))),

@@ -1102,3 +1102,29 @@ def test_multiplier_table_gives_m_per_seed_for_each_size_and_budget(tmp_path):
         assert "not run yet" in rows[("E3: medium, 6e-4", steps)]
     assert all("not run yet" in rows[("tiny, 3e-3, one data order", f"{s} ({s * 2048 / 1e6:.2f} M)")]
                for s in (600, 1200, 2400))
+
+
+def test_e3_budget_waiting_for_standard_runs_says_so(tmp_path):
+    """A budget whose FBT run is read out but whose seeds' m still need standard runs names those seeds in
+    the summary row and the multiplier table instead of "not run yet", which stays for a budget with no FBT
+    run."""
+    from fbt_megatron.research.hypotheses import HYPOTHESES, MEDIUM, Reports, multiplier_table, row_cells
+
+    one, two = "fbt_heavy_untied_fusion_lr_x10_loss_mean", "fbt_heavy_untied_steps2400_fusion_lr_x10_loss_mean"
+    readouts = {"standard_untied_steps600_seed1": {"seq_length": 128, "val_loss": {"1": 4.3}},
+                "standard_untied_seed1": {"seq_length": 128, "val_loss": {"1": 4.1}},
+                f"{one}_seed1": {"seq_length": 128, "val_loss": {"1": 4.2}}}
+    path = tmp_path / f"feedback_study_{MEDIUM}.json"
+    rows = {h.claim: h for h in HYPOTHESES if h.experiment.startswith("E3") or "medium size, 1×" in h.claim}
+    at_2x = rows["m > 1 at the medium size, 2× the budget (2400 steps, 4.9 M tokens)"]
+    table_row = "| E3: medium, 6e-4, loss_on: mean | 2400 (4.92 M) |"
+    for fbt_2x, want in (((), "not run yet"), ((1, 2), "waits for standard runs (FBT: seeds 1, 2)")):
+        with_2x = dict(readouts, **{f"{two}_seed{s}": {"seq_length": 128, "val_loss": {"1": 3.9}} for s in fbt_2x})
+        best = {k: {"best mode": "1"} for k in {n.rpartition("_seed")[0] for n in with_2x} if "fbt" in k}
+        path.write_text(json.dumps({"comparisons": best, "readouts": with_2x}))
+        assert row_cells(at_2x, Reports(tmp_path))[-1] == want
+        (line,) = [r for r in multiplier_table(Reports(tmp_path)).splitlines() if r.startswith(table_row)]
+        assert f"| {want} |" in line, line
+    # the 1x budget has its m (bracketed by 600 and 1200 steps: halfway, 2^0.5 / 2), not a waiting note
+    assert row_cells(rows["m > 1 at the medium size, 1× the budget (1200 steps, 2.5 M tokens)"],
+                     Reports(tmp_path))[4] == f"{2 ** 0.5 / 2:.2f}×"
