@@ -1128,3 +1128,10 @@ def test_e3_budget_waiting_for_standard_runs_says_so(tmp_path):
     # the 1x budget has its m (bracketed by 600 and 1200 steps: halfway, 2^0.5 / 2), not a waiting note
     assert row_cells(rows["m > 1 at the medium size, 1× the budget (1200 steps, 2.5 M tokens)"],
                      Reports(tmp_path))[4] == f"{2 ** 0.5 / 2:.2f}×"
+    # 1x: an FBT run of seed 3 with only its 1x standard run (no 0.5x run to bracket it) waits; 2x not run
+    alone = {f"{one}_seed3": {"seq_length": 128, "val_loss": {"1": 4.2}},
+             "standard_untied_seed3": {"seq_length": 128, "val_loss": {"1": 4.1}}}
+    path.write_text(json.dumps({"comparisons": {one: {"best mode": "1"}}, "readouts": alone}))
+    at_1x = rows["m > 1 at the medium size, 1× the budget (1200 steps, 2.5 M tokens)"]
+    assert row_cells(at_1x, Reports(tmp_path))[-1] == "waits for standard runs (FBT: seed 3)"
+    assert row_cells(at_2x, Reports(tmp_path))[-1] == "not run yet"
