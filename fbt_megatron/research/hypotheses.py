@@ -124,6 +124,9 @@ def estimate(values: dict[int, float]) -> Estimate | None:
     return statistics.fmean(v), (statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else float("nan")), len(v)
 
 
+NOT_RUN = "not run yet"  # what a row says while its report holds none of its runs
+
+
 @dataclass
 class Hypothesis:
     """One row: ``number(reports)`` is the estimate; the claim holds when its interval lies on
@@ -138,7 +141,7 @@ class Hypothesis:
     number: Callable[[Reports], Estimate | tuple[float, float, float, int] | None]
     claim_sign: int
     null: float = 0.0
-    pending: str | Callable[[Reports], str] = "not run yet"
+    pending: str | Callable[[Reports], str] = NOT_RUN
 
 
 def row_cells(h: Hypothesis, reports: Reports) -> list[str]:
@@ -277,11 +280,9 @@ def budget_pending(report: dict | None, factor: int, steps: int = E3_STEPS) -> s
     """What E3 at ``factor`` x the budget says while no seed has m: the seeds whose FBT run is read out and
     waits for standard runs, else "not run yet"."""
     suffix = e3_recipe_suffix(report, steps)
-    fbt = budget_kinds(steps, factor, suffix)[1] if suffix is not None else None
-    seeds = sorted(int(seed) for kind, _, seed in (n.rpartition("_seed") for n in (report or {}).get("readouts", {}))
-                   if kind == fbt)
+    seeds = sorted(losses_by_seed(report, budget_kinds(steps, factor, suffix)[1])) if suffix is not None else []
     if not seeds:
-        return "not run yet"
+        return NOT_RUN
     return f"waits for standard runs (FBT: seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})"
 
 
@@ -484,7 +485,7 @@ def multiplier_rows(reports: Reports) -> list[tuple[str, int, dict[int, float], 
     """``(experiment, FBT steps, {seed: m}, what it says without m)`` for each budget of the earlier tiny study
     (3e-3, one data order) and of E3 at each size (1x and 2x), in that order; a budget with no seed yet has
     ``{}`` (E3's: :func:`budget_pending` tells why)."""
-    rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps), "not run yet")
+    rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps), NOT_RUN)
             for steps in BUDGETS]
     for stem, where in ((E1, "E3: tiny, 1e-3"), (MEDIUM, "E3: medium, 6e-4")):
         report = reports(stem)
