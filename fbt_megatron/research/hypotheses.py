@@ -1,10 +1,11 @@
 """The feedback study's verdicts, read from its reports (``docs/results/feedback_study_*.json``).
 
 Each hypothesis is one number from the reports: a paired difference over seeds with its 95 % t-interval
-(:func:`fbt_megatron.research.study.t_interval`), and a verdict from where the interval lies. The
-token multiplier m is the paper's measure of data efficiency: an FBT model trained on D tokens matches a
-standard model trained on m·D tokens. E2 (the fusion's form) and E3 (m per size and budget) read the runs
-of ``tools/feedback_study.py --groups form`` and ``--groups budget`` by the names that planner gives them.
+(:func:`fbt_megatron.research.study.t_interval`), or for two sizes the difference of two independent means,
+and a verdict from where the interval lies. The token multiplier m is the paper's measure of data
+efficiency: an FBT model trained on D tokens matches a standard model trained on m·D tokens. E2 (the
+fusion's form) and E3 (m per size and budget, and its trend with each) read the runs of
+``tools/feedback_study.py --groups form`` and ``--groups budget`` by the names that planner gives them.
 """
 
 from __future__ import annotations
@@ -294,6 +295,22 @@ def _budget_pending(stem, factor):
     return lambda r: budget_pending(r(stem), factor)
 
 
+def _budget_trend(stem):
+    """m at 2x - m at 1x of E3 in report ``stem``, paired by seed (a seed's runs share its data order)."""
+    return lambda r: _seeded(paired_by_seed(budget_multipliers(r(stem), 1), budget_multipliers(r(stem), 2)))
+
+
+def _size_trend(factor):
+    """The medium size's m - the tiny size's m at ``factor`` x the budget: two independent estimates (the
+    sizes are different models), as (difference, low, high, seeds) with df = the fewer seeds - 1."""
+    def number(r):
+        tiny, medium = (estimate(budget_multipliers(r(stem), factor)) for stem in (E1, MEDIUM))
+        if tiny is None or medium is None:
+            return None
+        return (*difference_interval(tiny, medium), min(tiny[2], medium[2]))
+    return number
+
+
 def state_past_by_seed(report: dict | None, kind: str, mode: str = "exact") -> dict[int, float]:
     """``{seed: state accuracy past the layer count}`` of state run kind ``kind`` at ``mode`` passes
     ("exact": the exact recurrence, passes = sequence length)."""
@@ -470,6 +487,14 @@ HYPOTHESES = [
     Hypothesis("budget", "m > 1 at the medium size, 2× the budget (2400 steps, 4.9 M tokens)", "E3 (as above)",
                "token multiplier m", _budget(MEDIUM, 2), +1, null=1.0,
                pending=_budget_pending(MEDIUM, 2)),
+    Hypothesis("budget", "m grows with the budget at the tiny size (1× to 2×)", "E3 at the tiny size",
+               "m at 2× − m at 1×", _budget_trend(E1), +1),
+    Hypothesis("budget", "m grows with the budget at the medium size (1× to 2×)", "E3 at the medium size",
+               "m at 2× − m at 1×", _budget_trend(MEDIUM), +1),
+    Hypothesis("size", "m grows with size (tiny to medium) at 1× the budget", "E3 at both sizes",
+               "medium m − tiny m (independent; df = fewer seeds − 1)", _size_trend(1), +1),
+    Hypothesis("size", "m grows with size (tiny to medium) at 2× the budget", "E3 at both sizes",
+               "medium m − tiny m (independent; df = fewer seeds − 1)", _size_trend(2), +1),
 ]
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -998,7 +999,7 @@ def test_e3_rows_give_m_per_size_and_budget(tmp_path, monkeypatch):
         best = {k: {"best mode": "2"} for k in {n.rpartition("_seed")[0] for n in readouts} if "fbt" in k}
         return {"comparisons": best, "readouts": readouts}
 
-    e3 = {h.claim: h for h in HYPOTHESES if h.experiment.startswith("E3")}
+    e3 = {h.claim: h for h in HYPOTHESES if h.experiment.startswith("E3") and h.measure == "token multiplier m"}
     assert len(e3) == 4 and all(row_cells(h, Reports(tmp_path))[-1] == "not run yet" for h in e3.values())
     for stem, size, suffix in ((E1, "tiny", "_loss_mean"), (MEDIUM, "medium", "")):
         (tmp_path / f"feedback_study_{stem}.json").write_text(json.dumps(report(suffix)))
@@ -1135,3 +1136,50 @@ def test_e3_budget_waiting_for_standard_runs_says_so(tmp_path):
     at_1x = rows["m > 1 at the medium size, 1× the budget (1200 steps, 2.5 M tokens)"]
     assert row_cells(at_1x, Reports(tmp_path))[-1] == "waits for standard runs (FBT: seed 3)"
     assert row_cells(at_2x, Reports(tmp_path))[-1] == "not run yet"
+
+
+def test_e3_trend_rows_pair_budgets_by_seed_and_compare_sizes_as_independent_means(tmp_path):
+    """The trend of m: with the budget, m at 2x - m at 1x paired by seed (t-interval, df = seeds - 1); with
+    size, the medium size's mean m - the tiny size's, standard errors in quadrature and df = the fewer seeds - 1.
+    Each seed's m by hand from the formula; t(0.975, 2) = 4.303, t(0.975, 1) = 12.706."""
+    from fbt_megatron.research.hypotheses import E1, HYPOTHESES, MEDIUM, Reports, row_cells
+
+    one, two = "fbt_heavy_untied_fusion_lr_x10_loss_mean", "fbt_heavy_untied_steps2400_fusion_lr_x10_loss_mean"
+    standard = (4.3, 4.1, 3.9)  # 600, 1200, 2400 steps, every seed: -0.2 per doubling of the tokens
+    # FBT's best mode (1 pass) at 1x and 2x. At 1x, L lies between 600 and 1200 steps: D = 600 * 2^((4.3 - L)
+    # / 0.2) steps, m = D / 1200; at 2x, between 1200 and 2400: D = 1200 * 2^((4.1 - L) / 0.2), m = D / 2400
+    fbt = {E1: {1: (4.2, 3.95), 2: (4.25, 4.0), 3: (4.15, 4.05)}, MEDIUM: {1: (4.25, 3.95), 2: (4.25, 3.96)}}
+    m = {stem: {s: (2 ** ((4.3 - a) / 0.2) / 2, 2 ** ((4.1 - b) / 0.2) / 2) for s, (a, b) in seeds.items()}
+         for stem, seeds in fbt.items()}
+    for stem, seeds in fbt.items():
+        readouts = {}
+        for seed, losses in seeds.items():
+            for kind, loss in zip(("standard_untied_steps600", "standard_untied", "standard_untied_steps2400"),
+                                  standard):
+                readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss}}
+            for kind, loss in zip((one, two), losses):
+                readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss, "2": loss + 0.1}}
+        report = {"comparisons": {one: {"best mode": "1"}, two: {"best mode": "1"}}, "readouts": readouts}
+        (tmp_path / f"feedback_study_{stem}.json").write_text(json.dumps(report))
+    rows = {h.claim: h for h in HYPOTHESES}
+
+    def text(mean, half):
+        return f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]"
+
+    for stem, size, t, call in ((E1, "tiny", 4.303, "undecided at this scale"), (MEDIUM, "medium", 12.706, "supported")):
+        d = [m2 - m1 for m1, m2 in m[stem].values()]
+        want = text(statistics.fmean(d), t * statistics.stdev(d) / len(d) ** 0.5)
+        cells = row_cells(rows[f"m grows with the budget at the {size} size (1× to 2×)"], Reports(tmp_path))
+        assert cells[4:] == [want, str(len(d)), call], cells
+    for factor in (1, 2):
+        means, errors = [], []
+        for stem in (E1, MEDIUM):
+            v = [pair[factor - 1] for pair in m[stem].values()]
+            means.append(statistics.fmean(v))
+            errors.append(statistics.stdev(v) / len(v) ** 0.5)
+        want = text(means[1] - means[0], 12.706 * math.hypot(*errors))
+        cells = row_cells(rows[f"m grows with size (tiny to medium) at {factor}× the budget"], Reports(tmp_path))
+        assert cells[4:6] == [want, "2"], cells
+    # the medium report gone: no size trend (not a comparison with nothing)
+    (tmp_path / f"feedback_study_{MEDIUM}.json").unlink()
+    assert row_cells(rows["m grows with size (tiny to medium) at 1× the budget"], Reports(tmp_path))[-1] == "not run yet"
