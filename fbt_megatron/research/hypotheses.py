@@ -301,14 +301,30 @@ def _budget_trend(stem):
 
 
 def _size_trend(factor):
-    """The medium size's m - the tiny size's m at ``factor`` x the budget: two independent estimates (the
-    sizes are different models), as (difference, low, high, seeds) with df = the fewer seeds - 1."""
+    """The medium size's m - the tiny size's m at ``factor`` x the budget, as (difference, low, high,
+    seeds): the two means taken as independent, standard errors in quadrature and df = the fewer seeds - 1
+    (cautious: a seed's runs share its data order at both sizes, but not their initialisation)."""
     def number(r):
         tiny, medium = (estimate(budget_multipliers(r(stem), factor)) for stem in (E1, MEDIUM))
         if tiny is None or medium is None:
             return None
         return (*difference_interval(tiny, medium), min(tiny[2], medium[2]))
     return number
+
+
+def _trend_pending(*budgets):
+    """What a trend row says without its number: the first of its ``(stem, factor)`` budgets that has no m
+    yet, with what it waits for ("not run yet" where none of them has FBT runs); if each has m, but for
+    other seeds, that no seed has both."""
+    def pending(r):
+        if all(budget_multipliers(r(stem), factor) for stem, factor in budgets):
+            return "no seed has m at both budgets yet"
+        for stem, factor in budgets:
+            said = budget_pending(r(stem), factor)
+            if said != NOT_RUN and not budget_multipliers(r(stem), factor):
+                return f"{'tiny' if stem == E1 else 'medium'} {factor}×: {said}"
+        return NOT_RUN
+    return pending
 
 
 def state_past_by_seed(report: dict | None, kind: str, mode: str = "exact") -> dict[int, float]:
@@ -488,13 +504,16 @@ HYPOTHESES = [
                "token multiplier m", _budget(MEDIUM, 2), +1, null=1.0,
                pending=_budget_pending(MEDIUM, 2)),
     Hypothesis("budget", "m grows with the budget at the tiny size (1× to 2×)", "E3 at the tiny size",
-               "m at 2× − m at 1×", _budget_trend(E1), +1),
+               "m at 2× − m at 1×", _budget_trend(E1), +1, pending=_trend_pending((E1, 1), (E1, 2))),
     Hypothesis("budget", "m grows with the budget at the medium size (1× to 2×)", "E3 at the medium size",
-               "m at 2× − m at 1×", _budget_trend(MEDIUM), +1),
+               "m at 2× − m at 1×", _budget_trend(MEDIUM), +1,
+               pending=_trend_pending((MEDIUM, 1), (MEDIUM, 2))),
     Hypothesis("size", "m grows with size (tiny to medium) at 1× the budget", "E3 at both sizes",
-               "medium m − tiny m (independent; df = fewer seeds − 1)", _size_trend(1), +1),
+               "medium m − tiny m (independent; df = fewer seeds − 1)", _size_trend(1), +1,
+               pending=_trend_pending((E1, 1), (MEDIUM, 1))),
     Hypothesis("size", "m grows with size (tiny to medium) at 2× the budget", "E3 at both sizes",
-               "medium m − tiny m (independent; df = fewer seeds − 1)", _size_trend(2), +1),
+               "medium m − tiny m (independent; df = fewer seeds − 1)", _size_trend(2), +1,
+               pending=_trend_pending((E1, 2), (MEDIUM, 2))),
 ]
 
 

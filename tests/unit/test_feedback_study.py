@@ -1141,45 +1141,72 @@ def test_e3_budget_waiting_for_standard_runs_says_so(tmp_path):
 def test_e3_trend_rows_pair_budgets_by_seed_and_compare_sizes_as_independent_means(tmp_path):
     """The trend of m: with the budget, m at 2x - m at 1x paired by seed (t-interval, df = seeds - 1); with
     size, the medium size's mean m - the tiny size's, standard errors in quadrature and df = the fewer seeds - 1.
-    Each seed's m by hand from the formula; t(0.975, 2) = 4.303, t(0.975, 1) = 12.706."""
+    Each seed's m by hand from the formula; a row without its number names the runs it waits for."""
+    from scipy.stats import t as student_t
+
     from fbt_megatron.research.hypotheses import E1, HYPOTHESES, MEDIUM, Reports, row_cells
 
     one, two = "fbt_heavy_untied_fusion_lr_x10_loss_mean", "fbt_heavy_untied_steps2400_fusion_lr_x10_loss_mean"
     standard = (4.3, 4.1, 3.9)  # 600, 1200, 2400 steps, every seed: -0.2 per doubling of the tokens
     # FBT's best mode (1 pass) at 1x and 2x. At 1x, L lies between 600 and 1200 steps: D = 600 * 2^((4.3 - L)
-    # / 0.2) steps, m = D / 1200; at 2x, between 1200 and 2400: D = 1200 * 2^((4.1 - L) / 0.2), m = D / 2400
-    fbt = {E1: {1: (4.2, 3.95), 2: (4.25, 4.0), 3: (4.15, 4.05)}, MEDIUM: {1: (4.25, 3.95), 2: (4.25, 3.96)}}
-    m = {stem: {s: (2 ** ((4.3 - a) / 0.2) / 2, 2 ** ((4.1 - b) / 0.2) / 2) for s, (a, b) in seeds.items()}
-         for stem, seeds in fbt.items()}
-    for stem, seeds in fbt.items():
+    # / 0.2) steps, m = D / 1200; at 2x, between 1200 and 2400: D = 1200 * 2^((4.1 - L) / 0.2), m = D / 2400.
+    # The medium size's seed 3 has no 2x run: it counts at 1x only.
+    fbt = {E1: {1: (4.2, 4.0), 2: (4.25, 4.0), 3: (4.15, 4.01)},
+           MEDIUM: {1: (4.25, 3.95), 2: (4.25, 3.951), 3: (4.2, None)}}
+    m = {stem: {s: (2 ** ((4.3 - a) / 0.2) / 2, None if b is None else 2 ** ((4.1 - b) / 0.2) / 2)
+                for s, (a, b) in seeds.items()} for stem, seeds in fbt.items()}
+
+    def write(stem, seeds):
         readouts = {}
         for seed, losses in seeds.items():
             for kind, loss in zip(("standard_untied_steps600", "standard_untied", "standard_untied_steps2400"),
                                   standard):
                 readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss}}
             for kind, loss in zip((one, two), losses):
-                readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss, "2": loss + 0.1}}
+                if loss is not None:
+                    readouts[f"{kind}_seed{seed}"] = {"seq_length": 128, "val_loss": {"1": loss, "2": loss + 0.1}}
         report = {"comparisons": {one: {"best mode": "1"}, two: {"best mode": "1"}}, "readouts": readouts}
         (tmp_path / f"feedback_study_{stem}.json").write_text(json.dumps(report))
+        return readouts
+
+    for stem, seeds in fbt.items():
+        write(stem, seeds)
     rows = {h.claim: h for h in HYPOTHESES}
 
     def text(mean, half):
         return f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]"
 
-    for stem, size, t, call in ((E1, "tiny", 4.303, "undecided at this scale"), (MEDIUM, "medium", 12.706, "supported")):
-        d = [m2 - m1 for m1, m2 in m[stem].values()]
-        want = text(statistics.fmean(d), t * statistics.stdev(d) / len(d) ** 0.5)
+    for stem, size, call in ((E1, "tiny", "undecided at this scale"), (MEDIUM, "medium", "supported")):
+        d = [m2 - m1 for m1, m2 in m[stem].values() if m2 is not None]
+        half = student_t.ppf(0.975, len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
         cells = row_cells(rows[f"m grows with the budget at the {size} size (1× to 2×)"], Reports(tmp_path))
-        assert cells[4:] == [want, str(len(d)), call], cells
-    for factor in (1, 2):
+        assert cells[4:] == [text(statistics.fmean(d), half), str(len(d)), call], cells
+    for factor, seeds, call in ((1, 3, "undecided at this scale"), (2, 2, "supported")):
         means, errors = [], []
         for stem in (E1, MEDIUM):
-            v = [pair[factor - 1] for pair in m[stem].values()]
+            v = [pair[factor - 1] for pair in m[stem].values() if pair[factor - 1] is not None]
             means.append(statistics.fmean(v))
             errors.append(statistics.stdev(v) / len(v) ** 0.5)
-        want = text(means[1] - means[0], 12.706 * math.hypot(*errors))
+        want = text(means[1] - means[0], student_t.ppf(0.975, seeds - 1) * math.hypot(*errors))
         cells = row_cells(rows[f"m grows with size (tiny to medium) at {factor}× the budget"], Reports(tmp_path))
-        assert cells[4:6] == [want, "2"], cells
+        assert cells[4:] == [want, str(seeds), call], cells
+    # the medium size's 2x run of seed 2 gone: one seed at 2x there, a difference without an interval
+    write(MEDIUM, {1: fbt[MEDIUM][1], 2: (4.25, None), 3: (4.2, None)})
+    tiny_2x = statistics.fmean(pair[1] for pair in m[E1].values())
+    cells = row_cells(rows["m grows with size (tiny to medium) at 2× the budget"], Reports(tmp_path))
+    assert cells[4:] == [f"{m[MEDIUM][1][1] - tiny_2x:+.3f}", "1", "undecided (one seed)"], cells
+    # the medium 2x run waiting for its seed's 2400-step standard run (its loss lies below 1200 steps'): named
+    readouts = write(MEDIUM, {1: fbt[MEDIUM][1]})
+    del readouts["standard_untied_steps2400_seed1"]
+    (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps(
+        {"comparisons": {one: {"best mode": "1"}, two: {"best mode": "1"}}, "readouts": readouts}))
+    waiting = "medium 2×: waits for standard runs (FBT: seed 1)"
+    assert row_cells(rows["m grows with the budget at the medium size (1× to 2×)"], Reports(tmp_path))[-1] == waiting
+    assert row_cells(rows["m grows with size (tiny to medium) at 2× the budget"], Reports(tmp_path))[-1] == waiting
+    # m at 1x for seed 1 only and at 2x for seed 2 only: no seed to pair
+    write(MEDIUM, {1: (4.25, None), 2: (None, 3.95)})
+    assert row_cells(rows["m grows with the budget at the medium size (1× to 2×)"],
+                     Reports(tmp_path))[-1] == "no seed has m at both budgets yet"
     # the medium report gone: no size trend (not a comparison with nothing)
     (tmp_path / f"feedback_study_{MEDIUM}.json").unlink()
     assert row_cells(rows["m grows with size (tiny to medium) at 1× the budget"], Reports(tmp_path))[-1] == "not run yet"
