@@ -313,17 +313,21 @@ def _size_trend(factor):
 
 
 def _trend_pending(*budgets):
-    """What a trend row says without its number: the first of its ``(stem, factor)`` budgets that has no m
-    yet, with what it waits for ("not run yet" where none of them has FBT runs); if each has m, but for
-    other seeds, that no seed has both."""
+    """What a trend row says without its number, naming the budget (of its ``(stem, factor)`` budgets) it
+    lacks: the first without m whose FBT runs wait for standard runs, else the first without m, "not run
+    yet"; bare "not run yet" where none has m; "no seed has m at both budgets yet" where each has m, but for
+    other seeds."""
     def pending(r):
-        if all(budget_multipliers(r(stem), factor) for stem, factor in budgets):
+        have = [bool(budget_multipliers(r(stem), factor)) for stem, factor in budgets]
+        if all(have):
             return "no seed has m at both budgets yet"
-        for stem, factor in budgets:
-            said = budget_pending(r(stem), factor)
-            if said != NOT_RUN and not budget_multipliers(r(stem), factor):
-                return f"{'tiny' if stem == E1 else 'medium'} {factor}×: {said}"
-        return NOT_RUN
+        lacking = [(stem, factor) for (stem, factor), h in zip(budgets, have) if not h]
+        said = {b: budget_pending(r(b[0]), b[1]) for b in lacking}
+        waiting = [b for b in lacking if said[b] != NOT_RUN]
+        if not waiting and not any(have):
+            return NOT_RUN
+        stem, factor = (waiting or lacking)[0]
+        return f"{'tiny' if stem == E1 else 'medium'} {factor}×: {said[stem, factor]}"
     return pending
 
 

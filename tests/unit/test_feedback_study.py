@@ -1203,10 +1203,22 @@ def test_e3_trend_rows_pair_budgets_by_seed_and_compare_sizes_as_independent_mea
     waiting = "medium 2×: waits for standard runs (FBT: seed 1)"
     assert row_cells(rows["m grows with the budget at the medium size (1× to 2×)"], Reports(tmp_path))[-1] == waiting
     assert row_cells(rows["m grows with size (tiny to medium) at 2× the budget"], Reports(tmp_path))[-1] == waiting
+    # no 1x FBT run, the 2x one waiting: the row names the waiting budget, not the first one lacking m
+    readouts = write(MEDIUM, {1: (None, 3.95)})
+    del readouts["standard_untied_steps2400_seed1"]
+    (tmp_path / f"feedback_study_{MEDIUM}.json").write_text(json.dumps({"comparisons": {}, "readouts": readouts}))
+    assert row_cells(rows["m grows with the budget at the medium size (1× to 2×)"], Reports(tmp_path))[-1] == waiting
+    # m at 1x only, no 2x FBT run: the row names the budget not run
+    write(MEDIUM, {1: (4.25, None), 2: (4.25, None)})
+    assert row_cells(rows["m grows with the budget at the medium size (1× to 2×)"],
+                     Reports(tmp_path))[-1] == "medium 2×: not run yet"
     # m at 1x for seed 1 only and at 2x for seed 2 only: no seed to pair
     write(MEDIUM, {1: (4.25, None), 2: (None, 3.95)})
     assert row_cells(rows["m grows with the budget at the medium size (1× to 2×)"],
                      Reports(tmp_path))[-1] == "no seed has m at both budgets yet"
-    # the medium report gone: no size trend (not a comparison with nothing)
+    # the medium report gone: no size trend (not a comparison with nothing); it names the size not run
     (tmp_path / f"feedback_study_{MEDIUM}.json").unlink()
+    assert row_cells(rows["m grows with size (tiny to medium) at 1× the budget"],
+                     Reports(tmp_path))[-1] == "medium 1×: not run yet"
+    (tmp_path / f"feedback_study_{E1}.json").unlink()
     assert row_cells(rows["m grows with size (tiny to medium) at 1× the budget"], Reports(tmp_path))[-1] == "not run yet"
