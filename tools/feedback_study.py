@@ -266,7 +266,12 @@ def finished_summary(run_dir: Path) -> dict | None:
     if not (run_dir / "summary.json").is_file():
         return None
     summary = run_summary(run_dir)
-    return summary if summary.get("step", -1) >= summary.get("total_steps", 0) > 0 else None
+    return summary if reached_last_step(summary) else None
+
+
+def reached_last_step(summary: dict) -> bool:
+    """Whether a run's summary says it trained to its last step (not preempted or stopped early)."""
+    return summary.get("step", -1) >= summary.get("total_steps", 0) > 0
 
 
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
@@ -291,7 +296,8 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
         if not train_missing:
             return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
-        return train_run(RECIPE, run_dir, run_overrides(runs, name, seed, shared_order), resume=reuse)
+        summary = train_run(RECIPE, run_dir, run_overrides(runs, name, seed, shared_order), resume=reuse)
+        return summary if reached_last_step(summary) else None  # a stopped run is not read out
 
     todo = [(name, seed) for seed in seeds for name in runs]
     return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs)) if s is not None}

@@ -94,6 +94,22 @@ def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
     assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
 
 
+def test_a_run_stopped_while_training_is_not_read_out(tmp_path, monkeypatch):
+    """A run preempted (SIGTERM) during this invocation returns no summary from train(), so it is neither read
+    out nor recorded in the report as if finished."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import data_pipeline.embedded
+    import fbt_megatron.research.runs as runs
+    from feedback_study import train
+
+    monkeypatch.setattr(data_pipeline.embedded, "build_embedded", lambda *a, **k: None)
+    stopped = {"step": 1138, "total_steps": 2400, "preempted": "SIGTERM"}
+    monkeypatch.setattr(runs, "train_run", lambda *a, **k: dict(stopped))
+    assert train({"standard": []}, [3], tmp_path, 1, True) == {}
+    monkeypatch.setattr(runs, "train_run", lambda *a, **k: {"step": 2400, "total_steps": 2400})
+    assert train({"standard": []}, [3], tmp_path, 1, True) == {"standard_seed3": {"step": 2400, "total_steps": 2400}}
+
+
 def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(monkeypatch):
     """--lr reaches the recipe of every run of every group (the recipe's own LR without it) and adds the
     LR-variant stabiliser runs; a variant's report and default runs folder are its own, a smoke study's too
