@@ -19,7 +19,6 @@ per-seed summary is the one recorded). ``--jobs 2`` runs two at a time with one 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -49,7 +48,7 @@ def tokens_to_reach(curve: list[tuple[float, float]], target: float) -> float | 
 def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1, reuse: bool = False) -> dict:
     import yaml
 
-    from fbt_megatron.research.runs import ROOT, run_jobs, train_run
+    from fbt_megatron.research.runs import ROOT, finished_run, run_jobs, train_run
 
     tiny = yaml.safe_load((ROOT / "recipes/tiny.yaml").read_text())
     start, mix = tiny["schedule"]["feedback_start_step"] * steps // tiny["train"]["steps"], tiny["schedule"]["mix"]
@@ -67,15 +66,14 @@ def run(seeds: list[int], steps: int, runs: Path, jobs: int = 1, reuse: bool = F
 
     def one(seed, kind):
         extra, n = kinds[kind]
-        done = runs / f"{kind}_seed{seed}" / "summary.json"
-        if reuse and done.is_file():  # a finished run with these arguments: summarise it again
-            s = json.loads(done.read_text())
+        s = finished_run(runs / f"{kind}_seed{seed}") if reuse else None
+        if s is not None:  # a finished run with these arguments: summarise it again
             return {"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"], "reused": True,
                     **({"note": s["note"]} if "note" in s else {})}
         print(f"[data_efficiency] {kind} seed {seed}: {n} steps", flush=True)
         s = train_run("recipes/tiny.yaml", runs / f"{kind}_seed{seed}",
                       [f"name=de_{kind}_{seed}", f"seed={seed}", f"schedule.seed={seed}", f"train.steps={n}",
-                       *common, *extra])
+                       *common, *extra], resume=reuse)  # a stopped run continues from its checkpoint
         return {"seed": seed, "val_history": s["val_history"], "pass_counts": s["pass_counts"]}
 
     todo = [(seed, kind) for seed in seeds for kind in KINDS]

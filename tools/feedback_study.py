@@ -258,29 +258,13 @@ def recorded_runs(report: Path) -> dict:
             for name in data.get("readouts", {}) if name in data.get("val_history", {})}
 
 
-def finished_summary(run_dir: Path) -> dict | None:
-    """The run's summary if it reached its last step; None if it has none or stopped early (preempted,
-    stopped at a step: training it again resumes from its checkpoint)."""
-    from fbt_megatron.research.runs import run_summary
-
-    if not (run_dir / "summary.json").is_file():
-        return None
-    summary = run_summary(run_dir)
-    return summary if reached_last_step(summary) else None
-
-
-def reached_last_step(summary: dict) -> bool:
-    """Whether a run's summary says it trained to its last step (not preempted or stopped early)."""
-    return summary.get("step", -1) >= summary.get("total_steps", 0) > 0
-
-
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
           recorded: dict | None = None, train_missing: bool = True, shared_order: bool = False) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
     ``recorded``; an unfinished one continues from its latest checkpoint) under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only
     the finished ones, nothing trained)."""
     from data_pipeline.embedded import build_embedded
-    from fbt_megatron.research.runs import ROOT, run_jobs, train_run
+    from fbt_megatron.research.runs import ROOT, RunStopped, finished_run, run_jobs, train_run
 
     recorded = recorded or {}
     # Built once here: runs started together would each try to build it (the second one fails on its lock).
@@ -288,16 +272,19 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
 
     def one(name, seed):
         run_dir = root / f"{name}_seed{seed}"
-        done = finished_summary(run_dir)
-        if reuse and done is not None:
+        done = finished_run(run_dir) if reuse else None
+        if done is not None:
             return done
         if reuse and f"{name}_seed{seed}" in recorded:
             return recorded[f"{name}_seed{seed}"]
         if not train_missing:
             return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
-        summary = train_run(RECIPE, run_dir, run_overrides(runs, name, seed, shared_order), resume=reuse)
-        return summary if reached_last_step(summary) else None  # a stopped run is not read out
+        try:
+            return train_run(RECIPE, run_dir, run_overrides(runs, name, seed, shared_order), resume=reuse)
+        except RunStopped as e:  # not read out, nor recorded; the other runs go on
+            print(f"[feedback_study] {e}", flush=True)
+            return None
 
     todo = [(name, seed) for seed in seeds for name in runs]
     return {f"{name}_seed{seed}": s for (name, seed), s in zip(todo, run_jobs(one, todo, jobs)) if s is not None}

@@ -37,8 +37,21 @@ def train_models(runs: Path, steps: int, feedback_start: int) -> dict:
         print(f"[fixed_point] training {name} ({steps} steps)", flush=True)
         out[name] = train_run("recipes/tiny.yaml", runs / name, [
             f"name=fixed_point_{name}", f"train.steps={steps}", f"schedule.feedback_start_step={feedback_start}",
-            f"schedule.mix={mix}", "eval.every=100000", "checkpoint.every=100000", "logging.tensorboard=false"])
+            f"schedule.mix={mix}", "eval.every=100000", "checkpoint.every=100000", "logging.tensorboard=false"],
+            resume=True)  # a stopped run continues from its checkpoint; a finished one is not trained again
     return out
+
+
+def check_finished(runs: Path) -> None:
+    """``--skip-training``: each mix's run folder must hold a finished run (a stopped one's checkpoint is not
+    the model the page describes)."""
+    from fbt_megatron.errors import UserError
+    from fbt_megatron.research.runs import finished_run
+
+    for name in MIXES:
+        if finished_run(runs / name) is None:
+            raise UserError(f"--skip-training: {runs / name} holds no finished run (none, or one stopped short of "
+                            "its last step); run without --skip-training to train or continue it")
 
 
 def analyse(runs: Path, passes: int, rows: int = 8) -> dict:
@@ -159,7 +172,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("FBT_DEVICE", "cpu")
     t0 = time.perf_counter()
     runs, out_dir = Path(a.runs), Path(a.out)
-    if not a.skip_training:
+    if a.skip_training:
+        check_finished(runs)
+    else:
         train_models(runs, a.steps, a.feedback_start)
     from fbt_megatron import runtime
 

@@ -54,7 +54,7 @@ def prepare_chat(work: Path, tokenizer: str, max_tokens: int) -> Path:
 
 def runs_for_seed(seed: int, a, work: Path, chat_dir: Path) -> dict:
     """The four runs of one seed; returns their run dirs."""
-    from fbt_megatron.research.runs import train_run
+    from fbt_megatron.research.runs import finished_run, train_run
     from fbt_megatron.research.sft import expected_passes
 
     P, S = a.pretrain_steps, a.sft_steps
@@ -75,10 +75,10 @@ def runs_for_seed(seed: int, a, work: Path, chat_dir: Path) -> dict:
                                               "schedule.mix=[1.0]"]),
     ]
     for name, recipe, overrides in jobs:
-        if (d[name] / "summary.json").is_file() and not a.force:
+        if finished_run(d[name]) is not None and not a.force:
             continue
         t0 = time.perf_counter()
-        s = train_run(recipe, d[name], overrides)
+        s = train_run(recipe, d[name], overrides, resume=not a.force)  # a stopped run continues from its checkpoint
         print(f"[sft] seed {seed} {name}: {s['step']} steps in {time.perf_counter() - t0:.0f}s, "
               f"val loss 1 pass {s.get('val_loss_1pass')}", flush=True)
     return {k: str(v) for k, v in d.items()}

@@ -13,7 +13,6 @@ writes the page again from the recorded JSON (the page's answers are computed fr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
     if a.render_only:
         print(render_again(render, Path(a.out), "switch_init").read_text())
         return 0
-    from fbt_megatron.research.runs import run_jobs, train_run
+    from fbt_megatron.research.runs import finished_run, run_jobs, train_run
 
     os.environ.setdefault("FBT_DEVICE", "cpu")
     names = [list(VARIANTS)[int(i)] for i in a.variants.split(",")]
@@ -116,15 +115,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     def one(i, name):
-        done = Path(a.runs) / f"variant{i}" / "summary.json"
-        if a.reuse and done.is_file():  # a finished run of this variant (same arguments): render it again
-            return json.loads(done.read_text())["val_history"]
+        done = finished_run(Path(a.runs) / f"variant{i}") if a.reuse else None
+        if done is not None:  # a finished run of this variant (same arguments): render it again
+            return done["val_history"]
         print(f"[switch_init] {name}", flush=True)
         s = train_run("recipes/tiny.yaml", Path(a.runs) / f"variant{i}",
                       [f"name=switch_{i}", f"seed={a.seed}", f"schedule.seed={a.seed}", f"train.steps={a.steps}",
                        f"schedule.feedback_start_step={start}", "eval.feedback_passes=3", f"eval.every={EVERY}",
                        "checkpoint.every=100000", "checkpoint.at_end=false", "logging.tensorboard=false",
-                       *VARIANTS[name]])
+                       *VARIANTS[name]], resume=a.reuse)  # a stopped run continues from its checkpoint
         return s["val_history"]
 
     indices = [list(VARIANTS).index(n) for n in names]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from data_pipeline.errors import UserError
 from data_pipeline.output_dir import earlier_output
 from fbt_megatron.files import TEMPORARY, write_text_atomic
 
@@ -23,9 +24,30 @@ RUN_ENTRIES = ("command.json", "train.log", "checkpoints", "metrics.jsonl", "sum
                "profile", "readouts.json", "run.lock", TEMPORARY)
 
 
+class RunStopped(UserError):
+    """``fbt train`` exited cleanly short of its last step (preempted, non-finite losses): the run is not
+    finished, so its summary must not be read as a result; launching it again resumes from its checkpoint."""
+
+
+def run_finished(summary: dict) -> bool:
+    """Whether a run's summary says it trained to its last step (not preempted or stopped early)."""
+    return summary.get("step", -1) >= summary.get("total_steps", 0) > 0
+
+
+def finished_run(run_dir: Path) -> dict | None:
+    """:func:`run_summary` of the run in ``run_dir`` if it reached its last step; None if it has no summary or
+    stopped early (training it again with ``resume`` continues from its checkpoint)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "summary.json").is_file():
+        return None
+    summary = run_summary(run_dir)
+    return summary if run_finished(summary) else None
+
+
 def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,
               resume: bool = False) -> dict:
-    """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary`. From scratch,
+    """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary` of the
+    finished run, or raises :class:`RunStopped` if it stopped short of its last step. From scratch,
     unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe and overrides: then the run
     continues from its latest checkpoint (a study interrupted mid-run loses no steps). A ``run_dir`` that
     this function did not start (no ``command.json``) and that is not empty is refused, nothing removed
@@ -50,7 +72,13 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
-    return run_summary(run_dir)
+    summary = run_summary(run_dir)
+    if not run_finished(summary):
+        raise RunStopped(f"the run in {run_dir} stopped at step {summary.get('step')} of "
+                         f"{summary.get('total_steps')} ({summary.get('stop_reason') or 'no reason given'}), so it "
+                         "is not used as a result; its checkpoint is kept, and running the tool again continues the run "
+                         "from it (with --reuse where the tool has that option)")
+    return summary
 
 
 def run_summary(run_dir: Path) -> dict:

@@ -81,35 +81,6 @@ def test_fusion_lr_multiplier_scales_adams_step_of_the_fusion_only(single_proces
         assert moved.numel() and torch.allclose(moved, torch.full_like(moved, expected), rtol=1e-3), name
 
 
-def test_a_preempted_run_is_not_finished(tmp_path, monkeypatch):
-    """--reuse takes a run folder's summary only if the run reached its last step: a run stopped by SIGTERM
-    (its summary written at the stop) is trained again, which resumes it from its checkpoint."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from feedback_study import finished_summary
-
-    assert finished_summary(tmp_path) is None
-    (tmp_path / "summary.json").write_text(json.dumps({"step": 173, "total_steps": 1200, "preempted": "SIGTERM"}))
-    assert finished_summary(tmp_path) is None
-    (tmp_path / "summary.json").write_text(json.dumps({"step": 1200, "total_steps": 1200}))
-    assert finished_summary(tmp_path) == {"step": 1200, "total_steps": 1200}
-
-
-def test_a_run_stopped_while_training_is_not_read_out(tmp_path, monkeypatch):
-    """A run preempted (SIGTERM) during this invocation returns no summary from train(), so it is neither read
-    out nor recorded in the report as if finished."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import data_pipeline.embedded
-    import fbt_megatron.research.runs as runs
-    from feedback_study import train
-
-    monkeypatch.setattr(data_pipeline.embedded, "build_embedded", lambda *a, **k: None)
-    stopped = {"step": 1138, "total_steps": 2400, "preempted": "SIGTERM"}
-    monkeypatch.setattr(runs, "train_run", lambda *a, **k: dict(stopped))
-    assert train({"standard": []}, [3], tmp_path, 1, True) == {}
-    monkeypatch.setattr(runs, "train_run", lambda *a, **k: {"step": 2400, "total_steps": 2400})
-    assert train({"standard": []}, [3], tmp_path, 1, True) == {"standard_seed3": {"step": 2400, "total_steps": 2400}}
-
-
 def test_lr_sets_every_runs_peak_learning_rate_and_names_the_variant(monkeypatch):
     """--lr reaches the recipe of every run of every group (the recipe's own LR without it) and adds the
     LR-variant stabiliser runs; a variant's report and default runs folder are its own, a smoke study's too
@@ -239,9 +210,9 @@ def test_a_resumed_runs_curve_is_the_uninterrupted_runs(tmp_path, monkeypatch):
     run's validations, those before the stop included (plus the stop's own at step 8); the resumed
     invocation's summary.json has only its own."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from feedback_study import RECIPE, SMOKE, finished_summary, mix_arg
+    from feedback_study import RECIPE, SMOKE, mix_arg
 
-    from fbt_megatron.research.runs import train_run
+    from fbt_megatron.research.runs import finished_run, train_run
 
     overrides = ["seed=3", *SMOKE, "eval.every=3", mix_arg([0.5, 0.4, 0.1])]
     whole = train_run(RECIPE, tmp_path / "whole", overrides)
@@ -252,7 +223,7 @@ def test_a_resumed_runs_curve_is_the_uninterrupted_runs(tmp_path, monkeypatch):
         done = subprocess.run(cmd + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert [v["step"] for v in json.loads((tmp_path / "cut" / "summary.json").read_text())["val_history"]] == [9, 12]
-    resumed = {v["step"]: v for v in finished_summary(tmp_path / "cut")["val_history"]}
+    resumed = {v["step"]: v for v in finished_run(tmp_path / "cut")["val_history"]}
     assert [v["step"] for v in whole["val_history"]] == [3, 6, 9, 12] and sorted(resumed) == [3, 6, 8, 9, 12]
     for a in whole["val_history"]:
         b = resumed[a["step"]]
@@ -526,7 +497,7 @@ def test_an_interrupted_run_resumes_only_when_started_with_the_same_command(tmp_
     def fake_run(cmd, cwd, env, stdout, stderr):
         run_dir = Path(cmd[cmd.index("train") + 2].split("=", 1)[1])
         calls.append(sorted(p.name for p in run_dir.iterdir()))
-        (run_dir / "summary.json").write_text(json.dumps({"step": 1}))
+        (run_dir / "summary.json").write_text(json.dumps({"step": 1, "total_steps": 1}))
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         (run_dir / "checkpoints" / "latest").write_text("step_1")
         return subprocess.CompletedProcess(cmd, 0)

@@ -1,0 +1,170 @@
+"""A research run that stopped short of its last step (preempted, non-finite losses) is never taken as a
+result: ``train_run`` says so (:class:`RunStopped`), and every tool that reuses run folders trains such a
+folder again, resuming it, instead of reading its summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fbt_megatron.research import runs
+
+ROOT = Path(__file__).resolve().parents[2]
+STOPPED = {"step": 1138, "total_steps": 2400, "preempted": "SIGTERM", "val_history": [], "pass_counts": {},
+           "stop_reason": "preempted: SIGTERM received; stopped after step 1138 with a checkpoint"}
+FINISHED = {"step": 2400, "total_steps": 2400, "val_history": [], "pass_counts": {}}
+
+
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def test_a_run_is_finished_only_at_its_last_step(tmp_path):
+    assert runs.finished_run(tmp_path / "none") is None
+    assert runs.finished_run(write_summary(tmp_path / "stopped", STOPPED)) is None
+    assert runs.finished_run(write_summary(tmp_path / "old", {"step": 600})) is None  # no total: not trusted
+    assert runs.finished_run(write_summary(tmp_path / "done", FINISHED)) == FINISHED
+    assert runs.finished_run(write_summary(tmp_path / "beyond", {**FINISHED, "step": 2401})) is not None
+
+
+@pytest.mark.parametrize("summary", [STOPPED, FINISHED])
+def test_train_run_raises_for_a_run_that_stopped_short(tmp_path, monkeypatch, summary):
+    """``fbt train`` exits 0 when preempted (its checkpoint is saved): train_run tells the caller the run is
+    not finished, naming the step, instead of returning the stopped run's summary as if it were complete."""
+    def fake_run(cmd, cwd, env, stdout, stderr):
+        write_summary(Path(cmd[cmd.index("train") + 2].split("=", 1)[1]), summary)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    if summary is FINISHED:
+        assert runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])["step"] == 2400
+        return
+    with pytest.raises(runs.RunStopped, match=r"stopped at step 1138 of 2400 \(preempted: SIGTERM"):
+        runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])
+
+
+def data_efficiency(tmp_path, monkeypatch):
+    import data_efficiency
+
+    data_efficiency.run([1], 600, tmp_path, reuse=True)
+
+
+def switch_init(tmp_path, monkeypatch):
+    import switch_init
+
+    from fbt_megatron.research import report
+
+    monkeypatch.setattr(switch_init, "render", lambda data, out: SimpleNamespace(read_text=lambda: ""))
+    monkeypatch.setattr(report, "provenance_record", lambda *a, **k: {})
+    switch_init.main(["--variants", "0,1,2", "--runs", str(tmp_path), "--reuse", "--out", str(tmp_path / "out")])
+
+
+def sft_math(tmp_path, monkeypatch):
+    import sft_math
+
+    a = SimpleNamespace(pretrain_steps=100, sft_steps=20, force=False)
+    sft_math.runs_for_seed(1, a, tmp_path, tmp_path / "chat")
+
+
+def feedback_study(tmp_path, monkeypatch):
+    import feedback_study
+
+    import data_pipeline.embedded
+
+    monkeypatch.setattr(data_pipeline.embedded, "build_embedded", lambda *a, **k: None)
+    monkeypatch.setattr(feedback_study, "run_overrides", lambda *a: [])
+    feedback_study.train({"fbt": [], "state": [], "standard": []}, [1], tmp_path, 1, True)
+
+
+# each tool's run folders under tmp_path: (stopped, finished, absent)
+FOLDERS = {
+    data_efficiency: ("fbt_seed1", "state_seed1", "standard_seed1"),
+    switch_init: ("variant0", "variant1", "variant2"),
+    sft_math: ("seed1/fbt_base", "seed1/std_base", "seed1/fbt_sft"),
+    feedback_study: ("fbt_seed1", "state_seed1", "standard_seed1"),
+}
+
+
+@pytest.mark.parametrize("tool", FOLDERS, ids=lambda f: f.__name__)
+def test_reusing_tools_resume_a_stopped_run_and_keep_a_finished_one(tmp_path, monkeypatch, tool):
+    """A folder whose run stopped short is trained again with ``resume`` (from its checkpoint); a finished
+    one is read, not trained; an absent one is trained."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    stopped, finished, absent = FOLDERS[tool]
+    write_summary(tmp_path / stopped, STOPPED)
+    write_summary(tmp_path / finished, FINISHED)
+    trained = {}
+
+    def fake_train_run(recipe, run_dir, overrides, log_file=None, resume=False):
+        trained[str(Path(run_dir).relative_to(tmp_path))] = resume
+        return {**FINISHED, "val_loss_1pass": 3.0}
+
+    monkeypatch.setattr(runs, "train_run", fake_train_run)
+    tool(tmp_path, monkeypatch)
+    assert trained[stopped] is True and trained[absent] is True
+    assert finished not in trained
+
+
+def test_a_stopped_run_ends_a_tool_with_one_sentence(tmp_path, monkeypatch, capsys):
+    """Under a results tool's entry point a stopped run is one sentence on stderr (run again to resume),
+    not a traceback, and nothing is rendered from it."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import switch_init
+
+    from fbt_megatron.research.report import run_tool
+
+    def stopped(*a, **k):
+        raise runs.RunStopped("the run in X stopped at step 3 of 9 (preempted)")
+
+    monkeypatch.setattr(runs, "train_run", stopped)
+    monkeypatch.setattr(switch_init, "render", lambda *a: pytest.fail("a stopped run was rendered"))
+    assert run_tool(switch_init.main, "switch_init", ["--variants", "0", "--runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "stopped at step 3 of 9" in err and "Traceback" not in err
+
+
+def test_the_study_goes_on_past_a_stopped_run(tmp_path, monkeypatch):
+    """feedback_study trains the other runs and reads out none that stopped (it is not recorded)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import feedback_study
+
+    import data_pipeline.embedded
+
+    monkeypatch.setattr(data_pipeline.embedded, "build_embedded", lambda *a, **k: None)
+
+    def train_run(recipe, run_dir, overrides, log_file=None, resume=False):
+        if Path(run_dir).name == "standard_seed3":
+            raise runs.RunStopped("stopped")
+        return dict(FINISHED)
+
+    monkeypatch.setattr(runs, "train_run", train_run)
+    assert feedback_study.train({"standard": [], "fbt": []}, [3], tmp_path, 1, True) == {"fbt_seed3": FINISHED}
+
+
+def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_path, monkeypatch, capsys):
+    """fixed_point trains each mix with ``resume`` (a stopped run continues, a finished one is not trained
+    again); ``--skip-training`` refuses a folder whose run stopped short, in one sentence, before analysing."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import fixed_point
+
+    from fbt_megatron.research.report import run_tool
+
+    resumed = []
+    monkeypatch.setattr(runs, "train_run", lambda recipe, run_dir, overrides, resume=False: resumed.append(resume))
+    fixed_point.train_models(tmp_path, 600, 120)
+    assert resumed == [True] * len(fixed_point.MIXES)
+
+    monkeypatch.setattr(fixed_point, "analyse", lambda *a: pytest.fail("a stopped run was analysed"))
+    first, *rest = fixed_point.MIXES
+    write_summary(tmp_path / first, STOPPED)
+    for name in rest:
+        write_summary(tmp_path / name, FINISHED)
+    assert run_tool(fixed_point.main, "fixed_point", ["--skip-training", "--runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / first} holds no finished run" in err and "Traceback" not in err
