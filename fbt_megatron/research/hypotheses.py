@@ -218,6 +218,7 @@ PAST_L = "state accuracy past the layer count: "
 # this order, whose own runs the report holds (E2: the additive run; E3: the 2x FBT run); E1's report holds
 # every recipe at 1x, so only those runs tell which one E3 trained.
 MEDIUM = "medium_1200_lr0.0006_orders"
+E3_SIZES = {E1: "tiny", MEDIUM: "medium"}  # E3's report at each size -> the size's name in the tables
 # --fbt-recipe base, loss_mean, switch50: the run names' suffix -> the recipe change in words
 RECIPE_LABELS = {"": "loss_on: last", "_loss_mean": "loss_on: mean", "_switch50": "switch at 50 %"}
 FBT_RECIPE_SUFFIXES = tuple(RECIPE_LABELS)
@@ -327,7 +328,7 @@ def _trend_pending(*budgets):
         if not waiting and not any(have):
             return NOT_RUN
         stem, factor = (waiting or lacking)[0]
-        return f"{'tiny' if stem == E1 else 'medium'} {factor}×: {said[stem, factor]}"
+        return f"{E3_SIZES[stem]} {factor}×: {said[stem, factor]}"
     return pending
 
 
@@ -535,8 +536,8 @@ def multiplier_rows(reports: Reports) -> list[tuple[str, int, dict[int, float], 
     ``{}`` (E3's: :func:`budget_pending` tells why)."""
     rows = [("tiny, 3e-3, one data order", steps, tiny_multipliers(reports, steps), NOT_RUN)
             for steps in BUDGETS]
-    for stem, where in ((E1, "E3: tiny, 1e-3"), (MEDIUM, "E3: medium, 6e-4")):
-        report = reports(stem)
+    for stem, lr in ((E1, "1e-3"), (MEDIUM, "6e-4")):
+        report, where = reports(stem), f"E3: {E3_SIZES[stem]}, {lr}"
         suffix = e3_recipe_suffix(report)
         recipe = f", {RECIPE_LABELS[suffix]}" if suffix is not None else ""
         for factor in (1, 2):
