@@ -215,13 +215,26 @@ def validation_sets(recipe, validation: str, smoke: bool = False) -> list[tuple[
     raise ValueError(f"validation: {validation!r} is none of {sorted(VALIDATIONS)}")
 
 
+def made_from_latest(readouts: dict, run_dir: Path) -> bool:
+    """Whether cached ``readouts`` name the run's latest checkpoint (relative to the run); True where the
+    run keeps no checkpoint (the cache is all there is)."""
+    from fbt_megatron.checkpoint.discovery import CheckpointError, resolve_checkpoint
+
+    try:
+        latest = resolve_checkpoint(run_dir)
+    except CheckpointError:
+        return True
+    return readouts.get("checkpoint") == relative_to_run(latest, run_dir)
+
+
 def read_out(run_dir: Path, smoke: bool = False, validation: str = "held_out") -> dict:
     """Every read-out of one finished run (cached in ``run_dir/readouts.json``, read again when it was made
-    on another ``validation`` set, :data:`VALIDATIONS`). Call in a world-of-one process group."""
+    on another ``validation`` set, :data:`VALIDATIONS`, or from another checkpoint than the run's latest: a
+    run read out when stopped early and trained on since). Call in a world-of-one process group."""
     cache = run_dir / "readouts.json"
     if cache.is_file():
         out = json.loads(cache.read_text())
-        if out.get("validation", "recipe") == validation:
+        if out.get("validation", "recipe") == validation and made_from_latest(out, run_dir):
             if "val_loss" not in out or out.get("fusion") == "off" or "one_step" in out:
                 return out
             # read out before the one-step measure existed: add it to the cache

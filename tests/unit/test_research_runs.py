@@ -168,3 +168,33 @@ def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_
     assert run_tool(fixed_point.main, "fixed_point", ["--skip-training", "--runs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / first} holds no finished run" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("cached_at, latest, read_again", [
+    ("checkpoints/step_00001138", "step_00002400", True),  # read out when stopped, trained on since
+    ("checkpoints/step_00002400", "step_00002400", False),
+    ("checkpoints/step_00001138", None, False),  # no checkpoint kept: the cache is all there is
+])
+def test_a_read_out_cache_is_used_only_for_the_runs_latest_checkpoint(tmp_path, monkeypatch, cached_at, latest,
+                                                                     read_again):
+    import fbt_megatron.checkpoint.model as checkpoint_model
+    from fbt_megatron.research.study import read_out
+
+    class ReadAgain(Exception):
+        pass
+
+    def load(*a, **k):
+        raise ReadAgain
+
+    monkeypatch.setattr(checkpoint_model, "load_checkpoint_model", load)
+    cached = {"checkpoint": cached_at, "validation": "held_out", "fusion": "off", "val_loss": {"1": 3.4}}
+    (tmp_path / "readouts.json").write_text(json.dumps(cached))
+    if latest:
+        (tmp_path / "checkpoints" / latest).mkdir(parents=True)
+        (tmp_path / "checkpoints" / latest / "state.json").write_text("{}")
+        (tmp_path / "checkpoints" / "latest").write_text(latest)
+    if read_again:
+        with pytest.raises(ReadAgain):
+            read_out(tmp_path)
+    else:
+        assert read_out(tmp_path) == cached
