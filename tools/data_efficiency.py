@@ -232,7 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default="runs/research/data_efficiency")
-    ap.add_argument("--reuse", action="store_true", help="use finished runs found under --runs instead of retraining")
+    ap.add_argument("--reuse", action="store_true",
+                    help="use finished runs found under --runs instead of retraining; continue stopped ones "
+                         "from their checkpoints")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)

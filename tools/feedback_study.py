@@ -344,14 +344,15 @@ def main(argv=None) -> int:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
         return 0
     from fbt_megatron import runtime
-    from fbt_megatron.research.runs import ROOT
+    from fbt_megatron.research.runs import ROOT, finished_run
     from fbt_megatron.research.study import read_out, render
 
     os.chdir(ROOT)  # the runs were trained there: their recipes name data by paths relative to it
     runtime.init_distributed()
     validation = "recipe" if a.shared_data_order else "held_out"  # see study.VALIDATIONS
     try:
-        readouts = {name: recorded[name]["readouts"] if name in recorded and not (root / name).is_dir()
+        # a recorded run whose folder is gone or holds a stopped run (its checkpoint is not the recorded model)
+        readouts = {name: recorded[name]["readouts"] if name in recorded and finished_run(root / name) is None
                     else read_out(root / name, smoke=a.smoke, validation=validation) for name in summaries}
     finally:
         runtime.shutdown()

@@ -30,7 +30,7 @@ POSITIONS = [8, 32, 64, 96, 120]
 
 
 def train_models(runs: Path, steps: int, feedback_start: int) -> dict:
-    from fbt_megatron.research.runs import train_run
+    from fbt_megatron.research.runs import finished_run, train_run
 
     out = {}
     for name, mix in MIXES.items():
@@ -38,7 +38,7 @@ def train_models(runs: Path, steps: int, feedback_start: int) -> dict:
         out[name] = train_run("recipes/tiny.yaml", runs / name, [
             f"name=fixed_point_{name}", f"train.steps={steps}", f"schedule.feedback_start_step={feedback_start}",
             f"schedule.mix={mix}", "eval.every=100000", "checkpoint.every=100000", "logging.tensorboard=false"],
-            resume=True)  # a stopped run continues from its checkpoint; a finished one is not trained again
+            resume=finished_run(runs / name) is None)  # a stopped run continues; a finished one trains afresh
     return out
 
 

@@ -98,7 +98,9 @@ def main(argv=None) -> int:
                     help="indices into the variant list (default: all)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each with one CPU thread when > 1)")
     ap.add_argument("--runs", default="runs/research/switch_init")
-    ap.add_argument("--reuse", action="store_true", help="use finished runs found under --runs instead of retraining")
+    ap.add_argument("--reuse", action="store_true",
+                    help="use finished runs found under --runs instead of retraining; continue stopped ones "
+                         "from their checkpoints")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)

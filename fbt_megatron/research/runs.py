@@ -25,8 +25,9 @@ RUN_ENTRIES = ("command.json", "train.log", "checkpoints", "metrics.jsonl", "sum
 
 
 class RunStopped(UserError):
-    """``fbt train`` exited cleanly short of its last step (preempted, non-finite losses): the run is not
-    finished, so its summary must not be read as a result; launching it again resumes from its checkpoint."""
+    """``fbt train`` exited cleanly (status 0) short of its last step (preempted, ``train.stop_at_step``): the
+    run is not finished, so its summary must not be read as a result; training it again with ``resume``
+    continues from its checkpoint. (A stop on non-finite losses exits 3: a RuntimeError.)"""
 
 
 def run_finished(summary: dict) -> bool:
@@ -75,9 +76,9 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     summary = run_summary(run_dir)
     if not run_finished(summary):
         raise RunStopped(f"the run in {run_dir} stopped at step {summary.get('step')} of "
-                         f"{summary.get('total_steps')} ({summary.get('stop_reason') or 'no reason given'}), so it "
-                         "is not used as a result; its checkpoint is kept, and running the tool again continues the run "
-                         "from it (with --reuse where the tool has that option)")
+                         f"{summary.get('total_steps')} ({summary.get('stop_reason') or 'no stop reason recorded'}), "
+                         "so it is not used as a result; its checkpoint is kept, and the same command continues the "
+                         "run from it (with --reuse where the tool has that option; not with sft_math's --force)")
     return summary
 
 
@@ -96,19 +97,27 @@ def run_summary(run_dir: Path) -> dict:
 def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:
     """``[fn(*a) for a in args]``, ``jobs`` at a time (training subprocesses; when several run at once each
     is given its share of the cores, ``FBT_CPU_THREADS``, unless that is set already, so that they do not
-    each take them all)."""
+    each take them all). With several at once, a run that stops (:class:`RunStopped`) is printed to stderr when
+    it stops; the exception is raised once the runs before it are done."""
     if jobs <= 1:
         return [fn(*a) for a in args]
     from concurrent.futures import ThreadPoolExecutor
 
     from fbt_megatron.runtime import CPU_THREADS_ENV, cpu_share
 
+    def said_at_once(a):  # the pool raises only once the runs before it are done: say a stop when it happens
+        try:
+            return fn(*a)
+        except RunStopped as e:
+            print(e, file=sys.stderr, flush=True)
+            raise
+
     mine = CPU_THREADS_ENV not in os.environ
     if mine:  # inherited by train_run's subprocesses while the pool runs
         os.environ[CPU_THREADS_ENV] = str(cpu_share(jobs))
     try:
         with ThreadPoolExecutor(jobs) as pool:
-            return list(pool.map(lambda a: fn(*a), args))
+            return list(pool.map(said_at_once, args))
     finally:
         if mine:
             del os.environ[CPU_THREADS_ENV]

@@ -216,15 +216,17 @@ def validation_sets(recipe, validation: str, smoke: bool = False) -> list[tuple[
 
 
 def made_from_latest(readouts: dict, run_dir: Path) -> bool:
-    """Whether cached ``readouts`` name the run's latest checkpoint (relative to the run); True where the
-    run keeps no checkpoint (the cache is all there is)."""
+    """Whether cached ``readouts`` were made from the run's latest checkpoint, by its step folder's name (a
+    cache may name it relative to the run or by an absolute path, of a folder since moved; a re-save's
+    ``.old`` aside is the same step); True where the run keeps no checkpoint (the cache is all there is)."""
     from fbt_megatron.checkpoint.discovery import CheckpointError, resolve_checkpoint
 
     try:
         latest = resolve_checkpoint(run_dir)
     except CheckpointError:
         return True
-    return readouts.get("checkpoint") == relative_to_run(latest, run_dir)
+    cached = readouts.get("checkpoint")
+    return cached is not None and Path(cached).name.removesuffix(".old") == latest.name.removesuffix(".old")
 
 
 def read_out(run_dir: Path, smoke: bool = False, validation: str = "held_out") -> dict:

@@ -1,11 +1,13 @@
-"""A research run that stopped short of its last step (preempted, non-finite losses) is never taken as a
-result: ``train_run`` says so (:class:`RunStopped`), and every tool that reuses run folders trains such a
-folder again, resuming it, instead of reading its summary."""
+"""A research run that stopped short of its last step (preempted, ``train.stop_at_step``) is never taken as
+a result: ``train_run`` says so (:class:`RunStopped`), every tool that reuses run folders trains such a folder
+again, resuming it, instead of reading its summary, and a read-out cached from an earlier checkpoint is made
+again."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,20 +35,55 @@ def test_a_run_is_finished_only_at_its_last_step(tmp_path):
     assert runs.finished_run(write_summary(tmp_path / "beyond", {**FINISHED, "step": 2401})) is not None
 
 
-@pytest.mark.parametrize("summary", [STOPPED, FINISHED])
-def test_train_run_raises_for_a_run_that_stopped_short(tmp_path, monkeypatch, summary):
-    """``fbt train`` exits 0 when preempted (its checkpoint is saved): train_run tells the caller the run is
-    not finished, naming the step, instead of returning the stopped run's summary as if it were complete."""
+def fake_fbt_train(monkeypatch, summary):
+    """subprocess.run for train_run: the run writes ``summary`` and exits 0, as ``fbt train`` does when
+    preempted."""
     def fake_run(cmd, cwd, env, stdout, stderr):
         write_summary(Path(cmd[cmd.index("train") + 2].split("=", 1)[1]), summary)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(runs.subprocess, "run", fake_run)
-    if summary is FINISHED:
-        assert runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])["step"] == 2400
-        return
-    with pytest.raises(runs.RunStopped, match=r"stopped at step 1138 of 2400 \(preempted: SIGTERM"):
+
+
+@pytest.mark.parametrize("summary", [STOPPED, {"step": 8, "total_steps": 12}], ids=["preempted", "stop_at_step"])
+def test_train_run_raises_for_a_run_that_stopped_short(tmp_path, monkeypatch, summary):
+    """train_run tells the caller the run is not finished, naming the step, instead of returning the
+    stopped run's summary as if it were complete (whatever stopped it)."""
+    fake_fbt_train(monkeypatch, summary)
+    with pytest.raises(runs.RunStopped, match=f"stopped at step {summary['step']} of {summary['total_steps']}"):
         runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])
+
+
+def test_train_run_returns_a_finished_runs_summary(tmp_path, monkeypatch):
+    fake_fbt_train(monkeypatch, FINISHED)
+    assert runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])["step"] == 2400
+
+
+def test_several_runs_at_once_say_a_stop_when_it_happens(monkeypatch):
+    """With jobs > 1 the pool raises a run's stop only once the runs before it are done; the stop is printed
+    at once, while another run still trains."""
+    import io
+    import threading
+    import time
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    said = threading.Event()
+
+    def job(i):
+        if i == 1:
+            raise runs.RunStopped("run 1 stopped at step 3 of 9")
+        deadline = time.monotonic() + 5  # run 0 trains on until it sees the stop said (or gives up)
+        while time.monotonic() < deadline and not said.is_set():
+            if "run 1 stopped" in err.getvalue():
+                said.set()
+            time.sleep(0.01)
+        return i
+
+    monkeypatch.setenv("FBT_CPU_THREADS", "1")
+    with pytest.raises(runs.RunStopped):
+        runs.run_jobs(job, [(0,), (1,)], jobs=2)
+    assert said.is_set()
 
 
 def data_efficiency(tmp_path, monkeypatch):
@@ -148,20 +185,22 @@ def test_the_study_goes_on_past_a_stopped_run(tmp_path, monkeypatch):
 
 
 def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_path, monkeypatch, capsys):
-    """fixed_point trains each mix with ``resume`` (a stopped run continues, a finished one is not trained
-    again); ``--skip-training`` refuses a folder whose run stopped short, in one sentence, before analysing."""
+    """fixed_point continues a mix's stopped run and trains the rest afresh, a finished one too (as it always
+    did: the page's time includes training); ``--skip-training`` refuses a folder whose run stopped short, in one sentence, before analysing."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import fixed_point
 
     from fbt_megatron.research.report import run_tool
 
-    resumed = []
-    monkeypatch.setattr(runs, "train_run", lambda recipe, run_dir, overrides, resume=False: resumed.append(resume))
+    resumed = {}
+    monkeypatch.setattr(runs, "train_run", lambda recipe, run_dir, overrides, resume=False:
+                        resumed.update({Path(run_dir).name: resume}))
+    first, *rest = fixed_point.MIXES
+    write_summary(tmp_path / first, FINISHED)
     fixed_point.train_models(tmp_path, 600, 120)
-    assert resumed == [True] * len(fixed_point.MIXES)
+    assert resumed == {first: False, **{name: True for name in rest}}  # a finished run trains afresh
 
     monkeypatch.setattr(fixed_point, "analyse", lambda *a: pytest.fail("a stopped run was analysed"))
-    first, *rest = fixed_point.MIXES
     write_summary(tmp_path / first, STOPPED)
     for name in rest:
         write_summary(tmp_path / name, FINISHED)
@@ -173,6 +212,9 @@ def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_
 @pytest.mark.parametrize("cached_at, latest, read_again", [
     ("checkpoints/step_00001138", "step_00002400", True),  # read out when stopped, trained on since
     ("checkpoints/step_00002400", "step_00002400", False),
+    ("/elsewhere/run/checkpoints/step_00002400", "step_00002400", False),  # an older cache, a moved folder
+    ("checkpoints/step_00002400.old", "step_00002400", False),  # read out while a re-save was cut short
+    ("/elsewhere/run/checkpoints/step_00001138", "step_00002400", True),
     ("checkpoints/step_00001138", None, False),  # no checkpoint kept: the cache is all there is
 ])
 def test_a_read_out_cache_is_used_only_for_the_runs_latest_checkpoint(tmp_path, monkeypatch, cached_at, latest,
@@ -198,3 +240,30 @@ def test_a_read_out_cache_is_used_only_for_the_runs_latest_checkpoint(tmp_path, 
             read_out(tmp_path)
     else:
         assert read_out(tmp_path) == cached
+
+
+def test_the_study_reads_a_recorded_run_from_its_report_while_its_folder_holds_a_stopped_run(tmp_path, monkeypatch):
+    """A run recorded in the report whose folder now holds a stopped run (trained again, stopped) keeps its
+    recorded read-outs: the stopped checkpoint is not the recorded model and is not read out."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import feedback_study
+
+    from fbt_megatron.research import study
+
+    recorded = {"standard_seed1": {"val_history": [], "readouts": {"val_loss": {"1": 3.4}}}}
+    write_summary(tmp_path / "standard_seed1", STOPPED)
+    monkeypatch.setattr(feedback_study, "recorded_runs", lambda report: recorded)
+    monkeypatch.setattr(feedback_study, "train", lambda runs, seeds, root, jobs, reuse, rec, **k:
+                        {name: r for name, r in rec.items()})
+    monkeypatch.setattr(feedback_study, "add_layer_counts", lambda readouts, runs: None)
+    monkeypatch.setattr(study, "read_out", lambda *a, **k: pytest.fail("the stopped run was read out"))
+    seen = {}
+
+    def render(summaries, readouts, *a, **k):
+        seen.update(readouts)
+        return SimpleNamespace(read_text=lambda: "")
+
+    monkeypatch.setattr(study, "render", render)
+    feedback_study.main(["--groups", "budget", "--seeds", "1", "--summarise-only", "--runs", str(tmp_path),
+                         "--out", str(tmp_path / "out")])
+    assert seen == {"standard_seed1": {"val_loss": {"1": 3.4}}}
