@@ -98,14 +98,14 @@ def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:
     """``[fn(*a) for a in args]``, ``jobs`` at a time (training subprocesses; when several run at once each
     is given its share of the cores, ``FBT_CPU_THREADS``, unless that is set already, so that they do not
     each take them all). With several at once, a run that stops (:class:`RunStopped`) is printed to stderr when
-    it stops; the exception is raised once the runs before it are done."""
+    it stops; the exception is raised once every run is done."""
     if jobs <= 1:
         return [fn(*a) for a in args]
     from concurrent.futures import ThreadPoolExecutor
 
     from fbt_megatron.runtime import CPU_THREADS_ENV, cpu_share
 
-    def said_at_once(a):  # the pool raises only once the runs before it are done: say a stop when it happens
+    def said_at_once(a):  # the pool raises only once every run is done: say a stop when it happens
         try:
             return fn(*a)
         except RunStopped as e:

@@ -325,8 +325,8 @@ def fit(run: Run) -> None:
 
 def summarise(run: Run) -> TrainResult:
     """The run's :class:`TrainResult`; rank 0 writes ``<run_dir>/summary.json`` if it trained, or if the
-    summary there is not of the run's step (a run killed between its last save and its summary: the
-    checkpoint is at the last step, the summary older or missing)."""
+    summary there is not current (:func:`summary_is_current`: a run killed between its last save and its
+    summary, launched again, finds its checkpoint at the last step and the summary older or missing)."""
     trainer, state, depth = run.trainer, run.trainer.state, run.feedback_depth
     val = trainer.metrics.get("val_loss", {})
     result = TrainResult(
@@ -336,7 +336,8 @@ def summarise(run: Run) -> TrainResult:
         feedback_depth=depth, val_loss_1pass=val.get(1), val_loss_deep=val.get(depth),
         tokens_per_s=trainer.metrics.get("tokens_per_s"), num_params=run.num_params, history=list(trainer.history),
         val_history=trainer.metrics.get("val_history", []), metrics=trainer.metrics)
-    if dist.get_rank() == 0 and (trainer.history or not summary_at_step(run.run_dir, state.step)):
+    if dist.get_rank() == 0 and (trainer.history
+                                 or not summary_is_current(run.run_dir, state.step, run.recipe.train.steps)):
         # (history/step_seconds stay out of summary.json)
         run.run_dir.mkdir(parents=True, exist_ok=True)
         summary = {k: v for k, v in result.summary().items() if k not in ("history", "step_seconds")}
@@ -344,12 +345,13 @@ def summarise(run: Run) -> TrainResult:
     return result
 
 
-def summary_at_step(run_dir: Path, step: int) -> bool:
-    """Whether ``run_dir/summary.json`` is readable and of ``step``."""
+def summary_is_current(run_dir: Path, step: int, total_steps: int) -> bool:
+    """Whether ``run_dir/summary.json`` is readable, at ``step`` or later, and of ``total_steps`` steps."""
     try:
-        return json.loads((Path(run_dir) / "summary.json").read_text()).get("step") == step
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(summary, dict) and summary.get("step", -1) >= step and summary.get("total_steps") == total_steps
 
 
 def _count_params(model) -> int:

@@ -246,6 +246,7 @@ def test_the_study_reads_a_recorded_run_from_its_report_while_its_folder_holds_a
     """A run recorded in the report whose folder now holds a stopped run (trained again, stopped) keeps its
     recorded read-outs: the stopped checkpoint is not the recorded model and is not read out."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.chdir(ROOT)  # main changes to the repository; restored after the test
     import feedback_study
 
     from fbt_megatron.research import study
