@@ -18,9 +18,10 @@ from pathlib import Path
 
 from data_pipeline.errors import UserError
 
-__all__ = ["UserError", "USAGE_EXIT", "report", "user_error_message"]
+__all__ = ["UserError", "USAGE_EXIT", "DIVERGED_EXIT", "report", "user_error_message"]
 
 USAGE_EXIT = 2  # the exit status of a user error (argparse's for a usage error)
+DIVERGED_EXIT = 3  # fbt train stopped on non-finite losses (train.max_nonfinite_in_row)
 
 # OSErrors a user fixes (a path, a permission, the disk), not a defect of the program
 USER_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,

@@ -261,10 +261,11 @@ def recorded_runs(report: Path) -> dict:
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
           recorded: dict | None = None, train_missing: bool = True, shared_order: bool = False) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
-    ``recorded``; an unfinished one continues from its latest checkpoint) under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only
-    the finished ones, nothing trained)."""
+    ``recorded``; an unfinished one continues from its latest checkpoint; a diverged one is not trained again)
+    under ``root/NAME_seedS``; returns their summaries (``train_missing`` False: only the finished ones,
+    nothing trained). Stopped and diverged runs are printed and left out."""
     from data_pipeline.embedded import build_embedded
-    from fbt_megatron.research.runs import ROOT, RunStopped, finished_run, run_jobs, train_run
+    from fbt_megatron.research.runs import ROOT, RunDiverged, RunStopped, diverged_run, finished_run, run_jobs, train_run
 
     recorded = recorded or {}
     # Built once here: runs started together would each try to build it (the second one fails on its lock).
@@ -279,10 +280,13 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
             return recorded[f"{name}_seed{seed}"]
         if not train_missing:
             return None
+        if reuse and (reason := diverged_run(run_dir)):  # it would diverge again: drop --reuse to train it afresh
+            print(f"[feedback_study] {name} seed {seed} diverged before ({reason}); not trained again", flush=True)
+            return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
         try:
             return train_run(RECIPE, run_dir, run_overrides(runs, name, seed, shared_order), resume=reuse)
-        except RunStopped as e:  # not read out, nor recorded; the other runs go on
+        except (RunStopped, RunDiverged) as e:  # not read out (a diverged run is named in the report); the rest go on
             print(f"[feedback_study] {e}", flush=True)
             return None
 
@@ -340,11 +344,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     summaries = train(runs, seeds, root, a.jobs, a.reuse or a.summarise_only, recorded,
                       train_missing=not a.summarise_only, shared_order=a.shared_data_order)
+    from fbt_megatron.research.runs import ROOT, diverged_run, finished_run
+
+    diverged = {run: reason for run in (f"{n}_seed{s}" for s in seeds for n in runs)
+                if run not in summaries and (reason := diverged_run(root / run))}
     if a.train_only:
-        print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min")
+        print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min"
+              + (f"; diverged: {', '.join(diverged)}" if diverged else ""))
         return 0
     from fbt_megatron import runtime
-    from fbt_megatron.research.runs import ROOT, finished_run
     from fbt_megatron.research.study import read_out, render
 
     os.chdir(ROOT)  # the runs were trained there: their recipes name data by paths relative to it
@@ -357,10 +365,13 @@ def main(argv=None) -> int:
     finally:
         runtime.shutdown()
     add_layer_counts(readouts, runs)
-    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem, kept=recorded)
+    out = render(summaries, readouts, seeds, a, time.perf_counter() - t0, out_dir, stem, kept=recorded,
+                 diverged=diverged)
     print(out.read_text())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "feedback_study"))

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, task: str | None = None) -> int:
             print(format_summary(result), flush=True)
         # A preempted run saved its state and exits 0: torchrun must not restart it, the launcher
         # (slurm/ batch script) requeues. Other stops (non-finite losses) exit 3.
-        return 3 if result.stop_reason and not result.preempted else 0
+        return errors.DIVERGED_EXIT if result.stop_reason and not result.preempted else 0
     finally:
         runtime.shutdown()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from data_pipeline.errors import UserError
 from data_pipeline.output_dir import earlier_output
+from fbt_megatron.errors import DIVERGED_EXIT
 from fbt_megatron.files import TEMPORARY, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,12 @@ RUN_ENTRIES = ("command.json", "train.log", "checkpoints", "metrics.jsonl", "sum
 class RunStopped(UserError):
     """``fbt train`` exited cleanly (status 0) short of its last step (preempted, ``train.stop_at_step``): the
     run is not finished, so its summary must not be read as a result; training it again with ``resume``
-    continues from its checkpoint. (A stop on non-finite losses exits 3: a RuntimeError.)"""
+    continues from its checkpoint. (A stop on non-finite losses is :class:`RunDiverged`.)"""
+
+
+class RunDiverged(UserError):
+    """``fbt train`` stopped on non-finite losses (exit status 3, ``train.max_nonfinite_in_row``): the recipe
+    diverged, a result to record, not a model to read out (its checkpoint holds the last finite weights)."""
 
 
 def run_finished(summary: dict) -> bool:
@@ -45,10 +51,23 @@ def finished_run(run_dir: Path) -> dict | None:
     return summary if run_finished(summary) else None
 
 
+def diverged_run(run_dir: Path) -> str | None:
+    """The stop reason of the run in ``run_dir`` if it stopped on non-finite losses (a summary whose stop is
+    neither a preemption nor its last step); None otherwise."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    if summary.get("stop_reason") and not summary.get("preempted") and not run_finished(summary):
+        return summary["stop_reason"]
+    return None
+
+
 def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,
               resume: bool = False) -> dict:
     """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary` of the
-    finished run, or raises :class:`RunStopped` if it stopped short of its last step. From scratch,
+    finished run, or raises :class:`RunStopped` if it stopped short of its last step (:class:`RunDiverged` on
+    non-finite losses). From scratch,
     unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe and overrides: then the run
     continues from its latest checkpoint (a study interrupted mid-run loses no steps). A ``run_dir`` that
     this function did not start (no ``command.json``) and that is not empty is refused, nothing removed
@@ -71,6 +90,8 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_file or run_dir / "train.log", "a" if resuming else "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc == DIVERGED_EXIT and (reason := diverged_run(run_dir)):
+        raise RunDiverged(f"the run in {run_dir} diverged ({reason}), so it is not used as a result")
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
     summary = run_summary(run_dir)

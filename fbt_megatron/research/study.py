@@ -517,10 +517,11 @@ def source_table(lm: dict, readouts: dict, comparisons: dict) -> str:
 
 
 def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: float, out_dir: Path,
-           stem: str = "feedback_study", kept: dict | None = None) -> Path:
+           stem: str = "feedback_study", kept: dict | None = None, diverged: dict | None = None) -> Path:
     """``out_dir/STEM.{md,json,png}`` from the finished runs. ``kept``: runs recorded in the report before
     (``{run: {"val_history", "readouts"}}``) that this one does not select: written to its JSON unchanged
-    and named in it, so that a narrower report never drops a run whose folder may be gone."""
+    and named in it, so that a narrower report never drops a run whose folder may be gone. ``diverged``:
+    ``{run: stop reason}`` of selected runs that stopped on non-finite losses, named in both (a result too)."""
     kept = {n: r for n, r in (kept or {}).items() if n not in summaries}
     import numpy as np
 
@@ -622,6 +623,8 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
          "(L + 1 to the last), goal (c)'s measure.\n\n"
          + table(["run", "seeds", "1", "2", "4", "8", "16", "last", "past L"], state_rows)) if state_rows else "(not run)", "",
         plot, "",
+        *([f"Diverged, not read out: {'; '.join(f'{n} ({r})' for n, r in sorted(diverged.items()))}.", ""]
+          if diverged else []),
         *([f"Also recorded, not selected here (kept in the JSON for `--reuse`): {', '.join(sorted(kept))}.", ""]
           if kept else []),
         provenance(study_command(args), seconds)])
@@ -629,5 +632,5 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
             "readouts": {**readouts, **{n: r["readouts"] for n, r in kept.items()}},
             "val_history": {**{n: s["val_history"] for n, s in summaries.items()},
                             **{n: r["val_history"] for n, r in kept.items()}},
-            "kept": sorted(kept)}
+            "kept": sorted(kept), "diverged": dict(diverged or {})}
     return save(out_dir, stem, md, data)

@@ -1,11 +1,13 @@
 """A research run that stopped short of its last step (preempted, ``train.stop_at_step``) is never taken as
 a result: ``train_run`` says so (:class:`RunStopped`), every tool that reuses run folders trains such a folder
 again, resuming it, instead of reading its summary, and a read-out cached from an earlier checkpoint is made
-again."""
+again. A run that diverged (non-finite losses) is :class:`RunDiverged`: one sentence from a tool, and the
+feedback study names it in its report and goes on."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STOPPED = {"step": 1138, "total_steps": 2400, "preempted": "SIGTERM", "val_history": [], "pass_counts": {},
            "stop_reason": "preempted: SIGTERM received; stopped after step 1138 with a checkpoint"}
 FINISHED = {"step": 2400, "total_steps": 2400, "val_history": [], "pass_counts": {}}
+DIVERGED = {"step": 3, "total_steps": 8, "preempted": None, "val_history": [], "pass_counts": {},
+            "stop_reason": "stopped: 2 non-finite losses in a row at step 2 (train.max_nonfinite_in_row=2); "
+                           "the checkpoint holds the last finite weights"}
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
@@ -35,12 +40,13 @@ def test_a_run_is_finished_only_at_its_last_step(tmp_path):
     assert runs.finished_run(write_summary(tmp_path / "beyond", {**FINISHED, "step": 2401})) is not None
 
 
-def fake_fbt_train(monkeypatch, summary):
-    """subprocess.run for train_run: the run writes ``summary`` and exits 0, as ``fbt train`` does when
-    preempted."""
+def fake_fbt_train(monkeypatch, summary, exit_status=0):
+    """subprocess.run for train_run: the run writes ``summary`` (None: nothing) and exits with
+    ``exit_status`` (0, as ``fbt train`` does when preempted)."""
     def fake_run(cmd, cwd, env, stdout, stderr):
-        write_summary(Path(cmd[cmd.index("train") + 2].split("=", 1)[1]), summary)
-        return subprocess.CompletedProcess(cmd, 0)
+        if summary is not None:
+            write_summary(Path(cmd[cmd.index("train") + 2].split("=", 1)[1]), summary)
+        return subprocess.CompletedProcess(cmd, exit_status)
 
     monkeypatch.setattr(runs.subprocess, "run", fake_run)
 
@@ -57,6 +63,27 @@ def test_train_run_raises_for_a_run_that_stopped_short(tmp_path, monkeypatch, su
 def test_train_run_returns_a_finished_runs_summary(tmp_path, monkeypatch):
     fake_fbt_train(monkeypatch, FINISHED)
     assert runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])["step"] == 2400
+
+
+def test_a_run_diverged_only_if_it_stopped_on_non_finite_losses(tmp_path):
+    assert runs.diverged_run(tmp_path / "none") is None
+    assert runs.diverged_run(write_summary(tmp_path / "preempted", STOPPED)) is None
+    assert runs.diverged_run(write_summary(tmp_path / "stop_at_step", {"step": 8, "total_steps": 12})) is None
+    assert runs.diverged_run(write_summary(tmp_path / "done", FINISHED)) is None
+    assert runs.diverged_run(write_summary(tmp_path / "diverged", DIVERGED)) == DIVERGED["stop_reason"]
+
+
+def test_train_run_says_a_run_diverged_in_one_sentence(tmp_path, monkeypatch):
+    """Exit status 3 with a summary that records the non-finite stop is RunDiverged (a user error: the recipe
+    diverged), naming the run and the stop; any other failure stays a RuntimeError (a defect)."""
+    fake_fbt_train(monkeypatch, DIVERGED, exit_status=3)
+    with pytest.raises(runs.RunDiverged, match=r"run in .*run diverged \(stopped: 2 non-finite losses in a row"):
+        runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])
+    for summary, status in ((None, 3), (DIVERGED, 1), (FINISHED, 3)):  # no record of the stop; another failure
+        fake_fbt_train(monkeypatch, summary, exit_status=status)
+        with pytest.raises(RuntimeError) as e:
+            runs.train_run("recipes/tiny.yaml", tmp_path / f"other{status}{summary is None}", [])
+        assert not isinstance(e.value, runs.RunDiverged)
 
 
 def test_several_runs_at_once_say_a_stop_when_it_happens(monkeypatch):
@@ -148,22 +175,25 @@ def test_reusing_tools_resume_a_stopped_run_and_keep_a_finished_one(tmp_path, mo
     assert finished not in trained
 
 
-def test_a_stopped_run_ends_a_tool_with_one_sentence(tmp_path, monkeypatch, capsys):
-    """Under a results tool's entry point a stopped run is one sentence on stderr (run again to resume),
-    not a traceback, and nothing is rendered from it."""
+@pytest.mark.parametrize("stop", [runs.RunStopped("the run in X stopped at step 3 of 9 (preempted)"),
+                                  runs.RunDiverged("the run in X diverged (stopped: 2 non-finite losses in a row)")],
+                         ids=["stopped", "diverged"])
+def test_a_stopped_run_ends_a_tool_with_one_sentence(tmp_path, monkeypatch, capsys, stop):
+    """Under a results tool's entry point a stopped or diverged run is one sentence on stderr (run again to
+    resume), not a traceback, and nothing is rendered from it."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import switch_init
 
     from fbt_megatron.research.report import run_tool
 
     def stopped(*a, **k):
-        raise runs.RunStopped("the run in X stopped at step 3 of 9 (preempted)")
+        raise stop
 
     monkeypatch.setattr(runs, "train_run", stopped)
     monkeypatch.setattr(switch_init, "render", lambda *a: pytest.fail("a stopped run was rendered"))
     assert run_tool(switch_init.main, "switch_init", ["--variants", "0", "--runs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "stopped at step 3 of 9" in err and "Traceback" not in err
+    assert str(stop) in err and "Traceback" not in err
 
 
 def test_the_study_goes_on_past_a_stopped_run(tmp_path, monkeypatch):
@@ -182,6 +212,61 @@ def test_the_study_goes_on_past_a_stopped_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runs, "train_run", train_run)
     assert feedback_study.train({"standard": [], "fbt": []}, [3], tmp_path, 1, True) == {"fbt_seed3": FINISHED}
+
+
+def test_the_study_names_a_diverged_run_and_goes_on(tmp_path, monkeypatch, capsys):
+    """feedback_study trains the other runs past one that diverges, does not train a diverged folder again
+    under --reuse (it would diverge again), and its report names the diverged run with its stop."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.chdir(ROOT)  # main changes to the repository; restored after the test
+    import feedback_study
+
+    import data_pipeline.embedded
+    from fbt_megatron.research import report, study
+
+    monkeypatch.setattr(data_pipeline.embedded, "build_embedded", lambda *a, **k: None)
+    trained = []
+
+    def train_run(recipe, run_dir, overrides, log_file=None, resume=False):
+        trained.append(Path(run_dir).name)
+        if Path(run_dir).name.startswith("fbt"):
+            write_summary(Path(run_dir), DIVERGED)
+            raise runs.RunDiverged(f"the run in {run_dir} diverged")
+        return write_summary(Path(run_dir), FINISHED) and dict(FINISHED)
+
+    monkeypatch.setattr(runs, "train_run", train_run)
+    answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
+    monkeypatch.setattr(study, "read_out", lambda run_dir, **k: {"val_loss": {"1": 5.0}, "seq_length": 8,
+                                                                  "answers": answers, "fusion_history": []})
+    monkeypatch.setattr(report, "figure", lambda **k: (None, [study._NoAxes(), study._NoAxes()]))
+    argv = ["--groups", "budget", "--only", "standard_untied,fbt_heavy_untied_fusion_lr_x10_loss_mean",
+            "--fbt-recipe", "loss_mean", "--seeds", "1", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out")]
+    assert feedback_study.main(argv) == 0
+    assert trained == ["standard_untied_seed1", "fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1"]
+    assert "diverged" in capsys.readouterr().out
+    [report_json] = (tmp_path / "out").glob("*.json")
+    data = json.loads(report_json.read_text())
+    assert data["diverged"] == {"fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1": DIVERGED["stop_reason"]}
+    assert list(data["readouts"]) == ["standard_untied_seed1"]
+    md = report_json.with_suffix(".md").read_text()
+    assert "Diverged, not read out: fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1 (stopped: 2 non-finite" in md
+    trained.clear()
+    assert feedback_study.main([*argv, "--reuse"]) == 0  # nothing trained again: one finished, one diverged
+    assert trained == [] and "diverged before" in capsys.readouterr().out
+    assert json.loads(report_json.read_text())["diverged"] == data["diverged"]
+
+
+@pytest.mark.slow  # one fbt train subprocess (~20 s)
+def test_a_real_diverging_run_is_run_diverged(tmp_path):
+    """fbt train at an absurd learning rate stops on non-finite losses with exit status 3; train_run says so
+    as RunDiverged, and the folder reads as diverged, not finished."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(runs.RunDiverged, match="non-finite losses in a row"):
+        runs.train_run("recipes/tiny.yaml", run_dir, [
+            "train.steps=8", "optimizer.lr=1e30", "lr_schedule.warmup_steps=0", "train.max_nonfinite_in_row=2",
+            "eval.every=100", "checkpoint.every=4"])
+    assert runs.diverged_run(run_dir) and runs.finished_run(run_dir) is None
 
 
 def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_path, monkeypatch, capsys):
@@ -268,3 +353,18 @@ def test_the_study_reads_a_recorded_run_from_its_report_while_its_folder_holds_a
     feedback_study.main(["--groups", "budget", "--seeds", "1", "--summarise-only", "--runs", str(tmp_path),
                          "--out", str(tmp_path / "out")])
     assert seen == {"standard_seed1": {"val_loss": {"1": 3.4}}}
+
+
+def test_the_study_command_says_a_user_error_in_one_sentence(tmp_path):
+    """``python tools/feedback_study.py`` prints a cause the user can fix (here a run folder holding a file
+    the study did not write) as one sentence with exit status 2, no traceback, and keeps the file."""
+    mine = tmp_path / "runs" / "standard_seed1" / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
+    p = subprocess.run([sys.executable, str(ROOT / "tools/feedback_study.py"), "--smoke", "--groups", "main",
+                        "--only", "standard", "--seeds", "1", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "FBT_CPU_THREADS": "1"})
+    assert p.returncode == 2, p.stderr
+    assert "feedback_study: error: run folder" in p.stderr and "Traceback" not in p.stderr
+    assert mine.read_text() == "mine"
