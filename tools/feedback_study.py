@@ -258,6 +258,11 @@ def recorded_runs(report: Path) -> dict:
             for name in data.get("readouts", {}) if name in data.get("val_history", {})}
 
 
+def recorded_divergences(report: Path) -> dict:
+    """Runs an earlier report named as diverged (``{run: stop reason}``): a narrower report keeps them."""
+    return json.loads(report.read_text()).get("diverged", {}) if report.is_file() else {}
+
+
 def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, reuse: bool,
           recorded: dict | None = None, train_missing: bool = True, shared_order: bool = False) -> dict:
     """Train every (run, seed) not finished yet (``reuse``: a finished run folder, or a run in
@@ -280,8 +285,9 @@ def train(runs: dict[str, list[str]], seeds: list[int], root: Path, jobs: int, r
             return recorded[f"{name}_seed{seed}"]
         if not train_missing:
             return None
-        if reuse and (reason := diverged_run(run_dir)):  # it would diverge again: drop --reuse to train it afresh
-            print(f"[feedback_study] {name} seed {seed} diverged before ({reason}); not trained again", flush=True)
+        if reuse and (reason := diverged_run(run_dir)):  # resumed, it would diverge again
+            print(f"[feedback_study] {name} seed {seed} diverged before ({reason}); not trained again (delete "
+                  f"{run_dir} to train it afresh)", flush=True)
             return None
         print(f"[feedback_study] {name} seed {seed}", flush=True)
         try:
@@ -346,8 +352,10 @@ def main(argv=None) -> int:
                       train_missing=not a.summarise_only, shared_order=a.shared_data_order)
     from fbt_megatron.research.runs import ROOT, diverged_run, finished_run
 
-    diverged = {run: reason for run in (f"{n}_seed{s}" for s in seeds for n in runs)
-                if run not in summaries and (reason := diverged_run(root / run))}
+    selected = [f"{n}_seed{s}" for s in seeds for n in runs]
+    diverged = {**{run: reason for run, reason in recorded_divergences(out_dir / f"{stem}.json").items()
+                   if run not in selected},
+                **{run: reason for run in selected if run not in summaries and (reason := diverged_run(root / run))}}
     if a.train_only:
         print(f"[feedback_study] trained {len(summaries)} runs in {(time.perf_counter() - t0) / 60:.1f} min"
               + (f"; diverged: {', '.join(diverged)}" if diverged else ""))

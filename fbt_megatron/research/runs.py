@@ -37,8 +37,15 @@ class RunDiverged(UserError):
 
 
 def run_finished(summary: dict) -> bool:
-    """Whether a run's summary says it trained to its last step (not preempted or stopped early)."""
-    return summary.get("step", -1) >= summary.get("total_steps", 0) > 0
+    """Whether a run's summary says it trained to its last step (not preempted or stopped early) and did not
+    diverge there."""
+    return summary.get("step", -1) >= summary.get("total_steps", 0) > 0 and not divergence(summary)
+
+
+def divergence(summary: dict) -> str | None:
+    """The stop reason of a run that stopped on non-finite losses (a stop that is not a preemption; at any
+    step, its last included); None otherwise."""
+    return summary.get("stop_reason") if summary.get("stop_reason") and not summary.get("preempted") else None
 
 
 def finished_run(run_dir: Path) -> dict | None:
@@ -52,23 +59,17 @@ def finished_run(run_dir: Path) -> dict | None:
 
 
 def diverged_run(run_dir: Path) -> str | None:
-    """The stop reason of the run in ``run_dir`` if it stopped on non-finite losses (a summary whose stop is
-    neither a preemption nor its last step); None otherwise."""
+    """:func:`divergence` of the run in ``run_dir``; None if it has no summary."""
     path = Path(run_dir) / "summary.json"
-    if not path.is_file():
-        return None
-    summary = json.loads(path.read_text())
-    if summary.get("stop_reason") and not summary.get("preempted") and not run_finished(summary):
-        return summary["stop_reason"]
-    return None
+    return divergence(json.loads(path.read_text())) if path.is_file() else None
 
 
 def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path | None = None,
               resume: bool = False) -> dict:
     """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary` of the
     finished run, or raises :class:`RunStopped` if it stopped short of its last step (:class:`RunDiverged` on
-    non-finite losses). From scratch,
-    unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe and overrides: then the run
+    non-finite losses). From scratch, unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe
+    and overrides: then the run
     continues from its latest checkpoint (a study interrupted mid-run loses no steps). A ``run_dir`` that
     this function did not start (no ``command.json``) and that is not empty is refused, nothing removed
     (:class:`data_pipeline.output_dir.OutputDirError`)."""
@@ -90,8 +91,11 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_file or run_dir / "train.log", "a" if resuming else "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc == DIVERGED_EXIT and (reason := diverged_run(run_dir)):
-        raise RunDiverged(f"the run in {run_dir} diverged ({reason}), so it is not used as a result")
+    # exit 3 records its stop; a run resumed at the last step it diverged on exits 0 and keeps that summary
+    if rc in (0, DIVERGED_EXIT) and (reason := diverged_run(run_dir)):
+        raise RunDiverged(f"the run in {run_dir} diverged ({reason}), so it is not used as a result; lower the "
+                          "learning rate or raise train.max_nonfinite_in_row, and delete the folder to train it "
+                          "afresh (resuming continues from its last finite checkpoint)")
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log_file or run_dir / 'train.log'}")
     summary = run_summary(run_dir)
@@ -118,8 +122,8 @@ def run_summary(run_dir: Path) -> dict:
 def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:
     """``[fn(*a) for a in args]``, ``jobs`` at a time (training subprocesses; when several run at once each
     is given its share of the cores, ``FBT_CPU_THREADS``, unless that is set already, so that they do not
-    each take them all). With several at once, a run that stops (:class:`RunStopped`) is printed to stderr when
-    it stops; the exception is raised once every run is done."""
+    each take them all). With several at once, a run that stops or diverges (:class:`RunStopped`,
+    :class:`RunDiverged`) is printed to stderr when it does; the exception is raised once every run is done."""
     if jobs <= 1:
         return [fn(*a) for a in args]
     from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +133,7 @@ def run_jobs(fn, args: list[tuple], jobs: int = 1) -> list:
     def said_at_once(a):  # the pool raises only once every run is done: say a stop when it happens
         try:
             return fn(*a)
-        except RunStopped as e:
+        except (RunStopped, RunDiverged) as e:
             print(e, file=sys.stderr, flush=True)
             raise
 

@@ -521,8 +521,10 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
     """``out_dir/STEM.{md,json,png}`` from the finished runs. ``kept``: runs recorded in the report before
     (``{run: {"val_history", "readouts"}}``) that this one does not select: written to its JSON unchanged
     and named in it, so that a narrower report never drops a run whose folder may be gone. ``diverged``:
-    ``{run: stop reason}`` of selected runs that stopped on non-finite losses, named in both (a result too)."""
-    kept = {n: r for n, r in (kept or {}).items() if n not in summaries}
+    ``{run: stop reason}`` of runs that stopped on non-finite losses, named in the markdown and the JSON (a
+    result too; a run trained again that diverged replaces its earlier record)."""
+    diverged = diverged or {}
+    kept = {n: r for n, r in (kept or {}).items() if n not in summaries and n not in diverged}
     import numpy as np
 
     from fbt_megatron.research.report import figure, mean_std, provenance, save, table
@@ -608,6 +610,8 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
         "recurrence, mean over positions 8-120 of one held-out row (< 1: the pass-to-pass map contracts). Means "
         "± standard deviation over seeds.", "",
         table(["run", "seeds", "1-pass", "2-pass", "3-pass", "exact", "one-step σ", "fusion"], loss_rows), "",
+        *([f"Diverged, not read out: {'; '.join(f'{n} ({r})' for n, r in sorted(diverged.items()))}.", ""]
+          if diverged else []),
         *(["Per source (mean over seeds; 1 pass / the run's best mode):", "", by_source, ""] if by_source else []),
         "## Held-out arithmetic (answer NLL per token / greedy exact match)", "",
         "The answer scored and generated as each decoding reads it. Feedback decoding differs only in how the "
@@ -623,8 +627,6 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
          "(L + 1 to the last), goal (c)'s measure.\n\n"
          + table(["run", "seeds", "1", "2", "4", "8", "16", "last", "past L"], state_rows)) if state_rows else "(not run)", "",
         plot, "",
-        *([f"Diverged, not read out: {'; '.join(f'{n} ({r})' for n, r in sorted(diverged.items()))}.", ""]
-          if diverged else []),
         *([f"Also recorded, not selected here (kept in the JSON for `--reuse`): {', '.join(sorted(kept))}.", ""]
           if kept else []),
         provenance(study_command(args), seconds)])
@@ -632,5 +634,5 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
             "readouts": {**readouts, **{n: r["readouts"] for n, r in kept.items()}},
             "val_history": {**{n: s["val_history"] for n, s in summaries.items()},
                             **{n: r["val_history"] for n, r in kept.items()}},
-            "kept": sorted(kept), "diverged": dict(diverged or {})}
+            "kept": sorted(kept), "diverged": dict(diverged)}
     return save(out_dir, stem, md, data)

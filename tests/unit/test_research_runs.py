@@ -71,14 +71,23 @@ def test_a_run_diverged_only_if_it_stopped_on_non_finite_losses(tmp_path):
     assert runs.diverged_run(write_summary(tmp_path / "stop_at_step", {"step": 8, "total_steps": 12})) is None
     assert runs.diverged_run(write_summary(tmp_path / "done", FINISHED)) is None
     assert runs.diverged_run(write_summary(tmp_path / "diverged", DIVERGED)) == DIVERGED["stop_reason"]
+    at_last_step = write_summary(tmp_path / "last", {**DIVERGED, "step": 8})  # diverged on its last step
+    assert runs.diverged_run(at_last_step) == DIVERGED["stop_reason"] and runs.finished_run(at_last_step) is None
 
 
-def test_train_run_says_a_run_diverged_in_one_sentence(tmp_path, monkeypatch):
-    """Exit status 3 with a summary that records the non-finite stop is RunDiverged (a user error: the recipe
-    diverged), naming the run and the stop; any other failure stays a RuntimeError (a defect)."""
-    fake_fbt_train(monkeypatch, DIVERGED, exit_status=3)
+@pytest.mark.parametrize("summary, status", [(DIVERGED, 3), ({**DIVERGED, "step": 8}, 3), ({**DIVERGED, "step": 8}, 0)],
+                         ids=["mid-run", "at-its-last-step", "resumed-at-its-last-step"])
+def test_train_run_raises_run_diverged_only_on_a_recorded_non_finite_stop(tmp_path, monkeypatch, summary, status):
+    """A summary that records the non-finite stop is RunDiverged (a user error: the recipe diverged), naming the
+    run and the stop: exit status 3, or 0 when a run that diverged on its last step is launched again (it trains
+    nothing and keeps that summary). Any other failure stays a RuntimeError (a defect)."""
+    fake_fbt_train(monkeypatch, summary, exit_status=status)
     with pytest.raises(runs.RunDiverged, match=r"run in .*run diverged \(stopped: 2 non-finite losses in a row"):
         runs.train_run("recipes/tiny.yaml", tmp_path / "run", [])
+
+
+def test_train_run_keeps_other_failures_a_runtime_error(tmp_path, monkeypatch):
+    """Exit status 3 without a recorded non-finite stop, or another status, is a defect: its traceback is wanted."""
     for summary, status in ((None, 3), (DIVERGED, 1), (FINISHED, 3)):  # no record of the stop; another failure
         fake_fbt_train(monkeypatch, summary, exit_status=status)
         with pytest.raises(RuntimeError) as e:
@@ -86,9 +95,10 @@ def test_train_run_says_a_run_diverged_in_one_sentence(tmp_path, monkeypatch):
         assert not isinstance(e.value, runs.RunDiverged)
 
 
-def test_several_runs_at_once_say_a_stop_when_it_happens(monkeypatch):
-    """With jobs > 1 the pool raises a run's stop only once the runs before it are done; the stop is printed
-    at once, while another run still trains."""
+@pytest.mark.parametrize("stop", [runs.RunStopped, runs.RunDiverged])
+def test_several_runs_at_once_say_a_stop_when_it_happens(monkeypatch, stop):
+    """With jobs > 1 the pool raises a run's stop (or divergence) only once the runs before it are done; it is
+    printed at once, while another run still trains."""
     import io
     import threading
     import time
@@ -99,7 +109,7 @@ def test_several_runs_at_once_say_a_stop_when_it_happens(monkeypatch):
 
     def job(i):
         if i == 1:
-            raise runs.RunStopped("run 1 stopped at step 3 of 9")
+            raise stop("run 1 stopped at step 3 of 9")
         deadline = time.monotonic() + 5  # run 0 trains on until it sees the stop said (or gives up)
         while time.monotonic() < deadline and not said.is_set():
             if "run 1 stopped" in err.getvalue():
@@ -108,7 +118,7 @@ def test_several_runs_at_once_say_a_stop_when_it_happens(monkeypatch):
         return i
 
     monkeypatch.setenv("FBT_CPU_THREADS", "1")
-    with pytest.raises(runs.RunStopped):
+    with pytest.raises(stop):
         runs.run_jobs(job, [(0,), (1,)], jobs=2)
     assert said.is_set()
 
@@ -179,8 +189,8 @@ def test_reusing_tools_resume_a_stopped_run_and_keep_a_finished_one(tmp_path, mo
                                   runs.RunDiverged("the run in X diverged (stopped: 2 non-finite losses in a row)")],
                          ids=["stopped", "diverged"])
 def test_a_stopped_run_ends_a_tool_with_one_sentence(tmp_path, monkeypatch, capsys, stop):
-    """Under a results tool's entry point a stopped or diverged run is one sentence on stderr (run again to
-    resume), not a traceback, and nothing is rendered from it."""
+    """Under a results tool's entry point a stopped or diverged run is one sentence on stderr (it says what to
+    do), not a traceback, and nothing is rendered from it."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import switch_init
 
@@ -215,8 +225,9 @@ def test_the_study_goes_on_past_a_stopped_run(tmp_path, monkeypatch):
 
 
 def test_the_study_names_a_diverged_run_and_goes_on(tmp_path, monkeypatch, capsys):
-    """feedback_study trains the other runs past one that diverges, does not train a diverged folder again
-    under --reuse (it would diverge again), and its report names the diverged run with its stop."""
+    """feedback_study trains the runs after one that diverges, does not train a diverged folder again under
+    --reuse (it would diverge again), and its report names the diverged run with its stop; a narrower report
+    keeps that record."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     monkeypatch.chdir(ROOT)  # main changes to the repository; restored after the test
     import feedback_study
@@ -239,12 +250,13 @@ def test_the_study_names_a_diverged_run_and_goes_on(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(study, "read_out", lambda run_dir, **k: {"val_loss": {"1": 5.0}, "seq_length": 8,
                                                                   "answers": answers, "fusion_history": []})
     monkeypatch.setattr(report, "figure", lambda **k: (None, [study._NoAxes(), study._NoAxes()]))
-    argv = ["--groups", "budget", "--only", "standard_untied,fbt_heavy_untied_fusion_lr_x10_loss_mean",
+    argv = ["--groups", "budget", "--only", "fbt_heavy_untied_fusion_lr_x10_loss_mean,standard_untied",
             "--fbt-recipe", "loss_mean", "--seeds", "1", "--jobs", "1", "--runs", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out")]
     assert feedback_study.main(argv) == 0
-    assert trained == ["standard_untied_seed1", "fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1"]
-    assert "diverged" in capsys.readouterr().out
+    assert trained == ["fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1", "standard_untied_seed1"]
+    fbt_dir = tmp_path / "runs" / "fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1"
+    assert f"[feedback_study] the run in {fbt_dir} diverged" in capsys.readouterr().out  # said, not raised
     [report_json] = (tmp_path / "out").glob("*.json")
     data = json.loads(report_json.read_text())
     assert data["diverged"] == {"fbt_heavy_untied_fusion_lr_x10_loss_mean_seed1": DIVERGED["stop_reason"]}
@@ -255,6 +267,28 @@ def test_the_study_names_a_diverged_run_and_goes_on(tmp_path, monkeypatch, capsy
     assert feedback_study.main([*argv, "--reuse"]) == 0  # nothing trained again: one finished, one diverged
     assert trained == [] and "diverged before" in capsys.readouterr().out
     assert json.loads(report_json.read_text())["diverged"] == data["diverged"]
+    narrower = [*argv, "--reuse"]
+    narrower[narrower.index("--only") + 1] = "standard_untied"
+    assert feedback_study.main(narrower) == 0
+    assert json.loads(report_json.read_text())["diverged"] == data["diverged"]
+
+
+def test_a_run_recorded_before_and_diverged_now_is_not_kept_as_recorded(tmp_path, monkeypatch):
+    """A run recorded in the report, trained again and diverged, is named as diverged only: its earlier record
+    is neither kept in the JSON nor listed as "not selected"."""
+    from fbt_megatron.research import report, study
+
+    monkeypatch.setattr(report, "figure", lambda **k: (None, [study._NoAxes(), study._NoAxes()]))
+    answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
+    recorded = {"fbt_seed1": {"val_history": [{"step": 10, "tokens": 10, "loss": {"1": 5.0}}],
+                              "readouts": {"val_loss": {"1": 5.0}, "seq_length": 8, "answers": answers,
+                                           "fusion_history": []}}}
+    args = SimpleNamespace(seeds="1", groups="main", scale="tiny", steps=None, lr=None, only=None)
+    study.render({}, {}, [1], args, 1.0, tmp_path, "t", kept=recorded, diverged={"fbt_seed1": "stopped: nan"})
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["readouts"] == {} and data["kept"] == [] and data["diverged"] == {"fbt_seed1": "stopped: nan"}
+    md = (tmp_path / "t.md").read_text()
+    assert "not selected here" not in md and "Diverged, not read out: fbt_seed1 (stopped: nan)." in md
 
 
 @pytest.mark.slow  # one fbt train subprocess (~20 s)
@@ -355,6 +389,7 @@ def test_the_study_reads_a_recorded_run_from_its_report_while_its_folder_holds_a
     assert seen == {"standard_seed1": {"val_loss": {"1": 3.4}}}
 
 
+@pytest.mark.slow  # a subprocess; on a fresh checkout it builds the embedded data first
 def test_the_study_command_says_a_user_error_in_one_sentence(tmp_path):
     """``python tools/feedback_study.py`` prints a cause the user can fix (here a run folder holding a file
     the study did not write) as one sentence with exit status 2, no traceback, and keeps the file."""
