@@ -69,10 +69,9 @@ def train_run(recipe: str, run_dir: Path, overrides: list[str], log_file: Path |
     """``fbt train RECIPE run_dir=... OVERRIDES`` in a fresh process; returns :func:`run_summary` of the
     finished run, or raises :class:`RunStopped` if it stopped short of its last step (:class:`RunDiverged` on
     non-finite losses). From scratch, unless ``resume`` and ``run_dir`` holds a checkpoint of the same recipe
-    and overrides: then the run
-    continues from its latest checkpoint (a study interrupted mid-run loses no steps). A ``run_dir`` that
-    this function did not start (no ``command.json``) and that is not empty is refused, nothing removed
-    (:class:`data_pipeline.output_dir.OutputDirError`)."""
+    and overrides: then the run continues from its latest checkpoint (a study interrupted mid-run loses no
+    steps). A ``run_dir`` that this function did not start (no ``command.json``) and that is not empty is
+    refused, nothing removed (:class:`data_pipeline.output_dir.OutputDirError`)."""
     run_dir = Path(run_dir)
     # the recipe as given (relative to ROOT, the subprocess's cwd): a run started from one checkout of the
     # repository resumes from another
