@@ -43,12 +43,15 @@ def train_models(runs: Path, steps: int, feedback_start: int) -> dict:
 
 
 def check_finished(runs: Path) -> None:
-    """``--skip-training``: each mix's run folder must hold a finished run (a stopped one's checkpoint is not
-    the model the page describes)."""
+    """``--skip-training``: each mix's run folder must hold a finished run (a stopped or diverged one's
+    checkpoint is not the model the page describes)."""
     from fbt_megatron.errors import UserError
-    from fbt_megatron.research.runs import finished_run
+    from fbt_megatron.research.runs import diverged_run, finished_run
 
     for name in MIXES:
+        if reason := diverged_run(runs / name):
+            raise UserError(f"--skip-training: the run in {runs / name} diverged ({reason}), so it has no model "
+                            "to analyse; delete the folder and run without --skip-training to train it afresh")
         if finished_run(runs / name) is None:
             raise UserError(f"--skip-training: {runs / name} holds no finished run (none, or one stopped short of "
                             "its last step); run without --skip-training to train or continue it")

@@ -305,7 +305,7 @@ def test_a_real_diverging_run_is_run_diverged(tmp_path):
 
 def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_path, monkeypatch, capsys):
     """fixed_point continues a mix's stopped run and trains the rest afresh, a finished one too (as it always
-    did: the page's time includes training); ``--skip-training`` refuses a folder whose run stopped short, in one sentence, before analysing."""
+    did: the page's time includes training); ``--skip-training`` refuses a folder whose run stopped short or diverged, in one sentence each, before analysing."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import fixed_point
 
@@ -326,6 +326,11 @@ def test_fixed_point_continues_stopped_runs_and_analyses_only_finished_ones(tmp_
     assert run_tool(fixed_point.main, "fixed_point", ["--skip-training", "--runs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / first} holds no finished run" in err and "Traceback" not in err
+
+    write_summary(tmp_path / first, DIVERGED)  # a diverged run is named as such, not as stopped short
+    assert run_tool(fixed_point.main, "fixed_point", ["--skip-training", "--runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"the run in {tmp_path / first} diverged (" in err and "stopped short" not in err
 
 
 @pytest.mark.parametrize("cached_at, latest, read_again", [
