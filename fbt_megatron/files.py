@@ -33,3 +33,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (``0o666 & ~umask``): for a file a
+    library wrote with a narrower one (safetensors >= 0.8 writes ``0o600`` whatever the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

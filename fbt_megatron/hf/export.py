@@ -29,6 +29,7 @@ import torch
 
 from data_pipeline.output_dir import describe
 from data_pipeline.tokenizer import HF_TOKENIZER_FILES  # noqa: F401 (the importer's list too)
+from fbt_megatron.files import new_file_mode
 from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
 from fbt_megatron.hf.mapping import ConversionError
@@ -353,6 +354,7 @@ def _write_export(path: Path, state: dict, recipe, rows, reader: CheckpointTenso
             while next_shard < len(shards) and all(n in pending for n in shards[next_shard]):
                 save_file({n: pending.pop(n) for n in shards[next_shard]}, str(out / files[next_shard]),
                           metadata={"format": "pt"})
+                os.chmod(out / files[next_shard], new_file_mode())  # readable as config.json is: safetensors#782
                 bar.update(sum(nbytes[n] for n in shards[next_shard]))
                 next_shard += 1
     if next_shard != len(shards) or pending:

@@ -9,6 +9,7 @@ the export must be self-contained (transformers + the shipped modelling file).
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,16 @@ def exported(tmp_path_factory):
         out[v] = (root / f"run_{v}", root / f"hf_{v}")
     out["sp"] = sp
     return out
+
+
+def test_every_exported_file_has_the_mode_config_json_has(exported):
+    """Others on a cluster serve an export: its weights are as readable as its config.json (safetensors >= 0.8
+    writes its files 0600 whatever the umask, safetensors#782), sharded exports included."""
+    for variant in VARIANTS:
+        _, export = exported[variant]
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in export.iterdir() if p.is_file()}
+        assert any(name.endswith(".safetensors") for name in modes)
+        assert set(modes.values()) == {modes["config.json"]}, (variant, {n: oct(m) for n, m in modes.items()})
 
 
 def run_hf_side(export: Path, request: dict, tmp: Path) -> dict:
