@@ -4,12 +4,18 @@ A command may write into an absent path or an empty directory. It may replace (o
 when that directory holds an earlier output of the same command: one of its marker files, and every entry
 one that the command writes. Anything else is refused, naming the path and what it holds. The caller
 decides what to do with its own earlier output (keep it when it is the same, replace it when asked).
+
+A command that writes a few named files into a directory that may hold other things (a run directory,
+an evaluation folder) uses :func:`check_own_files` instead: a file there under one of its names must be
+one it wrote, recognised by its content.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -65,3 +71,50 @@ def replace_dir(src: Path, dst: Path, *, markers: tuple[str, ...], patterns: tup
         shutil.rmtree(aside)
     else:
         os.replace(src, dst)  # onto an absent path or an empty directory
+
+
+def check_own_files(path: str | os.PathLike, recognisers: dict[str, Callable[[Path], bool]], *, writer: str,
+                    option: str = "--out", instead: str = "another directory") -> None:
+    """Raise :class:`OutputDirError` if directory ``path`` holds a file named in ``recognisers`` that its
+    recogniser does not take for ``writer``'s own (one it cannot read is not its own); nothing else in
+    ``path`` matters. An absent ``path`` passes."""
+    path = Path(path)
+    foreign = []
+    for name, recognise in recognisers.items():
+        file = path / name
+        if file.exists() or file.is_symlink():
+            try:
+                ours = file.is_file() and recognise(file)
+            except (OSError, UnicodeDecodeError, ValueError):
+                ours = False
+            if not ours:
+                foreign.append(name)
+    if foreign:
+        raise OutputDirError(f"{option} {path} holds {describe(sorted(foreign))}, which {writer} did not write: nothing "
+                             f"was changed; choose {instead}, or move those away")
+
+
+def json_object_with(*keys: str) -> Callable[[Path], bool]:
+    """A recogniser: the file is one JSON object holding every one of ``keys``."""
+    def recognise(file: Path) -> bool:
+        value = json.loads(file.read_text())
+        return isinstance(value, dict) and all(k in value for k in keys)
+    return recognise
+
+
+def first_json_line_with(*keys: str, any_of: tuple[str, ...] = (),
+                         prefixes: tuple[str, ...] = ()) -> Callable[[Path], bool]:
+    """A recogniser of a JSON-lines file written by appending: empty, or its first line an object holding
+    every one of ``keys`` (and one of ``any_of`` if given), or (a first write cut by a kill) one
+    unterminated line starting with one of ``prefixes``."""
+    def recognise(file: Path) -> bool:
+        with open(file, encoding="utf-8") as f:
+            first = f.readline()
+        if not first:
+            return True
+        if not first.endswith("\n"):
+            return first.startswith(prefixes) if prefixes else False
+        value = json.loads(first)
+        return (isinstance(value, dict) and all(k in value for k in keys)
+                and (not any_of or any(k in value for k in any_of)))
+    return recognise

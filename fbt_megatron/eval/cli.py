@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.argtypes import number, positive_int
+from data_pipeline.output_dir import check_own_files, json_object_with
 
 MODES = {"standard": ("standard", 1), "feedback": ("feedback", 1), "fused": ("feedback", 2),
          "exact": ("feedback", "exact")}
@@ -155,6 +156,14 @@ def to_markdown(table: dict, modes: list[str], checkpoint: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_out(out: Path, option: str) -> None:
+    """``eval.md`` and ``eval.json`` in ``out`` are replaced: refuse (:class:`OutputDirError`) if either is
+    there and not an earlier ``fbt eval``'s (its title line; its checkpoint, modes and tasks)."""
+    check_own_files(out, {"eval.md": lambda file: file.read_text().startswith("# fbt eval: "),
+                          "eval.json": json_object_with("checkpoint", "modes", "prefill", "tasks")},
+                    writer="fbt eval", option=option, instead="another --out")
+
+
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from fbt_megatron import errors, runtime
@@ -174,7 +183,9 @@ def main(argv=None) -> int:
     runtime.quiet_known_warnings()
     try:
         loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
-    except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
+        out = Path(args.out) if args.out else loaded.checkpoint.parent.parent / "eval"
+        check_out(out, "--out" if args.out else "the output folder")  # before the evaluation, not after
+    except (CheckpointNotFound, FileNotFoundError, ValueError, errors.UserError) as e:
         runtime.shutdown()
         return errors.report("fbt eval", e)
     import torch.distributed as dist
@@ -191,7 +202,6 @@ def main(argv=None) -> int:
         runtime.shutdown()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    out = Path(args.out) if args.out else loaded.checkpoint.parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(table, modes, str(loaded.checkpoint))
     (out / "eval.md").write_text(md)

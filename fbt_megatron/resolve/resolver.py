@@ -9,7 +9,9 @@ here, in this order, and all problems are reported at once (:class:`PlanError`):
 2. the layout against the world size, the batch, the precision (recipe.check_layout);
 3. the data: the embedded mix's section, the tokenizer against ``model.vocab_size``, each source's
    documents against ``valid_documents``, the chat template (SFT: chat datasets, document-causal attention);
-4. the checkpoint to resume and the rule adopted from it (recipe.adopt_checkpoint_rule);
+4. the checkpoint to resume and the rule adopted from it (recipe.adopt_checkpoint_rule); for a new run,
+   the files it would replace in ``run_dir`` (``summary.json``, ``metrics.jsonl``, the chat template) must
+   be an earlier run's, not the user's;
 5. what the run derives: feedback depth, validation passes, warnings.
 """
 
@@ -62,6 +64,8 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         changed, fingerprints = _changed_data(recipe, data.config, resume.checkpoint)
         problems += changed
         data = dataclasses.replace(data, fingerprints=fingerprints)
+    if resume is not None and resume.checkpoint is None:
+        problems += _files_not_ours(recipe, data.chat_template)
     warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted) if w]
 
     if problems:
@@ -170,6 +174,26 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
     except DataError as e:  # a changed dataset, or an index that cannot be read
         return [f"recipe key 'data.pipeline': {e}"], None
     return [], now
+
+
+def _files_not_ours(recipe: Recipe, chat_template: str | None) -> list[str]:
+    """A new run rewrites ``summary.json`` and ``metrics.jsonl`` (and a chat run its template) in its
+    ``run_dir``: one problem if any of them there is not an earlier ``fbt train``'s, told by its content."""
+    from data_pipeline.chat import TEMPLATE_FILE
+    from data_pipeline.output_dir import OutputDirError, check_own_files, first_json_line_with, json_object_with
+
+    recognisers = {"summary.json": json_object_with("run_dir", "step", "total_steps", "pass_counts"),
+                   # a step's row, or an event's (validation, a data change); every row has its step and time
+                   "metrics.jsonl": first_json_line_with("step", "time", any_of=("data_checksum", "event"),
+                                                         prefixes=('{"step": ', '{"event": '))}
+    if chat_template is not None:
+        recognisers[TEMPLATE_FILE] = lambda file: file.read_text() == chat_template
+    try:
+        check_own_files(recipe.resolved_run_dir(), recognisers, writer="fbt train", option="recipe key 'run_dir':",
+                        instead="a new run_dir")
+    except OutputDirError as e:
+        return [str(e)]
+    return []
 
 
 def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:

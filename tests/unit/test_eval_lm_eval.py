@@ -151,6 +151,32 @@ def greedy_exact(model, sp, prompt: str, max_new_tokens: int, stops: list[str]) 
     return text[: min(cuts)] if cuts else text
 
 
+def test_fbt_eval_keeps_a_users_files_in_its_out_folder(tmp_path, single_process, monkeypatch, capsys):
+    """fbt eval replaces eval.md and eval.json in its output folder: a user's file of either name is refused
+    in one sentence before anything is evaluated, and kept; an earlier fbt eval's pair is replaced."""
+    from data_pipeline.output_dir import OutputDirError
+    from fbt_megatron.cli import main
+    from fbt_megatron.eval import cli as eval_cli
+
+    save_run(tmp_path / "run", make_tokenizer(tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval.md").write_text("# my notes on the run\n")
+    (out / "other.txt").write_text("mine\n")
+    monkeypatch.setattr(eval_cli, "evaluate", lambda *a, **k: pytest.fail("evaluated before --out was checked"))
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "fbt_humaneval", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"fbt eval: error: --out {out} holds eval.md, which fbt eval did not write: "
+                                       "nothing was changed; choose another --out, or move those away\n")
+    assert (out / "eval.md").read_text() == "# my notes on the run\n" and (out / "other.txt").is_file()
+    (out / "eval.json").write_text('{"results": {}}')
+    with pytest.raises(OutputDirError, match="holds eval.json, eval.md, which fbt eval did not write"):
+        eval_cli.check_out(out, "--out")
+    # an earlier fbt eval's files: its title line, and its JSON's checkpoint, modes, prefill and tasks
+    (out / "eval.md").write_text("# fbt eval: runs/tiny/checkpoints/step_00000600\n\n| task | metric |\n")
+    (out / "eval.json").write_text(json.dumps({"checkpoint": "c", "modes": ["standard"], "prefill": {}, "tasks": {}}))
+    eval_cli.check_out(out, "--out")
+
+
 @pytest.mark.slow  # fbt eval end to end (~10 s)
 def test_fbt_eval_writes_mode_table(tmp_path, single_process, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

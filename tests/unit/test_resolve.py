@@ -101,6 +101,74 @@ def test_the_plan_names_the_checkpoint_it_resumes_and_the_rule_it_adopts(tmp_pat
                                       "feedback": {"first_input": "embedding"}}), 1, CPU)
 
 
+def test_a_new_run_refuses_a_run_dir_holding_the_users_files_under_the_names_it_writes(tmp_path):
+    """A new run rewrites summary.json and metrics.jsonl in its run_dir: files of those names that fbt train
+    did not write are one plan problem naming them, and stay as they were; other files do not matter."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text('{"accuracy": 0.91}\n')
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "loss": 2.5}\n{"epoch": 2, "loss": 2.1}\n')
+    (run / "notes.txt").write_text("mine\n")
+    before = _tree(run)
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data={"run_dir": str(run)}), 1, CPU)
+    assert e.value.problems == [f"recipe key 'run_dir': {run} holds metrics.jsonl, summary.json, which fbt train "
+                                "did not write: nothing was changed; choose a new run_dir, or move those away"]
+    assert _tree(run) == before
+    # one of them alone is named alone; a summary of another shape, or unreadable, is not fbt train's either
+    (run / "metrics.jsonl").unlink()
+    for text in ('{"accuracy": 0.91}', '[1, 2]', 'not json', '{"run_dir": "x", "step": 3}'):
+        (run / "summary.json").write_text(text)
+        with pytest.raises(PlanError, match=r"holds summary.json, which fbt train did not write"):
+            resolve_run(load_recipe(data={"run_dir": str(run)}), 1, CPU)
+
+
+@pytest.mark.parametrize("metrics", [
+    '{"step": 1, "passes": 1, "loss": 5.1, "data_checksum": 7, "time": 1.0}\n',  # a step's row
+    '{"event": "metrics", "step": 0, "tokens_seen": 0, "time": 1.0, "val/loss_k1": 5.2}\n{"step": 1, "time": 2}\n',
+    '',  # created, nothing written yet
+    '{"step": 1, "passes": 1, "lo',  # its first write cut by a kill
+], ids=["step_row", "event_row", "empty", "cut"])
+def test_a_new_run_takes_an_earlier_runs_files_in_its_run_dir_for_its_own(tmp_path, metrics):
+    """An earlier run that stopped before its first checkpoint left summary.json and metrics.jsonl (every row
+    has its step and time; a step's row its data checksum, an event's row its event): a new run there goes
+    ahead (it replaces them), as it does after a resume's checkpoints were deleted."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"name": "tiny", "run_dir": str(run), "step": 3, "total_steps": 8,
+                                                 "pass_counts": {"1": 3}, "stop_reason": None}))
+    (run / "metrics.jsonl").write_text(metrics)
+    plan = resolve_run(load_recipe(data={"run_dir": str(run)}), 1, CPU)
+    assert plan.resume.checkpoint is None
+
+
+def test_a_resumed_run_does_not_read_its_run_dirs_files(tmp_path):
+    """A run that resumes its own checkpoint wrote its run_dir: nothing there is checked."""
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_00000004\n")
+    (step / "state.json").write_text(json.dumps({"recipe": {}, "train_state": {"step": 4}}))
+    (tmp_path / "run" / "metrics.jsonl").write_text("not what fbt train writes\n")
+    assert resolve_run(load_recipe(data={"run_dir": str(tmp_path / "run")}), 1, CPU).resume.checkpoint == step
+
+
+@pytest.mark.slow  # one fbt train subprocess (~20 s)
+def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
+    """What fbt train really writes is what the plan recognises: a run whose checkpoints were deleted starts
+    afresh in its folder; the user's file beside them is kept."""
+    import subprocess
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / "recipes" / "tiny.yaml"),
+                        f"run_dir={run}", "train.steps=2", "eval.every=1", "logging.tensorboard=false"],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (run / "summary.json").is_file() and (run / "metrics.jsonl").stat().st_size > 0
+    shutil.rmtree(run / "checkpoints")
+    plan = resolve_run(load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run_dir={run}"]), 1, CPU)
+    assert plan.resume.checkpoint is None
+
+
 def _resumed_run_on_a_dataset(tmp_path, fingerprints: dict) -> tuple[dict, Path]:
     """A prepared dataset ``tmp_path/web`` and a run whose latest checkpoint recorded ``fingerprints`` for it:
     (the recipe's data, the checkpoint's folder)."""
