@@ -162,7 +162,11 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
         name = base if phase is None else f"{base}-p{phase}"
         dependency = spec.dependency if previous is None else f"afterok:{previous}"
         this = JobSpec(**{**spec.__dict__, "overrides": overrides, "dependency": dependency})
-        resolve_job(this, overrides)
+        job_plan = resolve_job(this, overrides)
+        if phase != 1 and job_plan.resume.checkpoint is not None and job_plan.resume.step >= job_plan.total_steps:
+            raise SubmitError(f"{spec.recipe}: {job_plan.run_dir} is already at step {job_plan.resume.step} of "
+                              f"{job_plan.total_steps}: nothing to train, so nothing was submitted (raise "
+                              f"train.steps to continue, or use a new run_dir)")
         script = render(this, run_dir, name)
         rec = {"phase": phase, "job_name": name, "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node,
                "dependency": dependency, "submitted_at": time.time()}

@@ -72,6 +72,7 @@ class ResumePlan:
     checkpoint: Path | None  # the run's own latest checkpoint, resumed
     adopted: tuple[str, ...]  # feedback.x=value taken from that checkpoint (the recipe does not set them)
     init_from: str | None  # weights only, when the run does not resume its own checkpoints
+    step: int = 0  # the resumed checkpoint's step (0 for a new run)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class RunPlan:
     feedback_depth: int  # passes of the deepest validation (and summary.json's val_loss_<k>pass)
     eval_passes: tuple[int, ...]
     max_passes: int  # the schedule's deepest step
-    total_steps: int  # this invocation trains to here (train.stop_at_step or train.steps)
+    total_steps: int  # this invocation trains to here (train.stop_at_step or train.steps), from resume.step
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -112,7 +113,8 @@ class RunPlan:
                        "feedback_start_step": r.schedule.feedback_start_step if r.feedback.fusion != "off" else None,
                        "max_passes": self.max_passes, "feedback_depth": self.feedback_depth,
                        "eval_passes": list(self.eval_passes)},
-            "steps": {"total": r.train.steps, "this_invocation": self.total_steps},
+            "steps": {"total": r.train.steps, "resumed_at": self.resume.step, "stops_at": self.total_steps,
+                      "this_invocation": max(0, self.total_steps - self.resume.step)},
             "resume": {"checkpoint": str(self.resume.checkpoint) if self.resume.checkpoint else None,
                        "adopted": list(self.resume.adopted), "init_from": self.resume.init_from},
             "warnings": list(self.warnings),

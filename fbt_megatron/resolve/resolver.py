@@ -66,7 +66,11 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         data = dataclasses.replace(data, fingerprints=fingerprints)
     if resume is not None and resume.checkpoint is None:
         problems += _files_not_ours(recipe, data.chat_template)
-    warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted) if w]
+    total_steps = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
+    done = (f"{recipe.resolved_run_dir()} is already at step {resume.step} of {total_steps}: nothing to train "
+            f"(raise train.steps to continue, or use a new run_dir)"
+            if resume is not None and resume.checkpoint is not None and resume.step >= total_steps else None)
+    warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted, done) if w]
 
     if problems:
         raise PlanError(problems)
@@ -78,7 +82,7 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
     return RunPlan(
         recipe=recipe, layout=layout, micro_batches_per_step=recipe.accumulation_steps(dp), precision=precision,
         data=data, resume=resume, feedback_depth=depth, eval_passes=tuple(eval_passes), max_passes=deepest,
-        total_steps=min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps),
+        total_steps=total_steps,
         warnings=tuple(warnings))
 
 
@@ -213,11 +217,12 @@ def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
         return ResumePlan(None, (), recipe.init_from), None
     try:
         latest = resolve_checkpoint(root)
-        saved = read_checkpoint_state(latest).get("recipe", {})
+        state = read_checkpoint_state(latest)
+        saved, step = state.get("recipe", {}), int(state.get("train_state", {}).get("step", 0))
     except (CheckpointError, OSError, ValueError) as e:
         raise RecipeError(f"recipe key 'run_dir': cannot resume: {e}") from None
     before = recipe.feedback.model_dump()
     message = adopt_checkpoint_rule(recipe, saved, latest)  # sets the adopted fields on recipe.feedback
     after = recipe.feedback.model_dump()
     adopted = tuple(f"feedback.{k}={after[k]!r}" for k in after if after[k] != before[k])
-    return ResumePlan(latest, adopted, None), message
+    return ResumePlan(latest, adopted, None, step), message

@@ -312,9 +312,7 @@ def fit(run: Run) -> None:
                    if recipe.feedback.fusion != "off" else "one pass every step (feedback.fusion: off)")
                 + ("" if runtime.use_cuda() else f", CPU threads {torch.get_num_threads()}"))
             trainer.fit()
-        else:  # e.g. `make train` again after a finished run: report on the checkpoint instead
-            log(f"{recipe.name} is already at step {state.step} of {trainer.total_steps}: nothing to train "
-                f"(raise train.steps to continue, or use a new run_dir)")
+        else:  # e.g. `make train` again after a finished run (the plan's warning said so): report on the checkpoint
             trainer.metrics["checkpoint"] = str(run.latest) if run.latest is not None else None
             if recipe.eval.at_end:
                 run.validation.run(trainer)

@@ -169,6 +169,49 @@ def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
     assert plan.resume.checkpoint is None
 
 
+def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(tmp_path, monkeypatch, capsys):
+    """A run resumed at step 4 of 8 trains 4 steps; at step 8 of 8 none, and the plan warns (dry run) and
+    fbt slurm submit refuses to queue a job that would train nothing; --phases still queues the phase that
+    is left (its first phase, already done, trains nothing)."""
+    from fbt_megatron.cli import main
+
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_00000004\n")
+    (step / "state.json").write_text(json.dumps({"recipe": {}, "train_state": {"step": 4}}))
+    data = {"run_dir": str(tmp_path / "run"), "train": {"steps": 8}, "schedule": {"feedback_start_step": 4}}
+    plan = resolve_run(load_recipe(data=data), 1, CPU)
+    assert plan.derived()["steps"] == {"total": 8, "resumed_at": 4, "stops_at": 8, "this_invocation": 4}
+    assert not any("nothing to train" in w for w in plan.warnings)
+    assert resolve_run(load_recipe(data={**data, "run_dir": str(tmp_path / "new")}), 1, CPU).derived()["steps"] == \
+        {"total": 8, "resumed_at": 0, "stops_at": 8, "this_invocation": 8}
+    data["train"] = {"steps": 8, "stop_at_step": 3}
+    plan = resolve_run(load_recipe(data=data), 1, CPU)
+    assert plan.derived()["steps"] == {"total": 8, "resumed_at": 4, "stops_at": 3, "this_invocation": 0}
+    assert f"{tmp_path / 'run'} is already at step 4 of 3: nothing to train (raise train.steps to continue, or use " \
+           "a new run_dir)" in plan.warnings
+
+    (step.parent / "step_00000008").mkdir()
+    (step.parent / "step_00000008" / "state.json").write_text(json.dumps({"recipe": {}, "train_state": {"step": 8}}))
+    (step.parent / "latest").write_text("step_00000008\n")
+    recipe = str(ROOT / "recipes" / "tiny.yaml")
+    args = [f"run_dir={tmp_path / 'run'}", "train.steps=8", "schedule.feedback_start_step=4"]
+    assert main(["train", recipe, *args, "--dry-run"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["resolved"]
+    assert printed["steps"]["this_invocation"] == 0 and any("nothing to train" in w for w in printed["warnings"])
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH.format(calls=calls))
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *args]) == 2
+    assert "is already at step 8 of 8: nothing to train, so nothing was submitted" in capsys.readouterr().err
+    assert not calls.exists()
+    (step.parent / "latest").write_text("step_00000004\n")  # between the phases: the first is done
+    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", "--phases", *args]) == 0
+    assert len(calls.read_text().splitlines()) == 2
+
+
 def _resumed_run_on_a_dataset(tmp_path, fingerprints: dict) -> tuple[dict, Path]:
     """A prepared dataset ``tmp_path/web`` and a run whose latest checkpoint recorded ``fingerprints`` for it:
     (the recipe's data, the checkpoint's folder)."""
