@@ -29,6 +29,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (path / "checkpoints", path):
         if (root / LATEST).exists():
             return follow_latest(root)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: give a run directory or a checkpoint's step_N directory")
     raise CheckpointError(f"{path} has no published checkpoint: it is neither a checkpoint (no state.json) "
                           f"nor a run directory with a checkpoints/{LATEST} pointer")
 

@@ -31,8 +31,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     from fbt_megatron.checkpoint import CheckpointError
     from fbt_megatron.checkpoint import resolve_checkpoint as resolve
 
-    if not Path(path).exists():
-        raise CheckpointNotFound(f"{path} does not exist (expected a run directory or a checkpoint step_N directory)")
     try:
         return resolve(path)
     except CheckpointError as e:

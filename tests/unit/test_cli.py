@@ -106,3 +106,18 @@ def test_ckpt_verify_shows_progress_over_the_bytes(tmp_path, capsys):
     assert len(problems) == 1 and "b.distcp" in problems[0]
     err = capsys.readouterr().err
     assert f"verify {tmp_path.name}" in err and "5.00k/5.00k" in err, err  # every byte counted
+
+
+@pytest.mark.parametrize("argv, rc", [(["convert", "to-hf", "{missing}", "{tmp}/hf"], 2),
+                                      (["generate", "{missing}", "--prompt", "a"], 2),
+                                      (["ckpt", "verify", "{missing}"], 1)])  # fbt ckpt: 1, not verified
+def test_a_checkpoint_path_that_does_not_exist_is_named_so(argv, rc, tmp_path, capsys):
+    """A mistyped run directory is said to be missing, in one sentence, not described as a folder without a
+    checkpoint."""
+    from fbt_megatron.cli import main
+
+    missing = tmp_path / "runs" / "tny"
+    assert main([a.format(missing=missing, tmp=tmp_path) for a in argv]) == rc
+    err = capsys.readouterr().err
+    assert f"{missing} does not exist: give a run directory or a checkpoint's step_N directory" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
