@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from data_pipeline.argtypes import number, positive_int
+from data_pipeline.errors import UserError
 from data_pipeline.output_dir import check_own_files, json_object_with
 
 MODES = {"standard": ("standard", 1), "feedback": ("feedback", 1), "fused": ("feedback", 2),
@@ -85,6 +87,33 @@ def task_names(spec: str, include: list[str]) -> list[str]:
     return names
 
 
+class UnknownTask(UserError, ValueError):
+    """A ``--tasks`` name that neither lm-eval nor the bundled tasks define."""
+
+
+def check_task_names(tasks: list[str], known: list[str]) -> None:
+    """Raise :class:`UnknownTask` for the first of ``tasks`` not in ``known`` (lm-eval's task, group and tag
+    names), with the closest names."""
+    import difflib
+
+    for task in tasks:
+        if task not in known:
+            close = difflib.get_close_matches(task, known, n=3)
+            raise UnknownTask(f"--tasks: {task!r} is not a task lm-eval knows"
+                              + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else
+                                 "; give an lm-eval task name or a task YAML file (`lm-eval ls tasks` lists them)"))
+
+
+def error_message(err: BaseException, allow_code: bool) -> str:
+    """lm-eval's error in the words of this command's options: its refusal of a code task names
+    ``--allow-code-execution`` (lm-eval names its Python argument)."""
+    unsafe = re.search(r"run task: (\S+) which is marked as unsafe", str(err))
+    if unsafe and not allow_code:
+        return (f"--tasks {unsafe.group(1)} runs the programs the model writes: add --allow-code-execution to run "
+                "them (each in a sandboxed subprocess)")
+    return f"{type(err).__name__}: {err}"
+
+
 def main_metric(task_result: dict) -> tuple[str, float | None]:
     """The first reported metric of a task (lm-eval keys look like 'acc,none')."""
     for key, value in task_result.items():
@@ -108,25 +137,25 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
     from fbt_megatron.eval.lm_eval_model import FBTLM
 
     manager = TaskManager(include_path=[str(BUNDLED_TASKS), *include], metadata={"data_dir": data_dir})
+    check_task_names(tasks, manager.all_tasks)
     table: dict = {t: {} for t in tasks}
-    bar = tqdm(total=len(tasks) * len(modes), desc="fbt eval", unit="run", disable=not progress)
-    for mode in modes:
-        kind, passes = MODES[mode]
-        for task in tasks:
-            bar.set_postfix_str(f"{task} / {mode}")
-            lm = FBTLM(loaded=loaded, mode=kind, prefill_passes=passes, batch_size=batch_size, seed=seed, chat=chat)
-            chat_kw = dict(apply_chat_template=True, system_instruction=system_instruction,
-                           fewshot_as_multiturn=fewshot_as_multiturn) if chat else {}
-            # the code tasks are `unsafe_code: true`: lm-eval runs them only with this opt-in
-            out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
-                                          num_fewshot=num_fewshot, confirm_run_unsafe_code=allow_code,
-                                          bootstrap_iters=0, log_samples=False, random_seed=seed, **chat_kw)
-            metric, value = main_metric(out["results"].get(task, {}))
-            by_problem = lm.generated_by_problem
-            table[task][mode] = {"metric": metric, "value": value, **length_stats(by_problem),
-                                 "tokens_by_problem": dict(by_problem), "prompts_by_problem": dict(lm.prompt_by_problem)}
-            bar.update(1)
-    bar.close()
+    with tqdm(total=len(tasks) * len(modes), desc="fbt eval", unit="run", disable=not progress) as bar:  # closed before an error is reported
+        for mode in modes:
+            kind, passes = MODES[mode]
+            for task in tasks:
+                bar.set_postfix_str(f"{task} / {mode}")
+                lm = FBTLM(loaded=loaded, mode=kind, prefill_passes=passes, batch_size=batch_size, seed=seed, chat=chat)
+                chat_kw = dict(apply_chat_template=True, system_instruction=system_instruction,
+                               fewshot_as_multiturn=fewshot_as_multiturn) if chat else {}
+                # the code tasks are `unsafe_code: true`: lm-eval runs them only with this opt-in
+                out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
+                                              num_fewshot=num_fewshot, confirm_run_unsafe_code=allow_code,
+                                              bootstrap_iters=0, log_samples=False, random_seed=seed, **chat_kw)
+                metric, value = main_metric(out["results"].get(task, {}))
+                by_problem = lm.generated_by_problem
+                table[task][mode] = {"metric": metric, "value": value, **length_stats(by_problem),
+                                     "tokens_by_problem": dict(by_problem), "prompts_by_problem": dict(lm.prompt_by_problem)}
+                bar.update(1)
     for row in table.values():  # after every mode ran: the pairing does not depend on the order of --modes
         for mode, cell in row.items():
             if mode != "standard" and "standard" in row:
@@ -196,8 +225,10 @@ def main(argv=None) -> int:
                          allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0,
                          chat=args.apply_chat_template, system_instruction=args.system_instruction,
                          fewshot_as_multiturn=args.fewshot_as_multiturn)
-    except Exception as e:  # lm-eval's errors (unknown task, unsafe code without opt-in) -> one line (-v: traceback)
-        return errors.report("fbt eval", e, message=f"{type(e).__name__}: {e}")
+    except UnknownTask as e:
+        return errors.report("fbt eval", e)
+    except Exception as e:  # lm-eval's errors (a code task without the opt-in) -> one line (-v: traceback)
+        return errors.report("fbt eval", e, message=error_message(e, args.allow_code_execution))
     finally:
         runtime.shutdown()
     if int(os.environ.get("RANK", "0")) != 0:

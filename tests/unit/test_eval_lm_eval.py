@@ -151,6 +151,19 @@ def greedy_exact(model, sp, prompt: str, max_new_tokens: int, stops: list[str]) 
     return text[: min(cuts)] if cuts else text
 
 
+def test_an_unknown_task_is_named_with_the_closest_names():
+    from fbt_megatron.eval.cli import UnknownTask, check_task_names
+
+    known = ["fbt_humaneval", "fbt_gsm8k", "hellaswag", "humaneval"]
+    check_task_names(["hellaswag", "fbt_gsm8k"], known)
+    with pytest.raises(UnknownTask, match=r"^--tasks: 'fbt_humaneva' is not a task lm-eval knows; did you mean "
+                                          r"'fbt_humaneval' or 'humaneval'\?$"):
+        check_task_names(["hellaswag", "fbt_humaneva"], known)
+    with pytest.raises(UnknownTask, match=r"'zzz' is not a task lm-eval knows; give an lm-eval task name or a task "
+                                          r"YAML file \(`lm-eval ls tasks` lists them\)$"):
+        check_task_names(["zzz"], known)
+
+
 def test_fbt_eval_keeps_a_users_files_in_its_out_folder(tmp_path, single_process, monkeypatch, capsys):
     """fbt eval replaces eval.md and eval.json in its output folder: a user's file of either name is refused
     in one sentence before anything is evaluated, and kept; an earlier fbt eval's pair is replaced."""
@@ -187,9 +200,15 @@ def test_fbt_eval_writes_mode_table(tmp_path, single_process, monkeypatch, capsy
     save_run(tmp_path / "run", tok)
     tasks = write_tasks(tmp_path / "tasks")
     common = [str(tmp_path / "run"), "--modes", "standard,fused", "--limit", "2", "--out", str(tmp_path / "out")]
-    # code tasks refuse to run without the explicit opt-in
+    # code tasks refuse to run without the explicit opt-in, named as this command's option
     assert main(["eval", *common, "--tasks", "fbt_humaneval"]) == 2
-    assert "unsafe" in capsys.readouterr().err.lower()
+    assert capsys.readouterr().err.endswith(
+        "fbt eval: error: --tasks fbt_humaneval runs the programs the model writes: add --allow-code-execution to "
+        "run them (each in a sandboxed subprocess)\n")
+    assert main(["eval", *common, "--tasks", "fbt_humaneva"]) == 2  # a typo: the closest names
+    err = capsys.readouterr().err
+    assert err.startswith("fbt eval: error: --tasks: 'fbt_humaneva' is not a task lm-eval knows; did you mean "
+                          "'fbt_humaneval' or ") and err.count("\n") == 1, err
     rc = main(["eval", *common, "--tasks", f"{tasks / 'fbt_local_gen.yaml'},fbt_humaneval", "--allow-code-execution"])
     assert rc == 0
     table = json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"]
