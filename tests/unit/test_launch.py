@@ -47,7 +47,8 @@ def test_every_srun_asks_for_the_cpus_and_the_warning_is_caught_from_the_start(t
     """srun does not inherit --cpus-per-task since Slurm 22.05: each srun line asks for the job's count.
     The USR1 trap and the preemption file are in place before the first srun (an early warning is kept)."""
     out = []
-    submit(JobSpec(recipe="recipes/tiny.yaml", nodes=2, gpus_per_node=1, cpus_per_task=12, workdir=tmp_path),
+    submit(JobSpec(recipe="recipes/tiny.yaml", nodes=2, gpus_per_node=1, cpus_per_task=12, workdir=tmp_path,
+                   overrides=[f"run_dir={tmp_path / 'run'}"]),  # not the checkout's runs/tiny, trained or not
            dry_run=True, print_fn=out.append)
     script = out[0]
     assert "#SBATCH --cpus-per-task=12" in script
@@ -65,7 +66,7 @@ def test_min_nodes_makes_the_allocation_elastic(tmp_path, capsys):
            dry_run=True, print_fn=out.append)
     assert "#SBATCH --nodes=4-8" in out[0] and "--nnodes=4:8" in out[0]
     assert main(["submit", "recipes/tiny.yaml", "--nodes", "1", "--min-nodes", "2", "--gpus-per-node", "1",
-                 "--cpu", "--dry-run"]) == 2
+                 "--cpu", "--dry-run", f"run_dir={tmp_path / 'run'}"]) == 2
     assert "--min-nodes 2 must lie in [1, --nodes 1]" in capsys.readouterr().err
 
 
@@ -144,7 +145,8 @@ def test_gpu_script_environment_allocation_and_port(tmp_path):
     first_srun = next(i for i, line in enumerate(gpu) if line.lstrip().startswith("srun "))
     assert gpu.index("export CUDA_DEVICE_MAX_CONNECTIONS=1") < first_srun
     out.clear()
-    submit(JobSpec(recipe="recipes/tiny.yaml", nodes=1, gpus_per_node=1, cpu=True, workdir=tmp_path),
+    submit(JobSpec(recipe="recipes/tiny.yaml", nodes=1, gpus_per_node=1, cpu=True, workdir=tmp_path,
+                   overrides=[f"run_dir={tmp_path / 'run'}"]),
            dry_run=True, print_fn=out.append)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out[0] and "--exclusive" not in out[0]
 
