@@ -100,7 +100,9 @@ def read_full_tensors(path: str | Path, keys=None) -> dict:
     return state
 
 
-def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_NAMES) -> None:
+def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_NAMES, what_to_do: str = "") -> None:
+    """Raise :class:`CheckpointError` naming the first tensor the checkpoint lacks or holds in another shape
+    than the model's; ``what_to_do`` ends the sentence."""
     stored = read_tensor_metadata(path)
     meta_file = path / "weights" / ".metadata"
     for spec in specs:
@@ -108,10 +110,12 @@ def check_shapes(path: Path, specs: list[ParamSpec], which=STATE_NAMES) -> None:
             key = storage_key(spec.key, w)
             if key not in stored:
                 raise CheckpointError(f"{meta_file} has no tensor {key!r} (parameter {spec.name}, expected "
-                                      f"global shape {list(spec.global_shape)}): not a checkpoint of this model")
+                                      f"global shape {list(spec.global_shape)}): not a checkpoint of this model"
+                                      + what_to_do)
             if stored[key][0] != tuple(spec.global_shape):
                 raise CheckpointError(f"{meta_file}: tensor {key!r} has shape {list(stored[key][0])}, the "
-                                      f"recipe's model expects {list(spec.global_shape)} (parameter {spec.name})")
+                                      f"recipe's model expects {list(spec.global_shape)} (parameter {spec.name})"
+                                      + what_to_do)
 
 
 # ---------------------------------------------------------------------- reading tensors
@@ -389,7 +393,8 @@ class CheckpointManager:
             from fbt_megatron.checkpoint.guards import verify_checksums
 
             verify_checksums(path)
-        check_shapes(path, zero.specs)
+        check_shapes(path, zero.specs, what_to_do="; a run resumes only with the model it was trained with: "
+                     "keep the recipe's model section, or use a new run_dir")
         _load_fragments(path, zero.fragments())
         zero.masters_to_model()
         zero.set_optimizer_step(int(state["optimizer_steps"]))

@@ -152,10 +152,10 @@ def test_a_resumed_run_does_not_read_its_run_dirs_files(tmp_path):
     assert resolve_run(load_recipe(data={"run_dir": str(tmp_path / "run")}), 1, CPU).resume.checkpoint == step
 
 
-@pytest.mark.slow  # one fbt train subprocess (~20 s)
+@pytest.mark.slow  # two fbt train subprocesses (~30 s)
 def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
     """What fbt train really writes is what the plan recognises: a run whose checkpoints were deleted starts
-    afresh in its folder; the user's file beside them is kept."""
+    afresh in its folder. Before that, resuming it with another model is refused in one sentence."""
     import subprocess
 
     run = tmp_path / "run"
@@ -164,6 +164,13 @@ def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "summary.json").is_file() and (run / "metrics.jsonl").stat().st_size > 0
+    # resumed with another model: one sentence that says what to do
+    r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / "recipes" / "tiny.yaml"),
+                        f"run_dir={run}", "train.steps=3", "model.hidden_size=64", "logging.tensorboard=false"],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "the recipe's model expects [4096, 64] (parameter gpt.embedding.word_embeddings.weight); a run resumes only "
+        "with the model it was trained with: keep the recipe's model section, or use a new run_dir"), r.stderr[-2000:]
     shutil.rmtree(run / "checkpoints")
     plan = resolve_run(load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run_dir={run}"]), 1, CPU)
     assert plan.resume.checkpoint is None
