@@ -124,7 +124,8 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
                  "nothing submitted")
         return []
     empty = sum(1 for s in plan["slices"] if not s)
-    print_fn(f"plan {adir / array.PLAN_FILE} ({state}): {len(plan['units'])} units in {spec.tasks} slices"
+    said = {"new": "new, not written: a dry run", "resume": "resume"}[state] if dry_run else state
+    print_fn(f"plan {adir / array.PLAN_FILE} ({said}): {len(plan['units'])} units in {spec.tasks} slices"
              + (f" ({empty} empty: more tasks than the input's units can use)" if empty else ""))
     name = spec.name or Path(plan["out"]).name
     records, previous = [], None

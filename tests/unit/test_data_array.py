@@ -158,6 +158,7 @@ def test_submit_prepare_dry_run_renders_the_arrays(corpus, tmp_path):
     recs = submit_prepare(spec, dry_run=True, print_fn=printed.append)
     assert [r["stage"] for r in recs] == ["count", "tokenize", "merge"]
     count, tokenize, merge = printed[1:]
+    assert printed[0].startswith(f"plan {tmp_path / 'out.array' / 'plan.json'} (new, not written: a dry run): ")
     assert "#SBATCH --array=0-2" in count and "#SBATCH --array=0-2" in tokenize and "--array" not in merge
     assert "#SBATCH --dependency=afterok:<count>" in tokenize and "#SBATCH --dependency=afterok:<tokenize>" in merge
     assert "#SBATCH --cpus-per-task=2" in tokenize and "#SBATCH --cpus-per-task=1" in count
