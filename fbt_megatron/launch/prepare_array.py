@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fbt_megatron.launch.submit import SubmitError, sbatch
+from fbt_megatron.launch.submit import SubmitError, active_jobs, sbatch
 
 STAGES = ("count", "tokenize", "merge")
-ACTIVE = "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED,REQUEUED,REQUEUE_HOLD,RESIZING,SIGNALING,STAGE_OUT"
 
 
 @dataclass
@@ -86,17 +84,6 @@ def render(spec: PrepareSpec, adir: Path, stage: str, name: str, dependency: str
     return "\n".join(lines)
 
 
-def _active(job_ids: list[str]) -> list[str]:
-    """Those of ``job_ids`` (and their array tasks) that squeue still lists, as 'id state'."""
-    if not job_ids:
-        return []
-    r = subprocess.run(["squeue", "-h", f"--jobs={','.join(job_ids)}", f"--states={ACTIVE}", "-o", "%i %T"],
-                       capture_output=True, text=True)
-    if r.returncode and "Invalid job id" not in r.stderr:
-        raise SubmitError(f"squeue failed ({r.returncode}): {r.stderr.strip()}")
-    return [line.strip() for line in r.stdout.splitlines() if line.strip()]
-
-
 def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) -> list[dict]:
     """Plan (or keep the plan), then sbatch the three stages; returns one record per submitted job
     (none when the plan is merged already)."""
@@ -108,7 +95,7 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
     # before the plan is touched: a new plan removes the work of the old one, which its jobs may be writing
     jobs_file = array.array_dir(Path(spec.out).resolve()) / "jobs.jsonl"
     earlier = [json.loads(x)["job_id"] for x in jobs_file.read_text().splitlines()] if jobs_file.is_file() else []
-    busy = _active(earlier) if not dry_run else []
+    busy = active_jobs(earlier) if not dry_run else []
     if busy:
         raise SubmitError(f"jobs of an earlier submission are still queued or running ({', '.join(busy)}): wait for "
                           f"them or scancel them, then submit again")

@@ -33,6 +33,21 @@ class SubmitError(UserError, RuntimeError):
     pass
 
 
+# squeue's states of a job that is not over
+ACTIVE = "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED,REQUEUED,REQUEUE_HOLD,RESIZING,SIGNALING,STAGE_OUT"
+
+
+def active_jobs(job_ids: list[str]) -> list[str]:
+    """Those of ``job_ids`` (and their array tasks) that squeue still lists, as 'id state'."""
+    if not job_ids:
+        return []
+    r = subprocess.run(["squeue", "-h", f"--jobs={','.join(job_ids)}", f"--states={ACTIVE}", "-o", "%i %T"],
+                       capture_output=True, text=True)
+    if r.returncode and "Invalid job id" not in r.stderr:
+        raise SubmitError(f"squeue failed ({r.returncode}): {r.stderr.strip()}")
+    return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+
+
 @dataclass
 class JobSpec:
     recipe: str
@@ -157,6 +172,13 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
                               f"(got {start} of {recipe.train.steps})")
         plan = [(1, [*spec.overrides, f"train.stop_at_step={start}"]), (2, spec.overrides)]
     out_dir = run_dir / "slurm"
+    if not dry_run and spec.dependency is None:  # a second job on the run would be refused at start-up
+        earlier = [json.loads(line)["job_id"] for line in (out_dir / "jobs.jsonl").read_text().splitlines()
+                   if line.strip()] if (out_dir / "jobs.jsonl").is_file() else []
+        busy = active_jobs(earlier)
+        if busy:
+            raise SubmitError(f"{run_dir} has jobs queued or running ({', '.join(busy)}): wait for them or scancel "
+                              f"them, or pass --dependency afterany:{busy[-1].split()[0]} to continue after them")
     records, previous = [], None
     for phase, overrides in plan:
         name = base if phase is None else f"{base}-p{phase}"

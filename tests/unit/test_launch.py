@@ -156,3 +156,31 @@ def test_gpu_script_environment_allocation_and_port(tmp_path):
     ports = [int(p) for p in subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                                             check=True).stdout.split()]
     assert len(ports) == len(ids) and all(1024 < p < 32768 for p in ports), (min(ports), max(ports))
+
+
+def test_a_second_submit_on_a_run_with_a_job_queued_or_running_is_refused(tmp_path, monkeypatch, capsys):
+    """The run folder's jobs.jsonl names job 4242; while squeue lists it, a second submit without
+    --dependency is refused in one sentence (its job would only be refused at start-up by the run's lock),
+    and sbatch is not called; with --dependency, or once squeue no longer lists the job, it is submitted."""
+    import os
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\necho 4242\n')
+    (bin_dir / "squeue").write_text(f'#!/bin/sh\ncat "{tmp_path / "queue"}"\n')
+    for tool in ("sbatch", "squeue"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run = tmp_path / "run"
+    args = ["submit", "recipes/tiny.yaml", "--gpus-per-node", "1", "--cpu", f"run_dir={run}"]
+    (tmp_path / "queue").write_text("")
+    assert main(args) == 0 and len(calls.read_text().splitlines()) == 1  # the first job: 4242
+    (tmp_path / "queue").write_text("4242 RUNNING\n")
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith(
+        f"{run} has jobs queued or running (4242 RUNNING): wait for them or scancel them, or pass --dependency "
+        "afterany:4242 to continue after them\n")
+    assert len(calls.read_text().splitlines()) == 1
+    assert main([*args, "--dependency", "afterany:4242"]) == 0
+    (tmp_path / "queue").write_text("")
+    assert main(args) == 0 and len(calls.read_text().splitlines()) == 3
