@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -38,8 +39,9 @@ ACTIVE = "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED,REQUEUED,REQUEUE_HOLD
 
 
 def active_jobs(job_ids: list[str]) -> list[str]:
-    """Those of ``job_ids`` (and their array tasks) that squeue still lists, as 'id state'."""
-    if not job_ids:
+    """Those of ``job_ids`` (and their array tasks) that squeue still lists, as 'id state' (none where there
+    is no squeue: sbatch then says what is missing)."""
+    if not job_ids or shutil.which("squeue") is None:
         return []
     r = subprocess.run(["squeue", "-h", f"--jobs={','.join(job_ids)}", f"--states={ACTIVE}", "-o", "%i %T"],
                        capture_output=True, text=True)
