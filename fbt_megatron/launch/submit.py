@@ -162,6 +162,8 @@ def sbatch(path: Path, script: str) -> str:
 
 def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_fn=print) -> list[dict]:
     """Resolve the run plan, render, keep and (unless dry_run) sbatch the job(s); returns one record per job."""
+    from fbt_megatron.resolve.plan import nothing_to_train
+
     recipe = resolve_job(spec, spec.overrides).recipe
     run_dir = recipe.resolved_run_dir()
     run_dir = run_dir if run_dir.is_absolute() else (spec.workdir / run_dir)
@@ -181,16 +183,23 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
         if busy:
             raise SubmitError(f"{run_dir} has jobs queued or running ({', '.join(busy)}): wait for them or scancel "
                               f"them, or pass --dependency afterany:{busy[-1].split()[0]} to continue after them")
+    # every job's plan before the first sbatch: a job that would train nothing is not queued (a first phase
+    # already done is left out, its second submitted alone); if none would train, nothing is submitted
+    idle = {}
+    for phase, overrides in plan:
+        job_plan = resolve_job(JobSpec(**{**spec.__dict__, "overrides": overrides}), overrides)
+        if job_plan.resume.checkpoint is not None:
+            idle[phase] = nothing_to_train(job_plan.run_dir, job_plan.resume.step, job_plan.recipe.train)
+    if all(idle.get(phase) for phase, _ in plan):
+        raise SubmitError(f"{spec.recipe}: {idle[plan[-1][0]]}; nothing was submitted")
+    if idle.get(1):
+        print_fn(f"phase 1 is done ({idle[1]}): submitting phase 2 alone")
+    plan = [(phase, overrides) for phase, overrides in plan if not idle.get(phase)]
     records, previous = [], None
     for phase, overrides in plan:
         name = base if phase is None else f"{base}-p{phase}"
         dependency = spec.dependency if previous is None else f"afterok:{previous}"
         this = JobSpec(**{**spec.__dict__, "overrides": overrides, "dependency": dependency})
-        job_plan = resolve_job(this, overrides)
-        if phase != 1 and job_plan.resume.checkpoint is not None and job_plan.resume.step >= job_plan.total_steps:
-            raise SubmitError(f"{spec.recipe}: {job_plan.run_dir} is already at step {job_plan.resume.step} of "
-                              f"{job_plan.total_steps}: nothing to train, so nothing was submitted (raise "
-                              f"train.steps to continue, or use a new run_dir)")
         script = render(this, run_dir, name)
         rec = {"phase": phase, "job_name": name, "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node,
                "dependency": dependency, "submitted_at": time.time()}

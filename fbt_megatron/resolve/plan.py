@@ -128,6 +128,18 @@ class RunPlan:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
 
 
+def nothing_to_train(run_dir: Path, resumed_step: int, train) -> str | None:
+    """The sentence for a run resumed at ``resumed_step`` that an invocation with ``train`` (the recipe's
+    section) would not train; None if it trains."""
+    if resumed_step < min(train.steps, train.stop_at_step or train.steps):
+        return None
+    if train.stop_at_step is not None and resumed_step < train.steps:
+        return (f"{run_dir} is already at step {resumed_step}, at or past train.stop_at_step={train.stop_at_step}: "
+                f"nothing to train (raise or remove train.stop_at_step)")
+    return (f"{run_dir} is already at step {resumed_step} of {train.steps}: nothing to train (raise train.steps to "
+            f"continue, or use a new run_dir)")
+
+
 def _shares(config: dict) -> list[float]:
     total = sum(s["weight"] for s in config["sources"])
     return [round(s["weight"] / total, 6) for s in config["sources"]]

@@ -21,7 +21,8 @@ import dataclasses
 from pathlib import Path
 
 from fbt_megatron.recipe import Recipe, RecipeError, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
-from fbt_megatron.resolve.plan import DataPlan, Environment, Layout, PlanError, ResumePlan, RunPlan
+from fbt_megatron.resolve.plan import (DataPlan, Environment, Layout, PlanError, ResumePlan, RunPlan,
+                                       nothing_to_train)
 from fbt_megatron.resolve.sft import chat_template, check_sft_layout, resolve_init_sections
 
 
@@ -67,9 +68,8 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
     if resume is not None and resume.checkpoint is None:
         problems += _files_not_ours(recipe, data.chat_template)
     total_steps = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
-    done = (f"{recipe.resolved_run_dir()} is already at step {resume.step} of {total_steps}: nothing to train "
-            f"(raise train.steps to continue, or use a new run_dir)"
-            if resume is not None and resume.checkpoint is not None and resume.step >= total_steps else None)
+    done = (nothing_to_train(recipe.resolved_run_dir(), resume.step, recipe.train)
+            if resume is not None and resume.checkpoint is not None else None)
     warnings = [w for w in (bf16_accumulation_warning(recipe, precision), adopted, done) if w]
 
     if problems:

@@ -178,8 +178,9 @@ def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
 
 def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(tmp_path, monkeypatch, capsys):
     """A run resumed at step 4 of 8 trains 4 steps; at step 8 of 8 none, and the plan warns (dry run) and
-    fbt slurm submit refuses to queue a job that would train nothing; --phases still queues the phase that
-    is left (its first phase, already done, trains nothing)."""
+    fbt slurm submit refuses to queue a job that would train nothing, before any sbatch; with --phases a
+    first phase already done is left out and the second submitted alone. The advice names the limit that
+    stops the run: train.stop_at_step when it is the one."""
     from fbt_megatron.cli import main
 
     step = tmp_path / "run" / "checkpoints" / "step_00000004"
@@ -195,8 +196,8 @@ def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(
     data["train"] = {"steps": 8, "stop_at_step": 3}
     plan = resolve_run(load_recipe(data=data), 1, CPU)
     assert plan.derived()["steps"] == {"total": 8, "resumed_at": 4, "stops_at": 3, "this_invocation": 0}
-    assert f"{tmp_path / 'run'} is already at step 4 of 3: nothing to train (raise train.steps to continue, or use " \
-           "a new run_dir)" in plan.warnings
+    assert f"{tmp_path / 'run'} is already at step 4, at or past train.stop_at_step=3: nothing to train (raise or " \
+           "remove train.stop_at_step)" in plan.warnings
 
     (step.parent / "step_00000008").mkdir()
     (step.parent / "step_00000008" / "state.json").write_text(json.dumps({"recipe": {}, "train_state": {"step": 8}}))
@@ -209,14 +210,24 @@ def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(
     bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(FAKE_SBATCH.format(calls=calls))
-    (bin_dir / "sbatch").chmod(0o755)
+    (bin_dir / "squeue").write_text("#!/bin/sh\n")  # the submitted jobs are over
+    for tool in ("sbatch", "squeue"):
+        (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *args]) == 2
-    assert "is already at step 8 of 8: nothing to train, so nothing was submitted" in capsys.readouterr().err
-    assert not calls.exists()
+    for phases in ([], ["--phases"]):  # the whole run is done: no job is queued, the second phase's neither
+        assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *phases, *args]) == 2
+        assert capsys.readouterr().err.endswith(
+            f"is already at step 8 of 8: nothing to train (raise train.steps to continue, or use a new run_dir); "
+            "nothing was submitted\n")
+        assert not calls.exists()
     (step.parent / "latest").write_text("step_00000004\n")  # between the phases: the first is done
     assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", "--phases", *args]) == 0
-    assert len(calls.read_text().splitlines()) == 2
+    out = capsys.readouterr().out
+    assert "phase 1 is done (" in out and "submitting phase 2 alone" in out and "submitted tiny-p2: job 4242" in out
+    assert len(calls.read_text().splitlines()) == 1 and "afterok" not in calls.read_text()
+    (step.parent / "latest").write_text("step_00000008\n")
+    assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *args, "train.steps=12"]) == 0
+    assert len(calls.read_text().splitlines()) == 2  # raised train.steps: it trains on
 
 
 def _resumed_run_on_a_dataset(tmp_path, fingerprints: dict) -> tuple[dict, Path]:
