@@ -90,8 +90,10 @@ def check_own_files(path: str | os.PathLike, recognisers: dict[str, Callable[[Pa
             if not ours:
                 foreign.append(name)
     if foreign:
-        raise OutputDirError(f"{option} {path} holds {describe(sorted(foreign))}, which {writer} did not write: nothing "
-                             f"was changed; choose {instead}, or move those away")
+        names = sorted(foreign)
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        raise OutputDirError(f"{option} {path} holds {listed}, which {writer} did not write: nothing was changed; "
+                             f"choose {instead}, or move {'it' if len(names) == 1 else 'them'} away")
 
 
 def json_object_with(*keys: str) -> Callable[[Path], bool]:

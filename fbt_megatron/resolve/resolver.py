@@ -182,18 +182,32 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
 
 def _files_not_ours(recipe: Recipe, chat_template: str | None) -> list[str]:
     """A new run rewrites ``summary.json`` and ``metrics.jsonl`` (and a chat run its template) in its
-    ``run_dir``: one problem if any of them there is not an earlier ``fbt train``'s, told by its content."""
+    ``run_dir``: one problem if any of them there is not an earlier ``fbt train``'s, told by its content
+    (the template: this run's, or beside an earlier run's summary or metrics). A resumed run's folder,
+    holding its checkpoints, is its own: nothing there is checked."""
     from data_pipeline.chat import TEMPLATE_FILE
     from data_pipeline.output_dir import OutputDirError, check_own_files, first_json_line_with, json_object_with
 
-    recognisers = {"summary.json": json_object_with("run_dir", "step", "total_steps", "pass_counts"),
-                   # a step's row, or an event's (validation, a data change); every row has its step and time
-                   "metrics.jsonl": first_json_line_with("step", "time", any_of=("data_checksum", "event"),
-                                                         prefixes=('{"step": ', '{"event": '))}
+    run_dir = recipe.resolved_run_dir()
+    run_files = {"summary.json": json_object_with("run_dir", "step", "total_steps", "pass_counts"),
+                 # a step's row, or an event's (validation, a data change); every row has its step and time
+                 "metrics.jsonl": first_json_line_with("step", "time", any_of=("data_checksum", "event"),
+                                                       prefixes=('{"step": ', '{"event": '))}
+    recognisers = dict(run_files)
     if chat_template is not None:
-        recognisers[TEMPLATE_FILE] = lambda file: file.read_text() == chat_template
+        def own_template(file: Path) -> bool:  # this run's template, or one an earlier run here wrote
+            if file.read_text() == chat_template:
+                return True
+            for name, recognise in run_files.items():
+                try:
+                    if (run_dir / name).is_file() and recognise(run_dir / name):
+                        return True
+                except (OSError, ValueError):
+                    pass
+            return False
+        recognisers[TEMPLATE_FILE] = own_template
     try:
-        check_own_files(recipe.resolved_run_dir(), recognisers, writer="fbt train", option="recipe key 'run_dir':",
+        check_own_files(run_dir, recognisers, writer="fbt train", option="recipe key 'run_dir':",
                         instead="a new run_dir")
     except OutputDirError as e:
         return [str(e)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from data_pipeline.chat import TEMPLATE_FILE
+from fbt_megatron.files import write_text_atomic
 
 
 def checkpoint_files(data_plan, run_dir: Path, rank: int) -> dict | None:
@@ -39,7 +40,7 @@ def checkpoint_files(data_plan, run_dir: Path, rank: int) -> dict | None:
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.is_file() or path.read_text() != template:
-            path.write_text(template)
+            write_text_atomic(path, template)  # a kill mid-write leaves the old file, not a cut one
     return dict(files or {}, **{TEMPLATE_FILE: path})
 
 

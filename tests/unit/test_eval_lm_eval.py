@@ -179,10 +179,10 @@ def test_fbt_eval_keeps_a_users_files_in_its_out_folder(tmp_path, single_process
     monkeypatch.setattr(eval_cli, "evaluate", lambda *a, **k: pytest.fail("evaluated before --out was checked"))
     assert main(["eval", str(tmp_path / "run"), "--tasks", "fbt_humaneval", "--out", str(out)]) == 2
     assert capsys.readouterr().err == (f"fbt eval: error: --out {out} holds eval.md, which fbt eval did not write: "
-                                       "nothing was changed; choose another --out, or move those away\n")
+                                       "nothing was changed; choose another --out, or move it away\n")
     assert (out / "eval.md").read_text() == "# my notes on the run\n" and (out / "other.txt").is_file()
     (out / "eval.json").write_text('{"results": {}}')
-    with pytest.raises(OutputDirError, match="holds eval.json, eval.md, which fbt eval did not write"):
+    with pytest.raises(OutputDirError, match="holds eval.json and eval.md, which fbt eval did not write"):
         eval_cli.check_out(out, "--out")
     # an earlier fbt eval's files: its title line, and its JSON's checkpoint, modes, prefill and tasks
     (out / "eval.md").write_text("# fbt eval: runs/tiny/checkpoints/step_00000600\n\n| task | metric |\n")

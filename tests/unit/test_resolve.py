@@ -112,8 +112,8 @@ def test_a_new_run_refuses_a_run_dir_holding_the_users_files_under_the_names_it_
     before = _tree(run)
     with pytest.raises(PlanError) as e:
         resolve_run(load_recipe(data={"run_dir": str(run)}), 1, CPU)
-    assert e.value.problems == [f"recipe key 'run_dir': {run} holds metrics.jsonl, summary.json, which fbt train "
-                                "did not write: nothing was changed; choose a new run_dir, or move those away"]
+    assert e.value.problems == [f"recipe key 'run_dir': {run} holds metrics.jsonl and summary.json, which fbt "
+                                "train did not write: nothing was changed; choose a new run_dir, or move them away"]
     assert _tree(run) == before
     # one of them alone is named alone; a summary of another shape, or unreadable, is not fbt train's either
     (run / "metrics.jsonl").unlink()
@@ -140,6 +140,26 @@ def test_a_new_run_takes_an_earlier_runs_files_in_its_run_dir_for_its_own(tmp_pa
     (run / "metrics.jsonl").write_text(metrics)
     plan = resolve_run(load_recipe(data={"run_dir": str(run)}), 1, CPU)
     assert plan.resume.checkpoint is None
+
+
+def test_a_new_chat_runs_template_in_its_run_dir_is_its_own_or_an_earlier_runs(tmp_path):
+    """A new chat run writes its chat template into run_dir: the same template there, or another one beside an
+    earlier run's metrics (that run wrote it), goes ahead; another one alone is the user's, refused."""
+    from fbt_megatron.resolve.resolver import _files_not_ours
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = load_recipe(data={"run_dir": str(run)})
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (run / "chat_template.jinja").write_text(template)
+    assert _files_not_ours(recipe, template) == []
+    (run / "chat_template.jinja").write_text("my own template")
+    assert _files_not_ours(recipe, template) == [
+        f"recipe key 'run_dir': {run} holds chat_template.jinja, which fbt train did not write: nothing was "
+        "changed; choose a new run_dir, or move it away"]
+    assert _files_not_ours(recipe, None) == []  # a run on plain text writes no template
+    (run / "metrics.jsonl").write_text('{"step": 1, "passes": 1, "loss": 5.1, "data_checksum": 7, "time": 1.0}\n')
+    assert _files_not_ours(recipe, template) == []
 
 
 def test_a_resumed_run_does_not_read_its_run_dirs_files(tmp_path):
