@@ -77,8 +77,10 @@ def check_own_files(path: str | os.PathLike, recognisers: dict[str, Callable[[Pa
                     option: str = "--out", instead: str = "another directory") -> None:
     """Raise :class:`OutputDirError` if directory ``path`` holds a file named in ``recognisers`` that its
     recogniser does not take for ``writer``'s own (one it cannot read is not its own); nothing else in
-    ``path`` matters. An absent ``path`` passes."""
+    ``path`` matters. An absent ``path`` passes; a file at ``path`` is refused."""
     path = Path(path)
+    if (path.exists() or path.is_symlink()) and not path.is_dir():
+        raise OutputDirError(f"{option} {path} is a file, not a directory: nothing was changed; choose {instead}")
     foreign = []
     for name, recognise in recognisers.items():
         file = path / name

@@ -32,6 +32,7 @@ from pathlib import Path
 from data_pipeline.argtypes import number, positive_int
 from data_pipeline.errors import UserError
 from data_pipeline.output_dir import check_own_files, json_object_with
+from fbt_megatron.files import write_text_atomic
 
 MODES = {"standard": ("standard", 1), "feedback": ("feedback", 1), "fused": ("feedback", 2),
          "exact": ("feedback", "exact")}
@@ -122,21 +123,27 @@ def main_metric(task_result: dict) -> tuple[str, float | None]:
     return "-", None
 
 
+def task_manager(include: list[str], data_dir: str):
+    """lm-eval's index of tasks: its own, the bundled ones (reading ``data_dir``) and ``include``'s."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(BUNDLED_TASKS), *include], metadata={"data_dir": data_dir})
+
+
 def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], data_dir: str, limit=None,
              num_fewshot=None, batch_size=8, allow_code=False, seed=0, progress=True, chat=False,
-             system_instruction=None, fewshot_as_multiturn=False) -> dict:
-    """Run every task in every mode; returns {task: {mode: {metric, value, median_tokens, mean_tokens,
+             system_instruction=None, fewshot_as_multiturn=False, manager=None) -> dict:
+    """Run every task in every mode (``manager``: :func:`task_manager`'s, built if not given); returns {task: {mode: {metric, value, median_tokens, mean_tokens,
     paired_with_standard, tokens_by_problem, prompts_by_problem}}} (eval/lengths.py; problems are request
     indices, the request's position in the task)."""
     from fbt_megatron.eval.lengths import length_stats, paired
 
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from tqdm import tqdm
 
     from fbt_megatron.eval.lm_eval_model import FBTLM
 
-    manager = TaskManager(include_path=[str(BUNDLED_TASKS), *include], metadata={"data_dir": data_dir})
+    manager = manager or task_manager(include, data_dir)
     check_task_names(tasks, manager.all_tasks)
     table: dict = {t: {} for t in tasks}
     with tqdm(total=len(tasks) * len(modes), desc="fbt eval", unit="run", disable=not progress) as bar:  # closed before an error is reported
@@ -210,10 +217,15 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         return errors.report("fbt eval", e)
     runtime.quiet_known_warnings()
+    where = "--out" if args.out else "the output folder"
     try:
+        if args.out:
+            check_out(Path(args.out), where)
+        manager = task_manager(include, args.data_dir)
+        check_task_names(tasks, manager.all_tasks)  # before the model is loaded
         loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
         out = Path(args.out) if args.out else loaded.checkpoint.parent.parent / "eval"
-        check_out(out, "--out" if args.out else "the output folder")  # before the evaluation, not after
+        check_out(out, where)  # before the evaluation, and again before writing
     except (CheckpointNotFound, FileNotFoundError, ValueError, errors.UserError) as e:
         runtime.shutdown()
         return errors.report("fbt eval", e)
@@ -224,21 +236,23 @@ def main(argv=None) -> int:
                          num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                          allow_code=args.allow_code_execution, seed=args.seed, progress=dist.get_rank() == 0,
                          chat=args.apply_chat_template, system_instruction=args.system_instruction,
-                         fewshot_as_multiturn=args.fewshot_as_multiturn)
-    except UnknownTask as e:
-        return errors.report("fbt eval", e)
+                         fewshot_as_multiturn=args.fewshot_as_multiturn, manager=manager)
     except Exception as e:  # lm-eval's errors (a code task without the opt-in) -> one line (-v: traceback)
         return errors.report("fbt eval", e, message=error_message(e, args.allow_code_execution))
     finally:
         runtime.shutdown()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
+    try:
+        check_out(out, where)  # a file the user put there while the tasks ran
+    except errors.UserError as e:
+        return errors.report("fbt eval", e)
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(table, modes, str(loaded.checkpoint))
-    (out / "eval.md").write_text(md)
-    (out / "eval.json").write_text(json.dumps({"checkpoint": str(loaded.checkpoint), "modes": modes,
-                                               "prefill": {m: MODES[m][1] for m in modes}, "tasks": table},
-                                              indent=1))
+    write_text_atomic(out / "eval.md", md)
+    write_text_atomic(out / "eval.json", json.dumps({"checkpoint": str(loaded.checkpoint), "modes": modes,
+                                                     "prefill": {m: MODES[m][1] for m in modes}, "tasks": table},
+                                                    indent=1))
     print(md + f"\nwritten: {out / 'eval.md'}, {out / 'eval.json'}")
     return 0
 

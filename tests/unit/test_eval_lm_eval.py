@@ -181,6 +181,9 @@ def test_fbt_eval_keeps_a_users_files_in_its_out_folder(tmp_path, single_process
     assert capsys.readouterr().err == (f"fbt eval: error: --out {out} holds eval.md, which fbt eval did not write: "
                                        "nothing was changed; choose another --out, or move it away\n")
     assert (out / "eval.md").read_text() == "# my notes on the run\n" and (out / "other.txt").is_file()
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "fbt_humaneval", "--out", str(out / "other.txt")]) == 2
+    assert capsys.readouterr().err == (f"fbt eval: error: --out {out / 'other.txt'} is a file, not a directory: "
+                                       "nothing was changed; choose another --out\n")
     (out / "eval.json").write_text('{"results": {}}')
     with pytest.raises(OutputDirError, match="holds eval.json and eval.md, which fbt eval did not write"):
         eval_cli.check_out(out, "--out")
@@ -205,7 +208,11 @@ def test_fbt_eval_writes_mode_table(tmp_path, single_process, monkeypatch, capsy
     assert capsys.readouterr().err.endswith(
         "fbt eval: error: --tasks fbt_humaneval runs the programs the model writes: add --allow-code-execution to "
         "run them (each in a sandboxed subprocess)\n")
-    assert main(["eval", *common, "--tasks", "fbt_humaneva"]) == 2  # a typo: the closest names
+    import fbt_megatron.generate.loading as loading
+
+    with monkeypatch.context() as m:  # a typo: the closest names, before the model is loaded
+        m.setattr(loading, "load_for_inference", lambda *a, **k: pytest.fail("loaded before the task names"))
+        assert main(["eval", *common, "--tasks", "fbt_humaneva"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fbt eval: error: --tasks: 'fbt_humaneva' is not a task lm-eval knows; did you mean "
                           "'fbt_humaneval' or ") and err.count("\n") == 1, err
