@@ -37,7 +37,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def new_file_mode() -> int:
     """The mode ``open()`` gives a new file under this process's umask (``0o666 & ~umask``): for a file a
-    library wrote with a narrower one (safetensors >= 0.8 writes ``0o600`` whatever the umask)."""
-    mask = os.umask(0)
+    library wrote with a narrower one (safetensors >= 0.8 writes ``0o600`` whatever the umask). The umask is
+    read from ``/proc/self/status``; elsewhere it is set and restored, briefly as ``0o077`` (a file another
+    thread makes meanwhile is private, never wider open)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
     os.umask(mask)
     return 0o666 & ~mask

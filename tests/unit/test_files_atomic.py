@@ -104,3 +104,26 @@ def test_a_replaced_file_keeps_its_mode(tmp_path):
     fresh = write_text_atomic(tmp_path / "fresh.json", "{}")
     assert fresh.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["fresh.json", "mix.yaml"]
 
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+@pytest.mark.parametrize("proc", [True, False], ids=["proc_status", "set_and_restore"])
+def test_new_file_mode_is_the_mode_open_gives_a_new_file(tmp_path, monkeypatch, umask, proc):
+    """new_file_mode() against the operating system's own answer: the mode of a file open() creates under
+    the same umask, read from /proc or (where there is none) by setting the umask; the umask is left as it was."""
+    import os
+    import stat
+
+    from fbt_megatron import files
+
+    if not proc:
+        real = files.Path.read_text
+        monkeypatch.setattr(files.Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("no /proc"))
+                            if str(self) == "/proc/self/status" else real(self, *a, **k))
+    old = os.umask(umask)
+    try:
+        (tmp_path / "made").write_text("x")
+        assert files.new_file_mode() == stat.S_IMODE((tmp_path / "made").stat().st_mode)
+        assert os.umask(umask) == umask  # (reads it back, keeps it)
+    finally:
+        os.umask(old)
