@@ -393,8 +393,9 @@ class CheckpointManager:
             from fbt_megatron.checkpoint.guards import verify_checksums
 
             verify_checksums(path)
-        check_shapes(path, zero.specs, what_to_do="; a run resumes only with the model it was trained with: "
-                     "keep the recipe's model section, or use a new run_dir")
+        check_shapes(path, zero.specs, what_to_do="; a run resumes only with the model it was trained with: set "
+                     "the recipe's model and feedback sections back to the run's (fbt ckpt inspect shows them), "
+                     "or use a new run_dir")
         _load_fragments(path, zero.fragments())
         zero.masters_to_model()
         zero.set_optimizer_step(int(state["optimizer_steps"]))

@@ -190,7 +190,8 @@ def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "the recipe's model expects [4096, 64] (parameter gpt.embedding.word_embeddings.weight); a run resumes only "
-        "with the model it was trained with: keep the recipe's model section, or use a new run_dir"), r.stderr[-2000:]
+        "with the model it was trained with: set the recipe's model and feedback sections back to the run's (fbt "
+        "ckpt inspect shows them), or use a new run_dir"), r.stderr[-2000:]
     shutil.rmtree(run / "checkpoints")
     plan = resolve_run(load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run_dir={run}"]), 1, CPU)
     assert plan.resume.checkpoint is None
