@@ -23,12 +23,14 @@ from pathlib import Path
 import torch
 import yaml
 
+from data_pipeline.output_dir import OutputDirError, check_own_files
 from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.export import HF_TOKENIZER_FILES, IMPORT_DIR
 from fbt_megatron.hf.mapping import ConversionError
 
 STOCK_TYPES = tuple(families.FAMILIES)
 FEEDBACK_MIX = [0.75, 0.22, 0.03]
+RECIPE_HEADER = "# Written by `fbt convert from-hf`"  # the first line of the recipe.yaml it writes
 
 
 class HFTensors:
@@ -162,6 +164,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
     from fbt_megatron.recipe import RecipeError, load_recipe
 
     root, out = Path(hf_dir), Path(out_dir)
+    try:  # OUT/recipe.yaml is written: a user's own recipe there is refused before anything is read
+        check_own_files(out, {"recipe.yaml": lambda f: f.read_text().startswith(RECIPE_HEADER)},
+                        writer="fbt convert from-hf", option="CHECKPOINT_DIR", instead="an empty CHECKPOINT_DIR")
+    except OutputDirError as err:
+        raise ConversionError(str(err)) from None
     cfg, stock = read_hf_config(root)
     tensors = HFTensors(root)
     recipe_data = build_recipe(cfg, stock, out, fusion)
@@ -187,7 +194,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
                                               "steps": 0, "tokens_seen": 0, "pass_counts": {},
                                               "schedule": recipe.schedule.model_dump(mode="json")}
     (keep / "provenance.json").write_text(json.dumps(prov or {}, indent=1, sort_keys=True))
-    header = ("# Written by `fbt convert from-hf`. Continue with: fbt train {}\n".format(out / "recipe.yaml")
+    header = (RECIPE_HEADER + ". Continue with: fbt train {}\n".format(out / "recipe.yaml")
               + ("# Latent feedback was freshly initialised: it needs this dedicated feedback phase (the pass\n"
                  "# mix runs from step 0); it cannot be switched on for a stock checkpoint without training.\n"
                  if stock and recipe.feedback.fusion != "off" else "")

@@ -121,3 +121,18 @@ def test_a_checkpoint_path_that_does_not_exist_is_named_so(argv, rc, tmp_path, c
     err = capsys.readouterr().err
     assert f"{missing} does not exist: give a run directory or a checkpoint's step_N directory" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_convert_from_hf_keeps_a_users_recipe_in_its_checkpoint_dir(tmp_path, capsys):
+    """fbt convert from-hf writes CHECKPOINT_DIR/recipe.yaml: a user's own recipe.yaml there is refused in one
+    sentence before the Hugging Face folder is read, and kept."""
+    from fbt_megatron.cli import main
+
+    out = tmp_path / "runs" / "llama_ft"
+    out.mkdir(parents=True)
+    (out / "recipe.yaml").write_text("# my recipe\nmodel: {hidden_size: 64}\n")
+    assert main(["convert", "from-hf", str(tmp_path / "no_such_hf_dir"), str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"fbt convert: error: CHECKPOINT_DIR {out} holds recipe.yaml, which fbt convert from-hf did not write: "
+        "nothing was changed; choose an empty CHECKPOINT_DIR, or move it away\n")
+    assert (out / "recipe.yaml").read_text() == "# my recipe\nmodel: {hidden_size: 64}\n"
