@@ -396,6 +396,35 @@ def adopt_checkpoint_rule(recipe: Recipe, saved: dict, where) -> str | None:
     return f"{', '.join(taken)} (what the checkpoint {where} was trained with; the recipe does not set it)"
 
 
+# The model keys that make the network (its parameters, or what they compute): a run resumes only with the
+# values it was trained with. Dropout, recomputation, the init and the positions' reach may change.
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                       "activation", "add_bias_linear", "add_qkv_bias", "vocab_size", "position_embedding_type",
+                       "normalization", "tie_embeddings")
+
+
+def check_checkpoint_model(recipe: Recipe, saved: dict, where) -> None:
+    """Resuming ``saved`` (a checkpoint's recipe dict): refuse a recipe whose model differs from the one the
+    checkpoint was trained with in :data:`ARCHITECTURE_FIELDS` (the positions' table too, for learned
+    positions), naming every such key; before launch, not after the job waited in a queue."""
+    from fbt_megatron.config import saved_feedback_section
+
+    names = ARCHITECTURE_FIELDS + (("max_sequence_length",) if recipe.model.position_embedding_type
+                                   == "learned_absolute" else ())
+    sections = [("model", saved.get("model") or {}, recipe.model, names)]
+    if saved.get("feedback") is not None:  # the fusion's form and its bias are parameters too
+        sections.append(("feedback", saved_feedback_section(saved["feedback"]), recipe.feedback, ("fusion", "bias")))
+    changed = [(f"{section}.{n}", trained[n], getattr(now, n)) for section, trained, now, fields in sections
+               for n in fields if n in trained and trained[n] != getattr(now, n)]
+    if not changed:
+        return
+    was = " and ".join(f"{key}={old!r}" for key, old, _ in changed)
+    asked = " and ".join(f"{new!r}" for _, _, new in changed)
+    raise RecipeError(f"recipe key '{changed[0][0]}': the checkpoint {where} was trained with {was}, this recipe "
+                      f"asks for {asked}; a run resumes only with the model it was trained with. Set "
+                      f"{' '.join(f'{key}={old}' for key, old, _ in changed)} to continue it, or start a new run_dir")
+
+
 def check_layout(recipe: Recipe, world_size: int) -> int:
     """Check the parallel layout and batch against ``world_size`` processes; return the DP size."""
     p = recipe.parallel

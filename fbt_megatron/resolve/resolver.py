@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from fbt_megatron.recipe import Recipe, RecipeError, adopt_checkpoint_rule, bf16_accumulation_warning, check_layout
+from fbt_megatron.recipe import (Recipe, RecipeError, adopt_checkpoint_rule, bf16_accumulation_warning,
+                                 check_checkpoint_model, check_layout)
 from fbt_megatron.resolve.plan import (DataPlan, Environment, Layout, PlanError, ResumePlan, RunPlan,
                                        nothing_to_train)
 from fbt_megatron.resolve.sft import chat_template, check_sft_layout, resolve_init_sections
@@ -235,6 +236,7 @@ def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
         saved, step = state.get("recipe", {}), int(state.get("train_state", {}).get("step", 0))
     except (CheckpointError, OSError, ValueError) as e:
         raise RecipeError(f"recipe key 'run_dir': cannot resume: {e}") from None
+    check_checkpoint_model(recipe, saved, latest)
     before = recipe.feedback.model_dump()
     message = adopt_checkpoint_rule(recipe, saved, latest)  # sets the adopted fields on recipe.feedback
     after = recipe.feedback.model_dump()

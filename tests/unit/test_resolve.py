@@ -184,14 +184,13 @@ def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "summary.json").is_file() and (run / "metrics.jsonl").stat().st_size > 0
-    # resumed with another model: one sentence that says what to do
+    # resumed with another model: the plan says so in one sentence, with what to do
     r = subprocess.run([sys.executable, "-m", "fbt_megatron.cli", "train", str(ROOT / "recipes" / "tiny.yaml"),
                         f"run_dir={run}", "train.steps=3", "model.hidden_size=64", "logging.tensorboard=false"],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
-        "the recipe's model expects [4096, 64] (parameter gpt.embedding.word_embeddings.weight); a run resumes only "
-        "with the model it was trained with: set the recipe's model and feedback sections back to the run's (fbt "
-        "ckpt inspect shows them), or use a new run_dir"), r.stderr[-2000:]
+        "was trained with model.hidden_size=128, this recipe asks for 64; a run resumes only with the model it was "
+        "trained with. Set model.hidden_size=128 to continue it, or start a new run_dir"), r.stderr[-2000:]
     shutil.rmtree(run / "checkpoints")
     plan = resolve_run(load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run_dir={run}"]), 1, CPU)
     assert plan.resume.checkpoint is None
@@ -249,6 +248,32 @@ def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(
     (step.parent / "latest").write_text("step_00000008\n")
     assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *args, "train.steps=12"]) == 0
     assert len(calls.read_text().splitlines()) == 2  # raised train.steps: it trains on
+
+
+def test_a_resume_with_another_network_is_refused_by_the_plan_naming_every_key(tmp_path):
+    """The checkpoint was trained with 4 layers of width 128 and the GLU fusion: a recipe that changes any of
+    them is refused before launch, every changed key named with both values; dropout, recomputation and the
+    init may change. (Before, a changed width failed at start-up, after the queue; a changed fusion or head
+    count resumed silently into another model.)"""
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_00000004\n")
+    trained = load_recipe(data={"model": {"num_layers": 4, "hidden_size": 128}, "feedback": {"fusion": "glu"}})
+    (step / "state.json").write_text(json.dumps({"recipe": trained.model_dump(mode="json"),
+                                                 "train_state": {"step": 4}}))
+    run = {"run_dir": str(tmp_path / "run"), "model": {"num_layers": 4, "hidden_size": 128}, "train": {"steps": 8}}
+    ok = {**run, "model": {**run["model"], "hidden_dropout": 0.1, "recompute": "full", "init_method_std": 0.01}}
+    assert resolve_run(load_recipe(data=ok), 1, CPU).resume.step == 4
+    changed = {**run, "model": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 8}}
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data=changed), 1, CPU)
+    assert e.value.problems == [
+        f"recipe key 'model.num_layers': the checkpoint {step} was trained with model.num_layers=4 and "
+        "model.num_attention_heads=4, this recipe asks for 2 and 8; a run resumes only with the model it was "
+        "trained with. Set model.num_layers=4 model.num_attention_heads=4 to continue it, or start a new run_dir"]
+    with pytest.raises(PlanError, match=r"recipe key 'feedback.fusion': .* trained with feedback.fusion='glu', this "
+                                        r"recipe asks for 'off'"):
+        resolve_run(load_recipe(data={**run, "feedback": {"fusion": "off"}}), 1, CPU)
 
 
 def _resumed_run_on_a_dataset(tmp_path, fingerprints: dict) -> tuple[dict, Path]:
