@@ -112,7 +112,13 @@ def scenario(base: str) -> dict:
     shard.unlink()
     out["E_missing"] = _train(dict(r, train=dict(r["train"], steps=6)))
     r, c = copy("shape")
-    out["E_shape"] = _train(dict(r, train=dict(r["train"], steps=6), model=dict(r["model"], hidden_size=96)))
+    wider = dict(r, train=dict(r["train"], steps=6), model=dict(r["model"], hidden_size=96))
+    out["E_shape_plan"] = _train(wider)  # the plan reads the checkpoint's recipe
+    state = c / "step_00000004" / "state.json"  # a recipe record that disagrees with the tensors: the load checks
+    record = json.loads(state.read_text())
+    record["recipe"]["model"]["hidden_size"] = 96
+    state.write_text(json.dumps(record))
+    out["E_shape"] = _train(wider)
     r, c = copy("pointer")
     (c / "latest").write_text("step_00000099\n")
     out["E_pointer"] = _train(dict(r, train=dict(r["train"], steps=6)))
@@ -167,8 +173,15 @@ def test_missing_shard_names_file(result):
 
 
 def test_wrong_shape_names_tensor_and_expected_shape(result):
+    """A resume with another width is refused by the plan, naming the key and both values; where the
+    checkpoint's recipe record agrees with the recipe but its tensors do not, the load names the tensor, both
+    shapes and what to do."""
+    msg = result["E_shape_plan"]
+    assert msg.startswith("PlanError: recipe key 'model.hidden_size'") and "model.hidden_size=64" in msg, msg
     msg = result["E_shape"]
     assert "CheckpointError" in msg and ".metadata" in msg and "[128, 96]" in msg, msg
+    assert msg.endswith("a run resumes only with the model it was trained with: set the recipe's model and feedback "
+                        "sections back to the run's (fbt ckpt inspect shows them), or use a new run_dir"), msg
 
 
 def test_latest_naming_missing_dir(result):

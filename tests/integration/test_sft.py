@@ -248,7 +248,7 @@ def test_sft_recipes_are_checked_before_anything_runs(fx, tmp_path):
         resolve(load_recipe(data=causal), "sft")
     missing = make(tmp_path, fx, init_from=tmp_path / "nowhere")
     del missing["model"]
-    with pytest.raises(RecipeError, match=r"init_from.*no published checkpoint"):
+    with pytest.raises(RecipeError, match=r"init_from.*nowhere does not exist"):
         resolve(load_recipe(data=missing), "sft")
     # `fbt train` of the same recipe without task: sft trains on it as a pretraining run would
     assert resolve(load_recipe(data=dict(plain, task="pretrain")), None).task == "pretrain"
