@@ -404,25 +404,44 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_
 
 
 def check_checkpoint_model(recipe: Recipe, saved: dict, where) -> None:
-    """Resuming ``saved`` (a checkpoint's recipe dict): refuse a recipe whose model differs from the one the
-    checkpoint was trained with in :data:`ARCHITECTURE_FIELDS` (the positions' table too, for learned
-    positions), naming every such key; before launch, not after the job waited in a queue."""
-    from fbt_megatron.config import saved_feedback_section
+    """Resuming ``saved`` (a checkpoint's recipe dict): refuse a recipe whose network differs from the one the
+    checkpoint was trained with, in :data:`ARCHITECTURE_FIELDS` (the positions' table too, for learned
+    positions) or the fusion (its form; its bias where there is one), naming every such key; before launch,
+    not after the job waited in a queue. Values are compared as the model uses them (an unset
+    ``ffn_hidden_size`` is 4 x hidden, unset ``num_query_groups`` one per head)."""
+    from fbt_megatron.config import ModelConfig, saved_feedback_section
 
-    names = ARCHITECTURE_FIELDS + (("max_sequence_length",) if recipe.model.position_embedding_type
-                                   == "learned_absolute" else ())
-    sections = [("model", saved.get("model") or {}, recipe.model, names)]
-    if saved.get("feedback") is not None:  # the fusion's form and its bias are parameters too
-        sections.append(("feedback", saved_feedback_section(saved["feedback"]), recipe.feedback, ("fusion", "bias")))
-    changed = [(f"{section}.{n}", trained[n], getattr(now, n)) for section, trained, now, fields in sections
-               for n in fields if n in trained and trained[n] != getattr(now, n)]
+    def effective(model: dict) -> dict:
+        return {**model, "ffn_hidden_size": model["ffn_hidden_size"] or 4 * model["hidden_size"],
+                "num_query_groups": model["num_query_groups"] or model["num_attention_heads"]}
+
+    fields = ARCHITECTURE_FIELDS + (("max_sequence_length",) if recipe.model.position_embedding_type
+                                    == "learned_absolute" else ())
+    saved_model = saved.get("model") or {}
+    try:  # an older checkpoint's section: what it lacks takes today's default
+        trained = effective(ModelConfig(**{k: v for k, v in saved_model.items() if k in ModelConfig.model_fields})
+                            .model_dump(mode="json"))
+    except ValidationError:  # a section this version cannot read: the load's shape check still runs
+        trained = None
+    now = effective(recipe.model.model_dump(mode="json"))
+    derived = {n for n in ("ffn_hidden_size", "num_query_groups")  # unset on both sides: follows the others
+               if saved_model.get(n) is None and getattr(recipe.model, n) is None}
+    changed = [(f"model.{n}", trained[n], now[n]) for n in fields
+               if trained is not None and n in saved_model and n not in derived and trained[n] != now[n]]
+    if saved.get("feedback") is not None:  # the fusion's form, and its bias where there is a fusion
+        fb = saved_feedback_section(saved["feedback"])
+        for n in ("fusion", "bias"):
+            off = n == "bias" and fb.get("fusion", "off") == "off" and recipe.feedback.fusion == "off"
+            if n in fb and fb[n] != getattr(recipe.feedback, n) and not off:
+                changed.append((f"feedback.{n}", fb[n], getattr(recipe.feedback, n)))
     if not changed:
         return
-    was = " and ".join(f"{key}={old!r}" for key, old, _ in changed)
-    asked = " and ".join(f"{new!r}" for _, _, new in changed)
-    raise RecipeError(f"recipe key '{changed[0][0]}': the checkpoint {where} was trained with {was}, this recipe "
-                      f"asks for {asked}; a run resumes only with the model it was trained with. Set "
-                      f"{' '.join(f'{key}={old}' for key, old, _ in changed)} to continue it, or start a new run_dir")
+    show = lambda v: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()  # noqa: E731
+    raise RecipeError(f"recipe key '{changed[0][0]}': the checkpoint {where} was trained with another network ("
+                      + "; ".join(f"{key}: {show(old)} there, {show(new)} here" for key, old, new in changed)
+                      + "), and a run resumes only with its own; set "
+                      + " ".join(f"{key}={show(old)}" for key, old, _ in changed) + " to continue it, or use a new "
+                      "run_dir")
 
 
 def check_layout(recipe: Recipe, world_size: int) -> int:

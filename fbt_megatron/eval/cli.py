@@ -222,6 +222,13 @@ def main(argv=None) -> int:
         if args.out:
             check_out(Path(args.out), where)
         manager = task_manager(include, args.data_dir)
+    except errors.UserError as e:
+        return errors.report("fbt eval", e)
+    except ImportError as e:
+        return errors.report("fbt eval", e, message=f"fbt eval needs lm-eval: pip install 'fbt_megatron[eval]' ({e})")
+    except Exception as e:  # lm-eval's, reading the tasks (an --include-path YAML)
+        return errors.report("fbt eval", e, message=error_message(e, args.allow_code_execution))
+    try:
         check_task_names(tasks, manager.all_tasks)  # before the model is loaded
         loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
         out = Path(args.out) if args.out else loaded.checkpoint.parent.parent / "eval"
@@ -243,12 +250,13 @@ def main(argv=None) -> int:
         runtime.shutdown()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
+    md = to_markdown(table, modes, str(loaded.checkpoint))
     try:
         check_out(out, where)  # a file the user put there while the tasks ran
     except errors.UserError as e:
+        print(md)  # the results are not lost
         return errors.report("fbt eval", e)
     out.mkdir(parents=True, exist_ok=True)
-    md = to_markdown(table, modes, str(loaded.checkpoint))
     write_text_atomic(out / "eval.md", md)
     write_text_atomic(out / "eval.json", json.dumps({"checkpoint": str(loaded.checkpoint), "modes": modes,
                                                      "prefill": {m: MODES[m][1] for m in modes}, "tasks": table},

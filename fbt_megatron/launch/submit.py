@@ -185,15 +185,17 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
                               f"them, or pass --dependency afterany:{busy[-1].split()[0]} to continue after them")
     # every job's plan before the first sbatch: a job that would train nothing is not queued (a first phase
     # already done is left out, its second submitted alone); if none would train, nothing is submitted
-    idle = {}
+    idle, resumed = {}, 0
     for phase, overrides in plan:
         job_plan = resolve_job(JobSpec(**{**spec.__dict__, "overrides": overrides}), overrides)
         if job_plan.resume.checkpoint is not None:
             idle[phase] = nothing_to_train(job_plan.run_dir, job_plan.resume.step, job_plan.recipe.train)
+            resumed = job_plan.resume.step
     if all(idle.get(phase) for phase, _ in plan):
         raise SubmitError(f"{spec.recipe}: {idle[plan[-1][0]]}; nothing was submitted")
     if idle.get(1):
-        print_fn(f"phase 1 is done ({idle[1]}): submitting phase 2 alone")
+        print_fn(f"phase 1 is done: {run_dir} is at step {resumed}, at or past the feedback switch at step "
+                 f"{recipe.schedule.feedback_start_step}; submitting phase 2 alone")
     plan = [(phase, overrides) for phase, overrides in plan if not idle.get(phase)]
     records, previous = [], None
     for phase, overrides in plan:

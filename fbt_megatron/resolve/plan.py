@@ -130,13 +130,19 @@ class RunPlan:
 
 def nothing_to_train(run_dir: Path, resumed_step: int, train) -> str | None:
     """The sentence for a run resumed at ``resumed_step`` that an invocation with ``train`` (the recipe's
-    section) would not train; None if it trains."""
-    if resumed_step < min(train.steps, train.stop_at_step or train.steps):
+    section) would not train, naming the limit or limits to raise; None if it trains."""
+    steps, stop = train.steps, train.stop_at_step
+    if resumed_step < min(steps, stop or steps):
         return None
-    if train.stop_at_step is not None and resumed_step < train.steps:
-        return (f"{run_dir} is already at step {resumed_step}, at or past train.stop_at_step={train.stop_at_step}: "
-                f"nothing to train (raise or remove train.stop_at_step)")
-    return (f"{run_dir} is already at step {resumed_step} of {train.steps}: nothing to train (raise train.steps to "
+    at_stop = stop is not None and resumed_step >= stop
+    if at_stop and resumed_step < steps:
+        return (f"{run_dir} is already at step {resumed_step}, at or past train.stop_at_step={stop}: nothing to "
+                f"train (raise or remove train.stop_at_step)")
+    if at_stop:
+        return (f"{run_dir} is already at step {resumed_step} of {steps}, at or past train.stop_at_step={stop}: "
+                f"nothing to train (raise train.steps, and raise or remove train.stop_at_step, to continue; or use a "
+                f"new run_dir)")
+    return (f"{run_dir} is already at step {resumed_step} of {steps}: nothing to train (raise train.steps to "
             f"continue, or use a new run_dir)")
 
 

@@ -9,9 +9,9 @@ here, in this order, and all problems are reported at once (:class:`PlanError`):
 2. the layout against the world size, the batch, the precision (recipe.check_layout);
 3. the data: the embedded mix's section, the tokenizer against ``model.vocab_size``, each source's
    documents against ``valid_documents``, the chat template (SFT: chat datasets, document-causal attention);
-4. the checkpoint to resume and the rule adopted from it (recipe.adopt_checkpoint_rule); for a new run,
-   the files it would replace in ``run_dir`` (``summary.json``, ``metrics.jsonl``, the chat template) must
-   be an earlier run's, not the user's;
+4. the checkpoint to resume, the network it was trained with (recipe.check_checkpoint_model) and the
+   rule adopted from it (recipe.adopt_checkpoint_rule); for a new run, the files it would replace in
+   ``run_dir`` (``summary.json``, ``metrics.jsonl``) must be an earlier run's, not the user's;
 5. what the run derives: feedback depth, validation passes, warnings.
 """
 
@@ -67,7 +67,7 @@ def resolve_run(recipe: Recipe, world_size: int, env: Environment | None = None,
         problems += changed
         data = dataclasses.replace(data, fingerprints=fingerprints)
     if resume is not None and resume.checkpoint is None:
-        problems += _files_not_ours(recipe, data.chat_template)
+        problems += _files_not_ours(recipe)
     total_steps = min(recipe.train.steps, recipe.train.stop_at_step or recipe.train.steps)
     done = (nothing_to_train(recipe.resolved_run_dir(), resume.step, recipe.train)
             if resume is not None and resume.checkpoint is not None else None)
@@ -181,34 +181,18 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
     return [], now
 
 
-def _files_not_ours(recipe: Recipe, chat_template: str | None) -> list[str]:
-    """A new run rewrites ``summary.json`` and ``metrics.jsonl`` (and a chat run its template) in its
-    ``run_dir``: one problem if any of them there is not an earlier ``fbt train``'s, told by its content
-    (the template: this run's, or beside an earlier run's summary or metrics). A resumed run's folder,
-    holding its checkpoints, is its own: nothing there is checked."""
-    from data_pipeline.chat import TEMPLATE_FILE
+def _files_not_ours(recipe: Recipe) -> list[str]:
+    """A new run rewrites ``summary.json`` and ``metrics.jsonl`` in its ``run_dir``: one problem if either
+    there is not an earlier ``fbt train``'s, told by its content. A resumed run's folder, holding its
+    checkpoints, is its own: nothing there is checked."""
     from data_pipeline.output_dir import OutputDirError, check_own_files, first_json_line_with, json_object_with
 
-    run_dir = recipe.resolved_run_dir()
-    run_files = {"summary.json": json_object_with("run_dir", "step", "total_steps", "pass_counts"),
-                 # a step's row, or an event's (validation, a data change); every row has its step and time
-                 "metrics.jsonl": first_json_line_with("step", "time", any_of=("data_checksum", "event"),
-                                                       prefixes=('{"step": ', '{"event": '))}
-    recognisers = dict(run_files)
-    if chat_template is not None:
-        def own_template(file: Path) -> bool:  # this run's template, or one an earlier run here wrote
-            if file.read_text() == chat_template:
-                return True
-            for name, recognise in run_files.items():
-                try:
-                    if (run_dir / name).is_file() and recognise(run_dir / name):
-                        return True
-                except (OSError, ValueError):
-                    pass
-            return False
-        recognisers[TEMPLATE_FILE] = own_template
+    recognisers = {"summary.json": json_object_with("run_dir", "step", "total_steps", "pass_counts"),
+                   # a step's row, or an event's (validation, a data change); every row has its step and time
+                   "metrics.jsonl": first_json_line_with("step", "time", any_of=("data_checksum", "event"),
+                                                         prefixes=('{"step": ', '{"event": '))}
     try:
-        check_own_files(run_dir, recognisers, writer="fbt train", option="recipe key 'run_dir':",
+        check_own_files(recipe.resolved_run_dir(), recognisers, writer="fbt train", option="recipe key 'run_dir':",
                         instead="a new run_dir")
     except OutputDirError as e:
         return [str(e)]

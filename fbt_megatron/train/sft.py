@@ -31,12 +31,13 @@ from fbt_megatron.files import write_text_atomic
 
 def checkpoint_files(data_plan, run_dir: Path, rank: int) -> dict | None:
     """The files every checkpoint carries (the plan's tokenizer files), plus ``chat_template.jinja`` for a
-    run on chat data (written into the run directory by rank 0)."""
+    run on chat data (written by rank 0 into ``run_dir/checkpoints/``, the project's own folder: a user's
+    file in the run directory is never in the way)."""
     files = {name: Path(path) for name, path in data_plan.tokenizer_files.items()} or None
     template = data_plan.chat_template
     if template is None:
         return files
-    path = Path(run_dir) / TEMPLATE_FILE
+    path = Path(run_dir) / "checkpoints" / TEMPLATE_FILE
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.is_file() or path.read_text() != template:

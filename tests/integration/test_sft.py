@@ -70,7 +70,8 @@ def test_sft_starts_from_the_checkpoints_weights_with_a_fresh_optimiser(fx, base
     assert initial["adam_step"] == 0  # the base run's 3 optimiser steps are not carried over
     assert all(float(m.abs().max()) == 0 for m in initial["exp_avg"].values())
     assert summary["history"][0][0] == 0 and len(summary["history"]) == 4  # a new schedule, from step 0
-    assert (reference[0] / "chat_template.jinja").read_text() == fx["template"]
+    assert (reference[0] / "checkpoints" / "step_00000004" / "chat_template.jinja").read_text() == fx["template"]
+    assert not (reference[0] / "chat_template.jinja").exists()  # the run directory's top is the user's
 
 
 @pytest.mark.parametrize("world,parallel", [

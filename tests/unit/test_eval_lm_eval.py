@@ -184,6 +184,14 @@ def test_fbt_eval_keeps_a_users_files_in_its_out_folder(tmp_path, single_process
     assert main(["eval", str(tmp_path / "run"), "--tasks", "fbt_humaneval", "--out", str(out / "other.txt")]) == 2
     assert capsys.readouterr().err == (f"fbt eval: error: --out {out / 'other.txt'} is a file, not a directory: "
                                        "nothing was changed; choose another --out\n")
+    def no_lm_eval(*a, **k):
+        raise ModuleNotFoundError("No module named 'lm_eval'")
+
+    with monkeypatch.context() as m:  # without the eval extra: what to install, in one sentence
+        m.setattr(eval_cli, "task_manager", no_lm_eval)
+        assert main(["eval", str(tmp_path / "run"), "--tasks", "fbt_humaneval", "--out", str(tmp_path / "o2")]) == 2
+    assert capsys.readouterr().err == ("fbt eval: error: fbt eval needs lm-eval: pip install 'fbt_megatron[eval]' "
+                                       "(No module named 'lm_eval')\n")
     (out / "eval.json").write_text('{"results": {}}')
     with pytest.raises(OutputDirError, match="holds eval.json and eval.md, which fbt eval did not write"):
         eval_cli.check_out(out, "--out")

@@ -142,26 +142,6 @@ def test_a_new_run_takes_an_earlier_runs_files_in_its_run_dir_for_its_own(tmp_pa
     assert plan.resume.checkpoint is None
 
 
-def test_a_new_chat_runs_template_in_its_run_dir_is_its_own_or_an_earlier_runs(tmp_path):
-    """A new chat run writes its chat template into run_dir: the same template there, or another one beside an
-    earlier run's metrics (that run wrote it), goes ahead; another one alone is the user's, refused."""
-    from fbt_megatron.resolve.resolver import _files_not_ours
-
-    run = tmp_path / "run"
-    run.mkdir()
-    recipe = load_recipe(data={"run_dir": str(run)})
-    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    (run / "chat_template.jinja").write_text(template)
-    assert _files_not_ours(recipe, template) == []
-    (run / "chat_template.jinja").write_text("my own template")
-    assert _files_not_ours(recipe, template) == [
-        f"recipe key 'run_dir': {run} holds chat_template.jinja, which fbt train did not write: nothing was "
-        "changed; choose a new run_dir, or move it away"]
-    assert _files_not_ours(recipe, None) == []  # a run on plain text writes no template
-    (run / "metrics.jsonl").write_text('{"step": 1, "passes": 1, "loss": 5.1, "data_checksum": 7, "time": 1.0}\n')
-    assert _files_not_ours(recipe, template) == []
-
-
 def test_a_resumed_run_does_not_read_its_run_dirs_files(tmp_path):
     """A run that resumes its own checkpoint wrote its run_dir: nothing there is checked."""
     step = tmp_path / "run" / "checkpoints" / "step_00000004"
@@ -189,8 +169,8 @@ def test_a_real_runs_files_are_taken_for_its_own_by_a_new_run(tmp_path):
                         f"run_dir={run}", "train.steps=3", "model.hidden_size=64", "logging.tensorboard=false"],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FBT_DEVICE": "cpu"})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
-        "was trained with model.hidden_size=128, this recipe asks for 64; a run resumes only with the model it was "
-        "trained with. Set model.hidden_size=128 to continue it, or start a new run_dir"), r.stderr[-2000:]
+        "was trained with another network (model.hidden_size: 128 there, 64 here), and a run resumes only with its "
+        "own; set model.hidden_size=128 to continue it, or use a new run_dir"), r.stderr[-2000:]
     shutil.rmtree(run / "checkpoints")
     plan = resolve_run(load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run_dir={run}"]), 1, CPU)
     assert plan.resume.checkpoint is None
@@ -237,13 +217,14 @@ def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(
     for phases in ([], ["--phases"]):  # the whole run is done: no job is queued, the second phase's neither
         assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *phases, *args]) == 2
         assert capsys.readouterr().err.endswith(
-            f"is already at step 8 of 8: nothing to train (raise train.steps to continue, or use a new run_dir); "
+            "is already at step 8 of 8: nothing to train (raise train.steps to continue, or use a new run_dir); "
             "nothing was submitted\n")
         assert not calls.exists()
     (step.parent / "latest").write_text("step_00000004\n")  # between the phases: the first is done
     assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", "--phases", *args]) == 0
     out = capsys.readouterr().out
-    assert "phase 1 is done (" in out and "submitting phase 2 alone" in out and "submitted tiny-p2: job 4242" in out
+    assert (f"phase 1 is done: {tmp_path / 'run'} is at step 4, at or past the feedback switch at step 4; submitting "
+            "phase 2 alone") in out and "submitted tiny-p2: job 4242" in out
     assert len(calls.read_text().splitlines()) == 1 and "afterok" not in calls.read_text()
     (step.parent / "latest").write_text("step_00000008\n")
     assert main(["slurm", "submit", recipe, "--cpu", "--gpus-per-node", "1", *args, "train.steps=12"]) == 0
@@ -253,8 +234,9 @@ def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(
 def test_a_resume_with_another_network_is_refused_by_the_plan_naming_every_key(tmp_path):
     """The checkpoint was trained with 4 layers of width 128 and the GLU fusion: a recipe that changes any of
     them is refused before launch, every changed key named with both values; dropout, recomputation and the
-    init may change. (Before, a changed width failed at start-up, after the queue; a changed fusion or head
-    count resumed silently into another model.)"""
+    init may change, and an unset MLP width or group count equals its value written out. (Before, a changed
+    width failed at start-up, after the queue; a changed fusion or head count resumed silently into another
+    model.)"""
     step = tmp_path / "run" / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("step_00000004\n")
@@ -262,18 +244,43 @@ def test_a_resume_with_another_network_is_refused_by_the_plan_naming_every_key(t
     (step / "state.json").write_text(json.dumps({"recipe": trained.model_dump(mode="json"),
                                                  "train_state": {"step": 4}}))
     run = {"run_dir": str(tmp_path / "run"), "model": {"num_layers": 4, "hidden_size": 128}, "train": {"steps": 8}}
-    ok = {**run, "model": {**run["model"], "hidden_dropout": 0.1, "recompute": "full", "init_method_std": 0.01}}
+    ok = {**run, "model": {**run["model"], "hidden_dropout": 0.1, "recompute": "full", "init_method_std": 0.01,
+                           "ffn_hidden_size": 512, "num_query_groups": 4}}  # what unset means: 4 x 128, a group a head
     assert resolve_run(load_recipe(data=ok), 1, CPU).resume.step == 4
-    changed = {**run, "model": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 8}}
+    changed = {**run, "model": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
+                                "ffn_hidden_size": 256}}
     with pytest.raises(PlanError) as e:
         resolve_run(load_recipe(data=changed), 1, CPU)
     assert e.value.problems == [
-        f"recipe key 'model.num_layers': the checkpoint {step} was trained with model.num_layers=4 and "
-        "model.num_attention_heads=4, this recipe asks for 2 and 8; a run resumes only with the model it was "
-        "trained with. Set model.num_layers=4 model.num_attention_heads=4 to continue it, or start a new run_dir"]
-    with pytest.raises(PlanError, match=r"recipe key 'feedback.fusion': .* trained with feedback.fusion='glu', this "
-                                        r"recipe asks for 'off'"):
+        f"recipe key 'model.num_layers': the checkpoint {step} was trained with another network (model.num_layers: "
+        "4 there, 2 here; model.num_attention_heads: 4 there, 8 here; model.ffn_hidden_size: 512 there, 256 here), "
+        "and a run resumes only with its own; set model.num_layers=4 model.num_attention_heads=4 "
+        "model.ffn_hidden_size=512 to continue it, or use a new run_dir"]
+    with pytest.raises(PlanError, match=r"recipe key 'feedback.fusion': .* another network \(feedback.fusion: glu "
+                                        r"there, 'off' here\)"):
         resolve_run(load_recipe(data={**run, "feedback": {"fusion": "off"}}), 1, CPU)
+    # a standard model has no fusion, so no fusion bias to keep
+    plain = load_recipe(data={"model": run["model"], "feedback": {"fusion": "off", "bias": False}})
+    (step / "state.json").write_text(json.dumps({"recipe": plain.model_dump(mode="json"), "train_state": {"step": 4}}))
+    assert resolve_run(load_recipe(data={**run, "feedback": {"fusion": "off", "bias": True}}), 1, CPU).resume.step == 4
+
+
+@pytest.mark.parametrize("resumed, steps, stop, names", [
+    (7, 8, None, None), (7, 8, 8, None), (5, 8, 6, None),  # it trains
+    (8, 8, None, "of 8: nothing to train (raise train.steps to continue, or use a new run_dir)"),
+    (9, 8, 12, "of 8: nothing to train (raise train.steps to continue, or use a new run_dir)"),
+    (6, 8, 6, ", at or past train.stop_at_step=6: nothing to train (raise or remove train.stop_at_step)"),
+    (8, 8, 6, "of 8, at or past train.stop_at_step=6: nothing to train (raise train.steps, and raise or remove "
+              "train.stop_at_step, to continue; or use a new run_dir)"),
+], ids=["trains", "trains_to_the_stop", "trains_to_an_early_stop", "steps", "steps_stop_beyond", "stop", "both"])
+def test_nothing_to_train_names_the_limit_to_raise(resumed, steps, stop, names):
+    from types import SimpleNamespace
+
+    from fbt_megatron.resolve.plan import nothing_to_train
+
+    said = nothing_to_train(Path("runs/x"), resumed, SimpleNamespace(steps=steps, stop_at_step=stop))
+    assert (said is None) if names is None else (said.startswith(f"runs/x is already at step {resumed}") and
+                                                 names in said), said
 
 
 def _resumed_run_on_a_dataset(tmp_path, fingerprints: dict) -> tuple[dict, Path]:
