@@ -27,9 +27,15 @@ class OutputDirError(DataError):
 
 
 def describe(entries: list[str], limit: int = 4) -> str:
-    """``a, b/, c and 2 more``: the first names of a directory listing, directories marked with ``/``."""
-    shown = ", ".join(entries[:limit])
-    return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
+    """``a, b and c`` (past ``limit``: ``a, b, c, d and 2 more``): the first names of a directory listing,
+    directories marked with ``/``."""
+    if len(entries) > limit:
+        return ", ".join(entries[:limit]) + f" and {len(entries) - limit} more"
+    return " and ".join(filter(None, (", ".join(entries[:-1]), entries[-1]))) if entries else ""
+
+
+def _them(entries: list) -> str:
+    return "it" if len(entries) == 1 else "them"
 
 
 def _entries(path: Path) -> list[str]:
@@ -54,7 +60,7 @@ def earlier_output(path: str | os.PathLike, *, markers: tuple[str, ...], pattern
     if foreign or not any((path / m).exists() for m in markers):
         shown = foreign or entries
         raise OutputDirError(f"{option} {path} holds {describe(shown)}, which {writer} did not write: nothing was "
-                             f"changed; choose a new or empty directory, or move those away")
+                             f"changed; choose a new or empty directory, or move {_them(shown)} away")
     return True
 
 
@@ -92,10 +98,8 @@ def check_own_files(path: str | os.PathLike, recognisers: dict[str, Callable[[Pa
             if not ours:
                 foreign.append(name)
     if foreign:
-        names = sorted(foreign)
-        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        raise OutputDirError(f"{option} {path} holds {listed}, which {writer} did not write: nothing was changed; "
-                             f"choose {instead}, or move {'it' if len(names) == 1 else 'them'} away")
+        raise OutputDirError(f"{option} {path} holds {describe(sorted(foreign))}, which {writer} did not write: "
+                             f"nothing was changed; choose {instead}, or move {_them(foreign)} away")
 
 
 def json_object_with(*keys: str) -> Callable[[Path], bool]:

@@ -66,8 +66,8 @@ def test_prepare_into_a_directory_of_user_files_is_refused_and_the_files_stay(co
     d = user_dir(tmp_path)
     before = snapshot(d)
     assert prepare(corpus, d, *(["--overwrite"] if overwrite else [])) == 2
-    assert error_line(capsys) == (f"error: --out {d} holds drafts/, notes.txt, which fbt data prepare did not write: "
-                                  "nothing was changed; choose a new or empty directory, or move those away")
+    assert error_line(capsys) == (f"error: --out {d} holds drafts/ and notes.txt, which fbt data prepare did not "
+                                  "write: nothing was changed; choose a new or empty directory, or move them away")
     assert snapshot(d) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no mine.tmp, no mine.lock
 
@@ -125,7 +125,7 @@ def test_a_user_directory_named_like_the_work_directory_is_not_removed(corpus, t
     d.rename(work)
     before = snapshot(work)
     assert prepare(corpus, tmp_path / "web") == 2
-    assert error_line(capsys).startswith(f"error: the work directory {work} holds drafts/, notes.txt, which fbt data "
+    assert error_line(capsys).startswith(f"error: the work directory {work} holds drafts/ and notes.txt, which fbt data "
                                          "prepare did not write")
     assert snapshot(work) == before and not (tmp_path / "web").exists()
 
@@ -134,7 +134,7 @@ def test_embedded_build_into_a_directory_of_user_files_is_refused(tmp_path, caps
     d = user_dir(tmp_path)
     before = snapshot(d)
     assert cli.main(["embedded", "--out", str(d), "--quiet"]) == 2
-    assert error_line(capsys).startswith(f"error: --out {d} holds drafts/, notes.txt, which fbt data embedded did "
+    assert error_line(capsys).startswith(f"error: --out {d} holds drafts/ and notes.txt, which fbt data embedded did "
                                          "not write: nothing was changed")
     assert snapshot(d) == before
 
@@ -145,7 +145,7 @@ def test_a_research_run_folder_of_user_files_is_refused(tmp_path):
 
     d = user_dir(tmp_path)
     before = snapshot(d)
-    with pytest.raises(OutputDirError, match=rf"^run folder {d} holds drafts/, notes.txt, which a research run did "
+    with pytest.raises(OutputDirError, match=rf"^run folder {d} holds drafts/ and notes.txt, which a research run did "
                                              "not write: nothing was changed"):
         train_run("recipes/tiny.yaml", d, ["train.steps=1"])
     assert snapshot(d) == before
