@@ -31,7 +31,9 @@ def describe(entries: list[str], limit: int = 4) -> str:
     directories marked with ``/``."""
     if len(entries) > limit:
         return ", ".join(entries[:limit]) + f" and {len(entries) - limit} more"
-    return " and ".join(filter(None, (", ".join(entries[:-1]), entries[-1]))) if entries else ""
+    if len(entries) < 2:
+        return "".join(entries)
+    return ", ".join(entries[:-1]) + " and " + entries[-1]
 
 
 def _them(entries: list) -> str:

@@ -133,7 +133,8 @@ def task_manager(include: list[str], data_dir: str):
 def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], data_dir: str, limit=None,
              num_fewshot=None, batch_size=8, allow_code=False, seed=0, progress=True, chat=False,
              system_instruction=None, fewshot_as_multiturn=False, manager=None) -> dict:
-    """Run every task in every mode (``manager``: :func:`task_manager`'s, built if not given); returns {task: {mode: {metric, value, median_tokens, mean_tokens,
+    """Run every task in every mode (``manager``: :func:`task_manager`'s with ``tasks`` checked against it,
+    built and checked if not given); returns {task: {mode: {metric, value, median_tokens, mean_tokens,
     paired_with_standard, tokens_by_problem, prompts_by_problem}}} (eval/lengths.py; problems are request
     indices, the request's position in the task)."""
     from fbt_megatron.eval.lengths import length_stats, paired
@@ -143,10 +144,12 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
 
     from fbt_megatron.eval.lm_eval_model import FBTLM
 
-    manager = manager or task_manager(include, data_dir)
-    check_task_names(tasks, manager.all_tasks)
+    if manager is None:  # (a given one's names were checked by its builder)
+        manager = task_manager(include, data_dir)
+        check_task_names(tasks, manager.all_tasks)
     table: dict = {t: {} for t in tasks}
-    with tqdm(total=len(tasks) * len(modes), desc="fbt eval", unit="run", disable=not progress) as bar:  # closed before an error is reported
+    # the bar is closed before an error is reported, so the error is the last line
+    with tqdm(total=len(tasks) * len(modes), desc="fbt eval", unit="run", disable=not progress) as bar:
         for mode in modes:
             kind, passes = MODES[mode]
             for task in tasks:
@@ -161,7 +164,8 @@ def evaluate(loaded, tasks: list[str], modes: list[str], *, include: list[str], 
                 metric, value = main_metric(out["results"].get(task, {}))
                 by_problem = lm.generated_by_problem
                 table[task][mode] = {"metric": metric, "value": value, **length_stats(by_problem),
-                                     "tokens_by_problem": dict(by_problem), "prompts_by_problem": dict(lm.prompt_by_problem)}
+                                     "tokens_by_problem": dict(by_problem),
+                                     "prompts_by_problem": dict(lm.prompt_by_problem)}
                 bar.update(1)
     for row in table.values():  # after every mode ran: the pairing does not depend on the order of --modes
         for mode, cell in row.items():
@@ -232,7 +236,8 @@ def main(argv=None) -> int:
         check_task_names(tasks, manager.all_tasks)  # before the model is loaded
         loaded = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
         out = Path(args.out) if args.out else loaded.checkpoint.parent.parent / "eval"
-        check_out(out, where)  # before the evaluation, and again before writing
+        if not args.out:  # (--out was checked above) before the evaluation, and again before writing
+            check_out(out, where)
     except (CheckpointNotFound, FileNotFoundError, ValueError, errors.UserError) as e:
         runtime.shutdown()
         return errors.report("fbt eval", e)

@@ -89,13 +89,13 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
     (none when the plan is merged already)."""
     from data_pipeline import array
     from data_pipeline.errors import DataError
+    from fbt_megatron.train.callbacks.metrics_file import read_rows
 
     if spec.tasks < 1 or spec.workers < 1:
         raise SubmitError(f"--array {spec.tasks} and --workers {spec.workers} must be at least 1")
     # before the plan is touched: a new plan removes the work of the old one, which its jobs may be writing
     jobs_file = array.array_dir(Path(spec.out).resolve()) / "jobs.jsonl"
-    earlier = [json.loads(x)["job_id"] for x in jobs_file.read_text().splitlines()] if jobs_file.is_file() else []
-    busy = active_jobs(earlier) if not dry_run else []
+    busy = active_jobs([row["job_id"] for row in read_rows(jobs_file)]) if not dry_run else []
     if busy:
         raise SubmitError(f"jobs of an earlier submission are still queued or running ({', '.join(busy)}): wait for "
                           f"them or scancel them, then submit again")

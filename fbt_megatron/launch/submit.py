@@ -163,8 +163,10 @@ def sbatch(path: Path, script: str) -> str:
 def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_fn=print) -> list[dict]:
     """Resolve the run plan, render, keep and (unless dry_run) sbatch the job(s); returns one record per job."""
     from fbt_megatron.resolve.plan import nothing_to_train
+    from fbt_megatron.train.callbacks.metrics_file import read_rows
 
-    recipe = resolve_job(spec, spec.overrides).recipe
+    first = resolve_job(spec, spec.overrides)
+    recipe = first.recipe
     run_dir = recipe.resolved_run_dir()
     run_dir = run_dir if run_dir.is_absolute() else (spec.workdir / run_dir)
     base = spec.job_name or recipe.name
@@ -177,9 +179,7 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
         plan = [(1, [*spec.overrides, f"train.stop_at_step={start}"]), (2, spec.overrides)]
     out_dir = run_dir / "slurm"
     if not dry_run and spec.dependency is None:  # a second job on the run would be refused at start-up
-        earlier = [json.loads(line)["job_id"] for line in (out_dir / "jobs.jsonl").read_text().splitlines()
-                   if line.strip()] if (out_dir / "jobs.jsonl").is_file() else []
-        busy = active_jobs(earlier)
+        busy = active_jobs([row["job_id"] for row in read_rows(out_dir / "jobs.jsonl")])
         if busy:
             raise SubmitError(f"{run_dir} has jobs queued or running ({', '.join(busy)}): wait for them or scancel "
                               f"them, or pass --dependency afterany:{busy[-1].split()[0]} to continue after them")
@@ -187,7 +187,8 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
     # already done is left out, its second submitted alone); if none would train, nothing is submitted
     idle, resumed = {}, 0
     for phase, overrides in plan:
-        job_plan = resolve_job(JobSpec(**{**spec.__dict__, "overrides": overrides}), overrides)
+        job_plan = first if overrides is spec.overrides else resolve_job(
+            JobSpec(**{**spec.__dict__, "overrides": overrides}), overrides)
         if job_plan.resume.checkpoint is not None:
             idle[phase] = nothing_to_train(job_plan.run_dir, job_plan.resume.step, job_plan.recipe.train)
             resumed = job_plan.resume.step
