@@ -346,6 +346,9 @@ def main(argv=None) -> int:
         runs = {n: runs[n] for n in only}
     stem = f"feedback_study_{name}"
     out_dir = Path(a.out).resolve()
+    from fbt_megatron.research.report import check_report_files
+
+    check_report_files(out_dir, stem)  # before the runs, not after them (and before its JSON is read)
     recorded = recorded_runs(out_dir / f"{stem}.json")
     t0 = time.perf_counter()
     summaries = train(runs, seeds, root, a.jobs, a.reuse or a.summarise_only, recorded,

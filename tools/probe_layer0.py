@@ -173,11 +173,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--render-only", action="store_true", help="write the page again from --out's recorded JSON")
     a = ap.parse_args(argv)
-    from fbt_megatron.research.report import provenance_record, render_again
+    from fbt_megatron.research.report import check_report_files, provenance_record, render_again
 
     if a.render_only:
         print(render_again(render, Path(a.out), "probes").read_text())
         return 0
+    check_report_files(Path(a.out), "probes")  # before the runs, not after them
     os.environ.setdefault("FBT_DEVICE", "cpu")
     from fbt_megatron import runtime
 

@@ -20,7 +20,6 @@ writes the page again from the recorded JSON (the page's answers are computed fr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -297,8 +296,10 @@ def main(argv=None) -> int:
         print(f"{write_conversations(a.out, a.docs)} conversations -> {a.out}")
         return 0
     from data_pipeline.embedded import build_embedded
-    from fbt_megatron.research.report import provenance_record
+    from fbt_megatron.research.report import check_report_files, provenance_record
     from fbt_megatron.research.sft import held_out_problems
+
+    check_report_files(Path(a.out), "sft")  # before the runs, not after them
 
     t0 = time.perf_counter()
     os.chdir(ROOT)  # the recipes name data/embedded relative to the repository

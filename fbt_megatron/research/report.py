@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.output_dir import check_own_files, json_object_with
 from fbt_megatron.errors import UserError, report
 from fbt_megatron.files import write_text_atomic
 
@@ -76,9 +77,39 @@ def load_recorded(out_dir: Path, stem: str) -> dict:
     return data
 
 
+PRODUCED_BY = "_Produced by `"
+
+
+def _page_of_a_tool(file: Path) -> bool:
+    lines = file.read_text(encoding="utf-8").rstrip().splitlines()
+    return bool(lines) and lines[-1].startswith(PRODUCED_BY)
+
+
+def _report_of_a_tool(file: Path) -> bool:
+    return json_object_with("provenance")(file) or json_object_with("args", "readouts", "val_history")(file)
+
+
+def _figure_of_matplotlib(file: Path) -> bool:
+    with open(file, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(b"\x89PNG") and b"Matplotlib" in head
+
+
+def check_report_files(out_dir: Path, stem: str) -> None:
+    """Refuse (:class:`OutputDirError`, one sentence) when ``out_dir`` holds a ``STEM.md``, ``STEM.json`` or
+    ``STEM.png`` that no tool wrote: a page ending in its provenance line, a JSON report with a
+    ``provenance`` record (the feedback study's: its args, read-outs and validation histories), a
+    matplotlib figure. A tool calls it before its runs, and :func:`save` again."""
+    check_own_files(out_dir, {f"{stem}.md": _page_of_a_tool, f"{stem}.json": _report_of_a_tool,
+                              f"{stem}.png": _figure_of_matplotlib},
+                    writer="a research tool", option="--out", instead="another --out")
+
+
 def save(out_dir: Path, stem: str, markdown: str, data: dict, draw=None) -> Path:
     """``out_dir/STEM.{md,json}``, then ``STEM.png`` from ``draw()`` (a matplotlib figure) when given: the page and
-    its JSON are written first, so a missing matplotlib loses no result."""
+    its JSON are written first, so a missing matplotlib loses no result. Files there that no tool wrote are
+    refused first (:func:`check_report_files`)."""
+    check_report_files(out_dir, stem)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out_dir / f"{stem}.md", markdown.rstrip() + "\n")
     write_text_atomic(out_dir / f"{stem}.json", json.dumps(data, indent=1, default=float))

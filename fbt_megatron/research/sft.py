@@ -38,10 +38,28 @@ def math_conversations(n_docs: int = TRAIN_DOCS, seed: int = 0) -> list[dict]:
 
 
 def write_conversations(path: str | Path, n_docs: int = TRAIN_DOCS, seed: int = 0) -> int:
+    """Write the conversations as JSONL at ``path``; the number written. A file already there is replaced
+    only when it is an earlier output of this function (its first line is the first conversation) or
+    empty; anything else is refused in one sentence (:class:`UserError`), unchanged."""
+    from fbt_megatron.errors import UserError
+    from fbt_megatron.files import write_text_atomic
+
     convs = math_conversations(n_docs, seed)
+    lines = [json.dumps(c) + "\n" for c in convs]
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--out {path} is a directory: give a file name, for example {path / 'math_chat.jsonl'}")
+    if path.exists():
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = f.readline()
+        except (OSError, UnicodeDecodeError):
+            first = None
+        if first not in ("", lines[0]):
+            raise UserError(f"--out {path} exists and is not a conversations file this tool wrote: nothing was "
+                            "changed; choose another --out, or move it away")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    write_text_atomic(path, "".join(lines))
     return len(convs)
 
 

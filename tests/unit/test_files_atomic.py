@@ -70,14 +70,16 @@ def test_a_write_killed_halfway_leaves_the_old_file_whole_and_no_temporary(tmp_p
 def test_the_study_report_survives_a_kill_while_it_is_rewritten(tmp_path, monkeypatch):
     from fbt_megatron.research.report import save
 
-    save(tmp_path, "study", "# page", {"readouts": {"a_seed1": {"val_loss": {"1": 4.0}}}})
-    for spare, page in ((0, "# page\n"), (1, "# page 2\n")):  # killed writing the page, then writing the JSON
+    made = "_Produced by `python tools/feedback_study.py` today._"
+    first = {"readouts": {"a_seed1": {"val_loss": {"1": 4.0}}}, "provenance": {}}
+    save(tmp_path, "study", f"# page\n\n{made}", first)
+    for spare, page in ((0, "# page"), (1, "# page 2")):  # killed writing the page, then writing the JSON
         die_halfway(monkeypatch, spare)
         with pytest.raises(Killed):
-            save(tmp_path, "study", "# page 2", {"readouts": {"a_seed1": {}, "b_seed1": {}}})
+            save(tmp_path, "study", f"# page 2\n\n{made}", {"readouts": {"a_seed1": {}, "b_seed1": {}}, "provenance": {}})
         monkeypatch.undo()
-        assert json.loads((tmp_path / "study.json").read_text()) == {"readouts": {"a_seed1": {"val_loss": {"1": 4.0}}}}
-        assert (tmp_path / "study.md").read_text() == page
+        assert json.loads((tmp_path / "study.json").read_text()) == first
+        assert (tmp_path / "study.md").read_text() == f"{page}\n\n{made}\n"
 
 
 def test_a_run_folder_with_a_killed_writes_temporary_is_still_the_runs_own(tmp_path):

@@ -191,10 +191,11 @@ def test_render_only_without_matplotlib_writes_the_page_and_keeps_the_figure(ste
 
     monkeypatch.setattr(report, "figure", no_matplotlib)
     (tmp_path / f"{stem}.json").write_text((RESULTS / f"{stem}.json").read_text())
-    (tmp_path / f"{stem}.png").write_bytes(b"the old figure")
+    old_figure = (RESULTS / f"{stem}.png").read_bytes() + b"the old one"
+    (tmp_path / f"{stem}.png").write_bytes(old_figure)
     argv = (["run"] if stem == "sft" else []) + ["--render-only", "--out", str(tmp_path)]
     assert report.run_tool(tool(PAGES[stem]).main, PAGES[stem], argv) == 0
     assert (tmp_path / f"{stem}.md").read_text() == (RESULTS / f"{stem}.md").read_text()
-    assert (tmp_path / f"{stem}.png").read_bytes() == b"the old figure"
+    assert (tmp_path / f"{stem}.png").read_bytes() == old_figure
     assert capsys.readouterr().err.strip() == f"{stem}: the page is written, its figure kept as it was: " \
         "the figures need matplotlib"
