@@ -12,6 +12,8 @@ What it does (facts measured on these machines: ../shared design notes §5):
   daemon's own) and waits until the node is idle and ``srun -n1 true`` succeeds;
 - stop: cancels every job first (stopping slurmd would orphan them), then stops only the recorded
   PIDs, each after checking /proc that it is still the same program.
+- DIR must be new, empty or an earlier cluster's (stopped): anything else there is refused before
+  anything is written, as is a start while DIR's cluster runs or a stop of a DIR that holds none.
 
 Requeue-latency settings (``cred_expire=10``, ``bf_interval=1,sched_interval=2``) cut a requeued job's
 restart from minutes to seconds (docs/results/benchmarks.md); ``KillWait`` is short so a cancel's
@@ -28,15 +30,26 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from data_pipeline.output_dir import check_own_files, earlier_output
+from fbt_megatron.errors import UserError, report
 
 PACKAGES = ["munge", "slurmctld", "slurmd", "slurm-client"]
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
 
 
+CONF_HEADER = "# written by fbt_megatron.launch.local_cluster: a one-node test cluster"
+ENTRIES = ("etc", "munge", "state", "spool", "log", "run", "pids.json")  # what start writes under DIR
+
+
 class ClusterError(RuntimeError):
     pass
+
+
+class ClusterDirError(UserError):
+    """DIR is not this tool's to write, or holds no cluster to stop: nothing was changed."""
 
 
 def missing_packages() -> list[str]:
@@ -111,7 +124,7 @@ class LocalCluster:
         os.chmod(key, 0o400)
         host = socket.gethostname().split(".")[0]
         self.conf.write_text("\n".join([
-            "# written by fbt_megatron.launch.local_cluster: a one-node test cluster",
+            CONF_HEADER,
             "ClusterName=fbtlocal",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}",
@@ -151,6 +164,22 @@ class LocalCluster:
             f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
             "",
         ]))
+
+    def check_dir(self) -> None:
+        """Refuse (:class:`ClusterDirError`) a DIR that is not new, empty or an earlier cluster's, or whose
+        cluster still runs: called before :meth:`write_config` writes anything."""
+        if earlier_output(self.root, markers=("etc", "pids.json"), patterns=ENTRIES, writer="local_cluster",
+                          option="DIR"):
+            check_own_files(self.root / "etc", {"slurm.conf": lambda f: f.read_text().startswith(CONF_HEADER)},
+                            writer="local_cluster", option="DIR/etc", instead="another DIR")
+            running = self.attach(self.root).running() if (self.root / "pids.json").is_file() else []
+            if running:
+                raise ClusterDirError(f"a cluster is running in {self.root} ({', '.join(running)}): stop it first "
+                                      f"with python -m fbt_megatron.launch.local_cluster stop {self.root}")
+
+    def running(self) -> list[str]:
+        """The recorded daemons still running as the same program."""
+        return [name for name, pid in self.pids.items() if _cmdline(pid) and _cmdline(pid) == self.cmdlines.get(name)]
 
     # ------------------------------------------------------------------ daemons
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -221,7 +250,8 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     pass
             self.pids.pop(name, None)
-        self._save()
+        if (self.root / "pids.json").exists():  # a start that failed before its first daemon wrote none
+            self._save()
 
     # ------------------------------------------------------------------ persistence (start/stop from a shell)
     def _save(self) -> None:
@@ -229,8 +259,15 @@ class LocalCluster:
 
     @classmethod
     def attach(cls, root: Path) -> "LocalCluster":
-        data = json.loads((Path(root) / "pids.json").read_text())
-        return cls(Path(root), data["pids"], data["cmdlines"])
+        """The cluster that ``start`` recorded in ``root/pids.json``; one sentence when there is none."""
+        try:
+            data = json.loads((Path(root) / "pids.json").read_text())
+            return cls(Path(root), dict(data["pids"]), dict(data["cmdlines"]))
+        except FileNotFoundError:
+            raise ClusterDirError(f"{root} holds no local cluster (no pids.json): nothing to stop") from None
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ClusterDirError(f"{root / 'pids.json'} is not a record local_cluster wrote: nothing was "
+                                  "stopped") from None
 
 
 def _cmdline(pid: int) -> str:
@@ -272,16 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip().splitlines()[0] + "\nusage: python -m fbt_megatron.launch.local_cluster start|stop DIR")
         return 2
     root = Path(argv[1]).resolve()
-    if argv[0] == "start":
-        cluster = LocalCluster(root)
-        try:
-            cluster.start()
-        except BaseException:
-            cluster.stop()
-            raise
-        print(f"export SLURM_CONF={cluster.conf}")
-    else:
-        LocalCluster.attach(root).stop()
+    try:
+        if argv[0] == "start":
+            cluster = LocalCluster(root)
+            cluster.check_dir()  # before anything is written (the stop below writes pids.json)
+            try:
+                cluster.start()
+            except BaseException:
+                cluster.stop()
+                raise
+            print(f"export SLURM_CONF={cluster.conf}")
+        else:
+            LocalCluster.attach(root).stop()
+    except UserError as e:
+        return report("local_cluster", e)
     return 0
 
 
