@@ -290,6 +290,34 @@ def test_stock_llama_import(tmp_path, single_process):
         assert rel(back(ids).logits, theirs) < 1e-6
 
 
+def test_the_imported_recipe_continues_the_import_from_any_directory(tmp_path, single_process, monkeypatch, capsys):
+    """The recipe from-hf writes resumes its import when run from another directory (its run_dir is the
+    folder's full path), and with another run_dir it starts from the imported weights (init_from), never from
+    random ones; a relative CHECKPOINT_DIR, as the guide gives it."""
+    import yaml
+
+    from fbt_megatron.cli import main
+    from fbt_megatron.hf.importer import import_hf
+
+    _stock_llama(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    checkpoint = import_hf(Path("llama"), Path("runs/llama-fbt"), log=lambda *a: None).resolve()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+
+    def plan(*overrides) -> dict:
+        capsys.readouterr()
+        assert main(["train", str(tmp_path / "runs/llama-fbt/recipe.yaml"), *overrides, "--dry-run"]) == 0
+        return yaml.safe_load(capsys.readouterr().out)["resolved"]
+
+    resumed = plan()
+    assert resumed["run_dir"] == str(tmp_path / "runs/llama-fbt")
+    assert resumed["resume"]["checkpoint"] == str(checkpoint) and resumed["steps"]["resumed_at"] == 0
+    variant = plan("run_dir=variant")
+    assert variant["resume"]["checkpoint"] is None and variant["resume"]["init_from"] == str(checkpoint)
+    assert not (tmp_path / "elsewhere" / "variant").exists()  # a dry run writes nothing
+
+
 def test_standard_export_is_transformers_llama(exported, tmp_path, single_process):
     """`fbt convert to-hf --standard` of a trained Llama-class FBT checkpoint: transformers' own
     LlamaForCausalLM (no remote code) gives the FBT model's standard decoding: 1-pass logits and the
