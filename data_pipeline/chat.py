@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError, SourceError
+from .errors import DataError, EmptySourceError, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +237,18 @@ def prepare_chat(paths, out_dir, tokenizer, *, chat_template: str | None = None,
     meta = {"format": "chat", "loss_mask": True, "chat_template": template, "chat_template_sha": template_sha(template),
             "max_tokens": int(max_tokens), "inputs": _input_fingerprint(list(paths)), "bad_rows": bad}
     docs = iter_conversations(paths, tok, max_tokens=max_tokens, bad=bad, strict=strict)
-    index = prepare_dataset(list(paths), out_dir, tokenizer, name=name, shard_bytes=shard_bytes,
-                            num_workers=num_workers, progress=progress, documents=docs, extra_meta=meta,
-                            overwrite=overwrite)
+    try:
+        index = prepare_dataset(list(paths), out_dir, tokenizer, name=name, shard_bytes=shard_bytes,
+                                num_workers=num_workers, progress=progress, documents=docs, extra_meta=meta,
+                                overwrite=overwrite)
+    except EmptySourceError:
+        counts = {k: v for k, v in bad["counts"].items() if v}
+        if not counts:
+            raise
+        raise ChatError(f"no row of {', '.join(map(str, paths))} is a conversation this format takes ("
+                        + "; ".join(f"{v} {k}, the first at {bad['first'][k]}" for k, v in counts.items())
+                        + '); each line must hold {"messages": [{"role": ..., "content": ...}, ...]} with an '
+                          "assistant turn: nothing was written") from None
     nbad = sum(bad["counts"].values())
     if nbad:
         log.warning("chat source %s: %d bad conversations not written: %s (first of each: %s)", index["name"],

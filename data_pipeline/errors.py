@@ -21,6 +21,10 @@ class SourceError(DataError):
     """A source path is missing, unreadable or holds no documents."""
 
 
+class EmptySourceError(SourceError):
+    """A source yields no document: every one is empty (or was skipped as a bad row)."""
+
+
 class CorruptShardError(DataError):
     """A shard is truncated, unreadable or its content does not match its index."""
 

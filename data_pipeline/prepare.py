@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from .errors import OutOfSpaceError, SourceError
+from .errors import EmptySourceError, OutOfSpaceError, SourceError, UserError
 from .output_dir import OutputDirError, earlier_output, replace_dir
 from .shards import (ARRAY_FILES, FORMAT, FORMAT_VERSION, INDEX_FILE, LEGACY_SAMPLES_FILE, SHARDS_FILE, sample_key,
                      shard_name)
@@ -472,13 +472,17 @@ def _prepare(documents, out_dir: Path, tmp: Path, tokenizer, *, name, thash, voc
                                            (lambda s, n, f: _finished(tmp, s, n, f)) if resumed else None):
             kept += not fresh
             finish(info, fresh)
+    except UserError:  # bad input (a missing column, a bad row): nothing to resume unless a shard is done
+        if not any(tmp.glob("shard-*.tar")):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         if pbar is not None:
             pbar.close()
     if not infos:
         shutil.rmtree(tmp)
         where = ", ".join(map(str, paths)) if paths else name
-        raise SourceError(f"source {name!r} is empty: no non-empty documents in {where} "
+        raise EmptySourceError(f"source {name!r} is empty: no non-empty documents in {where} "
                           f"({counts.get('empty', 0)} empty skipped)")
     infos.sort(key=lambda i: i["shard"])
     index = _write_index(tmp, infos, name=name, thash=thash, tokenizer=tokenizer, vocab=vocab, eos=eos, bos=bos,

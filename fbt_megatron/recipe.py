@@ -203,6 +203,9 @@ class Recipe(Section):
                 DataConfig.model_validate(dict(d.pipeline, seq_length=d.seq_length))
             except ValidationError as err:
                 problems.append(format_validation_error(err, prefix="data.pipeline.", root=DataConfig))
+        if d.source == "synthetic" and d.pipeline is not None:
+            problems.append("data.pipeline is set but data.source is 'synthetic', which would ignore it; add "
+                            "data.source=pipeline to train on it, or data.pipeline=null for synthetic data")
         if d.source == "synthetic" and d.synthetic.vocab_size > self.model.vocab_size:
             problems.append(f"data.synthetic.vocab_size={d.synthetic.vocab_size} exceeds "
                             f"model.vocab_size={self.model.vocab_size}")
@@ -292,7 +295,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, value = text.split("=", 1)
     if not key:
         raise RecipeError(f"override {text!r} has no key")
-    return key.split("."), yaml.safe_load(value) if value != "" else ""
+    try:
+        return key.split("."), yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError as err:  # often a value with spaces that the shell split into several words
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError(f"override {text!r}: the value is not valid YAML ({problem}); when the value has "
+                          f"spaces, quote the whole override, as in \"{key}={{a: 1, b: 2}}\"") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -157,6 +157,22 @@ def test_a_conversation_of_exactly_max_tokens_is_kept(tmp_path, fx):
         assert index["num_shards"] == 1  # the default shard size (16 MiB) holds a small dataset in one shard
 
 
+def test_a_file_with_no_conversation_is_refused_as_such(tmp_path, fx):
+    """Plain-text JSONL given to ``--format chat``: the sentence says no row is a conversation, by kind and
+    where the first of each is (not "no non-empty documents"), and nothing is written."""
+    from data_pipeline.chat import ChatError, prepare_chat
+
+    src = tmp_path / "plain.jsonl"
+    src.write_text(json.dumps({"text": "a document"}) + "\n" + "{not json\n")
+    with pytest.raises(ChatError) as e:
+        prepare_chat([str(src)], tmp_path / "out", fx["tokenizer"], progress=False)
+    assert str(e.value) == (f"no row of {src} is a conversation this format takes (1 invalid_json, the first at "
+                            f"{src}:2; 1 not_a_conversation, the first at {src}:1); each line must hold "
+                            '{"messages": [{"role": ..., "content": ...}, ...]} with an assistant turn: nothing '
+                            "was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.jsonl"]
+
+
 def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx):
     """One run has one chat template (it ships with the checkpoints and the export): a mix of chat
     datasets prepared with different templates is refused, naming the sources, before SFT runs."""

@@ -88,6 +88,7 @@ def test_bad_inputs_name_file_and_row(tmp_path):
     with pytest.raises(SourceError, match=r"nulls.parquet row 12: field 'text' is null"):
         prepare_dataset([str(nulls)], tmp_path / "out", tok, progress=False)
     assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out.tmp").exists()  # no shard was done: nothing to resume is left behind
     index = prepare_dataset([str(nulls)], tmp_path / "out", tok, progress=False, skip_bad_rows=True)
     assert index["num_samples"] == 39 and index["skipped_bad_rows"] == 1 and "row 12" in index["first_bad_row"]
 

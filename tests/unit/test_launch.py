@@ -9,7 +9,7 @@ from fbt_megatron.launch.submit import JobSpec, submit
 
 # The big recipes' data (data/pretrain) lives on the cluster: the run plan checks the tokenizer and the
 # sources at submit, so here they train on synthetic data.
-CLUSTER_DATA = ["data.source=synthetic"]
+CLUSTER_DATA = ["data.source=synthetic", "data.pipeline=null"]
 
 
 @pytest.mark.parametrize("recipe,nodes", [("fbt-1b-400b", 8), ("fbt-3b", 16), ("fbt-7b", 32), ("fbt-13b", 64)])

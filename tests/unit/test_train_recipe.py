@@ -103,6 +103,28 @@ def test_overrides_apply_and_parse_yaml_scalars():
         load_recipe(data={}, overrides=["optimizer.lr"])
 
 
+def test_an_override_split_by_the_shell_is_one_sentence():
+    """Unquoted, ``data.pipeline={sources: [...]}`` reaches the parser as several words, the first one
+    ``data.pipeline={sources:``: its YAML error names the override and the quoting, no traceback."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={}, overrides=["data.pipeline={sources:", "[{name:", "mine,"])
+    assert str(e.value) == ("override 'data.pipeline={sources:': the value is not valid YAML (expected the node "
+                            "content, but found '<stream end>'); when the value has spaces, quote the whole "
+                            "override, as in \"data.pipeline={a: 1, b: 2}\"")
+
+
+def test_a_pipeline_section_with_synthetic_data_is_refused():
+    """data.pipeline without data.source=pipeline would be ignored: the run would train on generated tokens."""
+    pipeline = {"sources": [{"name": "mine", "path": "data/mine", "weight": 1}], "tokenizer": "tok.model"}
+    with pytest.raises(RecipeError) as e:
+        load_recipe(data={"data": {"source": "synthetic"}}, overrides=[f"data.pipeline={pipeline}"])
+    assert ("data.pipeline is set but data.source is 'synthetic', which would ignore it; add data.source=pipeline "
+            "to train on it, or data.pipeline=null for synthetic data") in str(e.value)
+    assert load_recipe(data={"data": {"source": "pipeline", "pipeline": pipeline}},
+                       overrides=["data.source=synthetic", "data.pipeline=null"]).data.pipeline is None
+    assert load_recipe(data={"data": {"source": "pipeline", "pipeline": pipeline}}).data.pipeline == pipeline
+
+
 def test_impossible_layouts_fail_with_key():
     r = load_recipe(data={"parallel": {"tensor": 2}})
     with pytest.raises(RecipeError) as e:
