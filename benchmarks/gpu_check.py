@@ -230,7 +230,7 @@ def install_wheelhouse(wheels_dir: Path | None, python: str = sys.executable) ->
             raise CheckFailed(f"no wheelhouse at {wheels_dir} and {', '.join(missing)} not importable: build it "
                               f"with `make gpu-wheels` where there is network and copy build/gpu-wheels here")
         raise NotRun(f"no wheelhouse at {wheels_dir}; this Python already has every package the check imports")
-    wheels = sorted(wheels_dir.glob("*.whl"))
+    wheels = wheelhouse_wheels(wheels_dir)
     check(bool(wheels), f"the wheelhouse {wheels_dir} holds no wheels: rebuild it with make gpu-wheels")
     chosen = wheels_to_install(wheels, installed_distributions())
     cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-warn-script-location",
@@ -245,10 +245,19 @@ def install_wheelhouse(wheels_dir: Path | None, python: str = sys.executable) ->
             "wheelhouse_mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1)}
 
 
+def wheelhouse_wheels(wheels_dir: Path) -> list[Path]:
+    """The wheels ``make gpu-wheels`` built into ``wheels_dir`` (listed in its MANIFEST): another wheel
+    left there is not installed. A folder without MANIFEST (made by hand): every ``*.whl`` in it."""
+    manifest = wheels_dir / "MANIFEST"
+    if manifest.is_file():
+        return sorted(wheels_dir / name for name in manifest.read_text().split() if (wheels_dir / name).is_file())
+    return sorted(wheels_dir.glob("*.whl"))
+
+
 def wheelhouse_mib(wheels_dir: Path | None) -> float:
     if wheels_dir is None or not wheels_dir.is_dir():
         return 0.0
-    return sum(w.stat().st_size for w in wheels_dir.glob("*.whl")) / 2**20
+    return sum(w.stat().st_size for w in wheelhouse_wheels(wheels_dir)) / 2**20
 
 
 # --------------------------------------------------------------------------- one GPU

@@ -11,8 +11,8 @@ wheel. torch, Triton, Transformer Engine and NVIDIA libraries are never included
 kept. Prints a table of the wheels and their total size; exit status 1 when the total is over
 ``--limit-mib`` (default 64: what travels with the work tree), 2 on a bad requirements file.
 
-Files it wrote before (listed in ``--out``/MANIFEST) are replaced; other files there are left alone
-and counted in the size.
+Files it wrote before (listed in ``--out``/MANIFEST) are replaced; other files there are left alone,
+counted in the size and named (``benchmarks/gpu_check.py`` installs only the wheels MANIFEST lists).
 """
 
 from __future__ import annotations
@@ -125,8 +125,17 @@ def main(argv=None) -> int:
         print(f"gpu_wheels: {a.out} holds {total:.1f} MiB, over the {a.limit_mib:g} MiB that travel with the work "
               f"tree; take a package out of {a.requirements}", file=sys.stderr)
         return 1
-    print(f"gpu_wheels: {len(wheels)} wheels, {total:.1f} MiB of {a.limit_mib:g} in {a.out}; on the GPU machine: "
-          f"python benchmarks/gpu_check.py --wheels {a.out}")
+    manifest = Path(a.out) / MANIFEST
+    built = set(manifest.read_text().split()) if manifest.is_file() else {w.name for w in wheels}
+    foreign = [w.name for w in wheels if w.name not in built]
+    if foreign:
+        print(f"gpu_wheels: {a.out} also holds {', '.join(foreign)}, which this build did not make: counted in the "
+              "size, not installed by the GPU check")
+    default = Path(a.out).resolve() == (ROOT / "build" / "gpu-wheels").resolve()
+    then = ("make gpu-check GPU_PY=python3" if default
+            else f"python3 benchmarks/gpu_check.py --wheels {a.out} --budget 480")
+    print(f"gpu_wheels: {len(wheels)} wheels, {total:.1f} MiB of {a.limit_mib:g} in {a.out}; on the GPU machine, "
+          f"from the work tree: {then} (docs/guides/first-gpu-run.md)")
     return 0
 
 

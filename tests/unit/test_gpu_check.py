@@ -4,6 +4,7 @@ RNG tracker, the 1B step through DeepSpeed's bf16 engine, the multi-GPU runs' on
 
 import importlib.util
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,26 @@ def test_wheelhouse_install_keeps_what_the_image_has(tmp_path):
         gpu_check.wheels_to_install(wheels + [tmp_path / "torch-2.11.0-cp312-cp312-x.whl"], set())
     with pytest.raises(gpu_check.NotRun, match="no wheelhouse"):
         gpu_check.install_wheelhouse(tmp_path / "absent")  # this Python has every module the check needs
+
+
+def test_the_check_installs_only_the_wheels_the_build_listed(tmp_path, monkeypatch):
+    """make gpu-wheels lists its wheels in MANIFEST: a wheel left beside them is not installed; a folder
+    made by hand (no MANIFEST) is installed whole."""
+    for name in ("numpy-2.4.6-cp312-cp312-x.whl", "fbt_megatron-0.1.0-py3-none-any.whl", "mine-1.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"w")
+    assert [w.name for w in gpu_check.wheelhouse_wheels(tmp_path)] == [
+        "fbt_megatron-0.1.0-py3-none-any.whl", "mine-1.0-py3-none-any.whl", "numpy-2.4.6-cp312-cp312-x.whl"]
+    (tmp_path / "MANIFEST").write_text("fbt_megatron-0.1.0-py3-none-any.whl\nnumpy-2.4.6-cp312-cp312-x.whl\n")
+    assert [w.name for w in gpu_check.wheelhouse_wheels(tmp_path)] == [
+        "fbt_megatron-0.1.0-py3-none-any.whl", "numpy-2.4.6-cp312-cp312-x.whl"]
+    pip = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda cmd, **kw: pip.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    monkeypatch.setattr(gpu_check, "installed_distributions", lambda: set())
+    monkeypatch.setattr(gpu_check, "missing_modules", lambda: [])
+    assert gpu_check.install_wheelhouse(tmp_path)["installed"] == [
+        "fbt_megatron-0.1.0-py3-none-any.whl", "numpy-2.4.6-cp312-cp312-x.whl"]
+    assert not any("mine-1.0" in arg for arg in pip[0])
 
 
 def test_gpu_tests_collect_only_the_files_with_gpu_tests():

@@ -87,3 +87,31 @@ def test_over_the_limit_fails_and_says_so(tmp_path, monkeypatch, capsys):
     assert "3.00  total" in captured.out and "over the 2 MiB" in captured.err
     assert tool.main(["--requirements", str(req), "--out", str(out), "--limit-mib", "4"]) == 0
     assert "1 wheels, 3.0 MiB of 4" in capsys.readouterr().out
+
+
+def test_a_wheel_the_build_did_not_make_is_named_and_the_next_step_is_the_guides(tmp_path, monkeypatch, capsys):
+    """A wheel of yours in --out stays, is counted and named (the GPU check does not install it); the last
+    line names the command of docs/guides/first-gpu-run.md."""
+    req = tmp_path / "req.txt"
+    req.write_text("numpy==2.4.6\n")
+    out = tmp_path / "wheels"
+    out.mkdir()
+    (out / "mine-1.0-py3-none-any.whl").write_bytes(b"mine")
+
+    def fake_build(out_dir, requirements, python_version):
+        (out_dir / "numpy-2.4.6-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"\0" * 1024)
+        (out_dir / tool.MANIFEST).write_text("numpy-2.4.6-cp312-cp312-manylinux_2_28_x86_64.whl\n")
+        return sorted(out_dir.glob("*.whl"))
+
+    monkeypatch.setattr(tool, "build", fake_build)
+    assert tool.main(["--requirements", str(req), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2] == (f"gpu_wheels: {out} also holds mine-1.0-py3-none-any.whl, which this build did not make: "
+                         "counted in the size, not installed by the GPU check")
+    assert lines[-1].endswith(f"on the GPU machine, from the work tree: python3 benchmarks/gpu_check.py --wheels "
+                              f"{out} --budget 480 (docs/guides/first-gpu-run.md)")
+    assert (out / "mine-1.0-py3-none-any.whl").read_bytes() == b"mine"
+    monkeypatch.setattr(tool, "ROOT", tmp_path / "repo")
+    (tmp_path / "repo" / "build" / "gpu-wheels").mkdir(parents=True)
+    assert tool.main(["--requirements", str(req), "--out", str(tmp_path / "repo" / "build" / "gpu-wheels")]) == 0
+    assert "from the work tree: make gpu-check GPU_PY=python3 (docs" in capsys.readouterr().out
