@@ -232,6 +232,10 @@ def install_wheelhouse(wheels_dir: Path | None, python: str = sys.executable) ->
         raise NotRun(f"no wheelhouse at {wheels_dir}; this Python already has every package the check imports")
     wheels = wheelhouse_wheels(wheels_dir)
     check(bool(wheels), f"the wheelhouse {wheels_dir} holds no wheels: rebuild it with make gpu-wheels")
+    listed = (wheels_dir / "MANIFEST").read_text().split() if (wheels_dir / "MANIFEST").is_file() else []
+    lost = sorted(set(listed) - {w.name for w in wheels})
+    check(not lost, f"the wheelhouse {wheels_dir} lacks {', '.join(lost)}, which its MANIFEST lists: copy the "
+                    "whole folder again")
     chosen = wheels_to_install(wheels, installed_distributions())
     cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-warn-script-location",
            "--disable-pip-version-check", *map(str, chosen)]

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import SourceError
+from .errors import EmptySourceError, SourceError
 from .output_dir import OutputDirError, earlier_output
 from .prepare import (DATASET_ENTRIES, WRITER, _finished, _shard_tasks, _write_index, drop_shard_meta, exclusive_lock,
                       run_shard_tasks)
@@ -308,7 +308,7 @@ def merge(adir: str | os.PathLike) -> dict:
         return _finish_merge(adir, plan, out, aside, infos, moved)  # a merge stopped after its move
     _check_tokenizer(plan)
     if not infos:
-        raise SourceError(f"source {plan['name']!r} is empty: no non-empty documents in {', '.join(plan['paths'])} "
+        raise EmptySourceError(f"source {plan['name']!r} is empty: no non-empty documents in {', '.join(plan['paths'])} "
                           f"({sum(r['empty'] for r in recs)} empty skipped)")
     sample = 0
     for k, info in enumerate(infos):

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 BAD_KINDS = ("invalid_json", "not_a_conversation", "unknown_role", "no_assistant_turn", "too_long")
+BAD_KIND_WORDS = {"invalid_json": "not JSON", "not_a_conversation": "not a conversation",
+                  "unknown_role": "a role other than system, user and assistant",
+                  "no_assistant_turn": "no assistant turn", "too_long": "longer than --max-tokens"}
 TEMPLATE_FILE = "chat_template.jinja"
 
 # Zephyr-style turns: a role header line, the content, EOS as the end-of-turn token. The assistant's
@@ -245,10 +248,12 @@ def prepare_chat(paths, out_dir, tokenizer, *, chat_template: str | None = None,
         counts = {k: v for k, v in bad["counts"].items() if v}
         if not counts:
             raise
-        raise ChatError(f"no row of {', '.join(map(str, paths))} is a conversation this format takes ("
-                        + "; ".join(f"{v} {k}, the first at {bad['first'][k]}" for k, v in counts.items())
-                        + '); each line must hold {"messages": [{"role": ..., "content": ...}, ...]} with an '
-                          "assistant turn: nothing was written") from None
+        words = {**BAD_KIND_WORDS, "too_long": f"longer than --max-tokens {max_tokens}"}
+        found = "; ".join(f"{words[k]}: {v}, the first at {bad['first'][k]}" for k, v in counts.items())
+        fix = ("raise --max-tokens" if set(counts) == {"too_long"} else
+               'each line must hold {"messages": [{"role": ..., "content": ...}, ...]} with an assistant turn')
+        raise ChatError(f"no row of {', '.join(map(str, paths))} can be used ({found}); {fix}: nothing was "
+                        "written") from None
     nbad = sum(bad["counts"].values())
     if nbad:
         log.warning("chat source %s: %d bad conversations not written: %s (first of each: %s)", index["name"],

@@ -130,7 +130,9 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
     async_save: bool = Field(False, description="Write checkpoints in the background.")
     at_end: bool = Field(True, description="Save a checkpoint after the last step.")
-    resume: bool = Field(True, description="Resume from the run directory's latest checkpoint.")
+    resume: bool | Literal["required"] = Field(
+        True, description="Resume from the run directory's latest checkpoint; 'required': refuse to start without "
+        "one (a recipe that continues a checkpoint, such as fbt convert from-hf's).")
     verify_on_load: bool = Field(
         True, description="Check every checkpoint file's checksum before a resume or init_from loads it, as fbt ckpt "
         "verify does.")
@@ -300,7 +302,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as err:  # often a value with spaces that the shell split into several words
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise RecipeError(f"override {text!r}: the value is not valid YAML ({problem}); when the value has "
-                          f"spaces, quote the whole override, as in \"{key}={{a: 1, b: 2}}\"") from None
+                          f"spaces, quote the whole override, as in \"{text} ...\"") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -357,10 +359,15 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
 
 def load_saved_recipe(data: dict) -> Recipe:
     """The recipe saved in a checkpoint's state.json, read with the rules it was trained under (a
-    checkpoint written before ``feedback.first_input`` existed used the ``state`` rule)."""
+    checkpoint written before ``feedback.first_input`` existed used the ``state`` rule; one written before
+    a ``data.pipeline`` beside synthetic data was refused trained without it: it is left out)."""
     from fbt_megatron.config import saved_feedback_section
 
-    return load_recipe(data={**data, "feedback": saved_feedback_section(data.get("feedback"))})
+    saved_data = data.get("data")
+    if isinstance(saved_data, dict) and saved_data.get("source", "synthetic") == "synthetic":
+        saved_data = {**saved_data, "pipeline": None}
+    return load_recipe(data={**data, "feedback": saved_feedback_section(data.get("feedback")),
+                             **({"data": saved_data} if saved_data is not None else {})})
 
 
 # What a checkpoint was trained with that its resumption keeps: the pass-input rule and the

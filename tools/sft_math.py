@@ -299,7 +299,8 @@ def main(argv=None) -> int:
     from fbt_megatron.research.report import check_report_files, provenance_record
     from fbt_megatron.research.sft import held_out_problems
 
-    check_report_files(Path(a.out), "sft")  # before the runs, not after them
+    out = ROOT / a.out  # relative paths name places in the repository (the runs chdir there)
+    check_report_files(out, "sft")  # before the runs, not after them
 
     t0 = time.perf_counter()
     os.chdir(ROOT)  # the recipes name data/embedded relative to the repository
@@ -313,7 +314,7 @@ def main(argv=None) -> int:
         per_seed.append(measure_all(dirs, problems, a))
     data = {"args": vars(a), "rows": summarise(per_seed), "per_seed": per_seed,
             "provenance": provenance_record(run_command(a), time.perf_counter() - t0)}
-    print(render(data, Path(a.out)).read_text())
+    print(render(data, out).read_text())
     return 0
 
 

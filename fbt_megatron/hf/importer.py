@@ -116,7 +116,7 @@ def build_recipe(cfg: dict, stock: bool, out: Path, fusion: str | None) -> dict:
     seq = min(int(prov.get("seq_length", 0) or 0) or 512, model["max_sequence_length"])
     return {
         "name": out.name,
-        "run_dir": str(out.resolve()),  # the recipe continues this folder from wherever it is run
+        "run_dir": str(out),
         "model": model,
         "feedback": feedback,
         "schedule": schedule,
@@ -126,7 +126,8 @@ def build_recipe(cfg: dict, stock: bool, out: Path, fusion: str | None) -> dict:
         # model's tokenizer (`fbt data prepare --tokenizer <out>/hf_import`) by setting data.source=pipeline.
         "data": {"source": "synthetic", "seq_length": seq, "synthetic": {"vocab_size": model["vocab_size"]}},
         "train": {"steps": 1000},
-        "checkpoint": {"every": 200, "resume": True},
+        # never a random model: without the imported checkpoint in run_dir the run is refused
+        "checkpoint": {"every": 200, "resume": "required"},
     }
 
 
@@ -194,15 +195,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, fusion: str | None = N
                                               "steps": 0, "tokens_seen": 0, "pass_counts": {},
                                               "schedule": recipe.schedule.model_dump(mode="json")}
     (keep / "provenance.json").write_text(json.dumps(prov or {}, indent=1, sort_keys=True))
-    header = (RECIPE_HEADER + ". Continue with: fbt train {}\n".format(out.resolve() / "recipe.yaml")
+    header = (RECIPE_HEADER + ". Continue with: fbt train {}\n".format(out / "recipe.yaml")
               + ("# Latent feedback was freshly initialised: it needs this dedicated feedback phase (the pass\n"
                  "# mix runs from step 0); it cannot be switched on for a stock checkpoint without training.\n"
                  if stock and recipe.feedback.fusion != "off" else "")
               + "# data: synthetic tokens as written; for real training set data.source=pipeline with shards\n"
-              + "# tokenized by the model's tokenizer: `fbt data prepare --tokenizer {}`.\n".format(out.resolve() / IMPORT_DIR))
-    # a run with another run_dir starts from the imported weights, never from random ones (and with this
-    # folder moved, init_from names a missing path: refused); a resume here reads its own checkpoints
-    recipe_data["init_from"] = str(path.resolve())
+              + "# tokenized by the model's tokenizer: `fbt data prepare --tokenizer {}`.\n".format(out / IMPORT_DIR))
     (out / "recipe.yaml").write_text(header + yaml.safe_dump(recipe_data, sort_keys=False))
     log(f"imported {root} ({'stock ' + cfg['model_type'] if stock else 'FBT export'}) -> {path}")
     return path

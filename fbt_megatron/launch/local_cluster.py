@@ -267,7 +267,7 @@ class LocalCluster:
             raise ClusterDirError(f"{root} holds no local cluster (no pids.json): nothing to stop") from None
         except (OSError, ValueError, KeyError, TypeError):
             raise ClusterDirError(f"{root / 'pids.json'} is not a record local_cluster wrote: nothing was "
-                                  "stopped") from None
+                                  "changed") from None
 
 
 def _cmdline(pid: int) -> str:
@@ -323,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             LocalCluster.attach(root).stop()
     except UserError as e:
         return report("local_cluster", e)
+    except ClusterError as e:  # the daemons or their packages: the message holds the log's tail
+        print(f"local_cluster: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

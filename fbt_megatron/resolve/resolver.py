@@ -213,6 +213,11 @@ def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
                               f"checkpoints; choose another run_dir or remove {root}")
         return ResumePlan(None, (), recipe.init_from), None
     if not (root / LATEST).exists():
+        if recipe.checkpoint.resume == "required":  # e.g. a relative run_dir read from another directory
+            where = "" if Path(recipe.run_dir or "").is_absolute() else f" (from {Path.cwd()})"
+            raise RecipeError(f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, but {root}"
+                              f"{where} holds none; run it from the directory that holds {recipe.run_dir}, "
+                              "or set run_dir to that folder's full path")
         return ResumePlan(None, (), recipe.init_from), None
     try:
         latest = resolve_checkpoint(root)

@@ -290,10 +290,10 @@ def test_stock_llama_import(tmp_path, single_process):
         assert rel(back(ids).logits, theirs) < 1e-6
 
 
-def test_the_imported_recipe_continues_the_import_from_any_directory(tmp_path, single_process, monkeypatch, capsys):
-    """The recipe from-hf writes resumes its import when run from another directory (its run_dir is the
-    folder's full path), and with another run_dir it starts from the imported weights (init_from), never from
-    random ones; a relative CHECKPOINT_DIR, as the guide gives it."""
+def test_the_imported_recipe_never_trains_a_random_model(tmp_path, single_process, monkeypatch, capsys):
+    """The recipe from-hf writes resumes its import where its run_dir (relative, as the guide gives it) finds
+    the checkpoint; from another directory, or with another run_dir, it finds none and is refused in one
+    sentence (checkpoint.resume: required) instead of training a freshly initialised model."""
     import yaml
 
     from fbt_megatron.cli import main
@@ -301,21 +301,24 @@ def test_the_imported_recipe_continues_the_import_from_any_directory(tmp_path, s
 
     _stock_llama(tmp_path / "llama")
     monkeypatch.chdir(tmp_path)
-    checkpoint = import_hf(Path("llama"), Path("runs/llama-fbt"), log=lambda *a: None).resolve()
+    checkpoint = import_hf(Path("llama"), Path("runs/llama-fbt"), log=lambda *a: None)
+    recipe = str(tmp_path / "runs/llama-fbt/recipe.yaml")
+
+    capsys.readouterr()
+    assert main(["train", recipe, "--dry-run"]) == 0
+    resumed = yaml.safe_load(capsys.readouterr().out)["resolved"]
+    assert resumed["resume"]["checkpoint"] == str(checkpoint) and resumed["steps"]["resumed_at"] == 0
+
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-
-    def plan(*overrides) -> dict:
-        capsys.readouterr()
-        assert main(["train", str(tmp_path / "runs/llama-fbt/recipe.yaml"), *overrides, "--dry-run"]) == 0
-        return yaml.safe_load(capsys.readouterr().out)["resolved"]
-
-    resumed = plan()
-    assert resumed["run_dir"] == str(tmp_path / "runs/llama-fbt")
-    assert resumed["resume"]["checkpoint"] == str(checkpoint) and resumed["steps"]["resumed_at"] == 0
-    variant = plan("run_dir=variant")
-    assert variant["resume"]["checkpoint"] is None and variant["resume"]["init_from"] == str(checkpoint)
-    assert not (tmp_path / "elsewhere" / "variant").exists()  # a dry run writes nothing
+    for overrides, run_dir in (([], "runs/llama-fbt"), (["run_dir=variant"], "variant")):
+        assert main(["train", recipe, *overrides, "--dry-run"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"fbt train: error: recipe key 'checkpoint.resume': the recipe continues a checkpoint, but "
+            f"{run_dir}/checkpoints (from {tmp_path / 'elsewhere'}) holds none; run it from the directory that "
+            f"holds {run_dir}, or set run_dir to that folder's full path")
+    assert main(["train", recipe, f"run_dir={tmp_path / 'runs/llama-fbt'}", "--dry-run"]) == 0
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []  # nothing written
 
 
 def test_standard_export_is_transformers_llama(exported, tmp_path, single_process):

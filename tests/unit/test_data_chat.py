@@ -166,11 +166,17 @@ def test_a_file_with_no_conversation_is_refused_as_such(tmp_path, fx):
     src.write_text(json.dumps({"text": "a document"}) + "\n" + "{not json\n")
     with pytest.raises(ChatError) as e:
         prepare_chat([str(src)], tmp_path / "out", fx["tokenizer"], progress=False)
-    assert str(e.value) == (f"no row of {src} is a conversation this format takes (1 invalid_json, the first at "
-                            f"{src}:2; 1 not_a_conversation, the first at {src}:1); each line must hold "
+    assert str(e.value) == (f"no row of {src} can be used (not JSON: 1, the first at {src}:2; not a conversation: "
+                            f"1, the first at {src}:1); each line must hold "
                             '{"messages": [{"role": ..., "content": ...}, ...]} with an assistant turn: nothing '
                             "was written")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.jsonl"]
+    long = tmp_path / "long.jsonl"  # well-formed, every one over --max-tokens: the fix is the flag
+    long.write_text("".join(json.dumps(c) + "\n" for c in fx["conversations"][:3]))
+    with pytest.raises(ChatError) as e:
+        prepare_chat([str(long)], tmp_path / "out", fx["tokenizer"], max_tokens=4, progress=False)
+    assert str(e.value) == (f"no row of {long} can be used (longer than --max-tokens 4: 3, the first at {long}:1); "
+                            "raise --max-tokens: nothing was written")
 
 
 def test_sources_with_different_chat_templates_are_refused_by_name(tmp_path, fx):

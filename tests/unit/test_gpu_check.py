@@ -137,6 +137,10 @@ def test_the_check_installs_only_the_wheels_the_build_listed(tmp_path, monkeypat
     assert gpu_check.install_wheelhouse(tmp_path)["installed"] == [
         "fbt_megatron-0.1.0-py3-none-any.whl", "numpy-2.4.6-cp312-cp312-x.whl"]
     assert not any("mine-1.0" in arg for arg in pip[0])
+    (tmp_path / "numpy-2.4.6-cp312-cp312-x.whl").unlink()  # a copy that lost a wheel: named, nothing installed
+    with pytest.raises(gpu_check.CheckFailed, match="lacks numpy-2.4.6-cp312-cp312-x.whl, which its MANIFEST lists"):
+        gpu_check.install_wheelhouse(tmp_path)
+    assert len(pip) == 1
 
 
 def test_gpu_tests_collect_only_the_files_with_gpu_tests():

@@ -73,4 +73,17 @@ def test_stop_without_a_cluster_is_one_sentence(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
     (tmp_path / "pids.json").write_text("my own json\n")
     assert local_cluster.main(["stop", str(tmp_path)]) == 2
-    assert "pids.json is not a record local_cluster wrote: nothing was stopped" in capsys.readouterr().err
+    assert "pids.json is not a record local_cluster wrote: nothing was changed" in capsys.readouterr().err
+
+
+def test_a_start_that_fails_before_its_daemons_says_why(tmp_path, capsys, monkeypatch):
+    """Missing packages (or any failure before the first daemon) into a new DIR: that sentence, exit 1, not a
+    FileNotFoundError from the clean-up writing pids.json into a DIR that was never made."""
+    def no_packages(log=print):
+        raise local_cluster.ClusterError("SLURM packages ['munge'] are missing and installing them needs root")
+
+    monkeypatch.setattr(local_cluster, "install_packages", no_packages)
+    assert local_cluster.main(["start", str(tmp_path / "new")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "local_cluster: error: SLURM packages ['munge'] are missing and installing them needs root")
+    assert not (tmp_path / "new").exists()

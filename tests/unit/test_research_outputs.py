@@ -107,3 +107,17 @@ def test_the_conversations_replace_only_an_earlier_conversations_file(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.touch()
     assert write_conversations(empty, n_docs=3) == first
+
+
+def test_sft_math_checks_the_out_it_will_write_from_any_directory(tmp_path, monkeypatch):
+    """sft_math's runs move into the repository, so a relative --out names a place there: the early check
+    looks at that place, not at the caller's directory."""
+    module = tool("sft_math")
+    monkeypatch.setattr(module, "ROOT", tmp_path / "repo")
+    monkeypatch.setattr(importlib.import_module("data_pipeline.embedded"), "build_embedded", ran)
+    (tmp_path / "repo" / "out").mkdir(parents=True)
+    (tmp_path / "repo" / "out" / "sft.md").write_text("# my notes\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(OutputDirError, match="holds sft.md, which a research tool did not write"):
+        module.main(["run", "--out", "out"])
