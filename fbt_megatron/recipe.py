@@ -133,6 +133,18 @@ class CheckpointConfig(Section):
     resume: bool | Literal["required"] = Field(
         True, description="Resume from the run directory's latest checkpoint; 'required': refuse to start without "
         "one (a recipe that continues a checkpoint, such as fbt convert from-hf's).")
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_value(cls, value):
+        """One sentence for a value that is none of the three (the union would report each branch)."""
+        if isinstance(value, bool) or value == "required":
+            return value
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"must be true, false or required, not {value!r}")
     verify_on_load: bool = Field(
         True, description="Check every checkpoint file's checksum before a resume or init_from loads it, as fbt ckpt "
         "verify does.")

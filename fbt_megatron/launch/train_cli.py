@@ -9,7 +9,8 @@ cores shared among its ranks, or ``FBT_CPU_THREADS`` threads when set:
     torchrun --nproc-per-node 2 -m fbt_megatron.cli train recipes/tiny.yaml parallel.zero_stage=2
 
 A run resumes automatically from ``<run_dir>/checkpoints/latest``. To start over, give a new ``run_dir``
-(``checkpoint.resume=false`` refuses a run_dir that holds checkpoints).
+(``checkpoint.resume=false`` refuses a run_dir that holds checkpoints; ``checkpoint.resume: required``, in
+``fbt convert from-hf``'s recipes, refuses one that holds none).
 
 ``--dry-run`` prints the resolved plan as YAML and writes nothing: ``recipe`` (every default filled; a
 recipe ``fbt train`` reads back) and ``resolved`` (layout and DP size, micro-batches per step,

@@ -199,6 +199,17 @@ def _files_not_ours(recipe: Recipe) -> list[str]:
     return []
 
 
+def _no_checkpoint_to_continue(run_dir: Path, latest: Path) -> str:
+    """The refusal of ``checkpoint.resume: required`` without ``latest``: a relative run_dir missing from
+    this directory was most likely meant from another one; a new run from saved weights takes init_from."""
+    new_run = "for a new run from a checkpoint's weights, add init_from=CHECKPOINT checkpoint.resume=true"
+    if not run_dir.is_absolute() and not run_dir.exists():
+        return (f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, but {run_dir} does not exist "
+                f"in {Path.cwd()}: run it from the directory that holds {run_dir}, or set run_dir to its full path; "
+                f"{new_run}")
+    return f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, but {latest} does not exist; {new_run}"
+
+
 def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
     """The run's latest checkpoint (``checkpoint.resume``), the feedback rule adopted from it, and
     ``init_from`` (weights only) when there is none; a new run never mixes into an older run's checkpoints."""
@@ -213,11 +224,8 @@ def _resume(recipe: Recipe) -> tuple[ResumePlan, str | None]:
                               f"checkpoints; choose another run_dir or remove {root}")
         return ResumePlan(None, (), recipe.init_from), None
     if not (root / LATEST).exists():
-        if recipe.checkpoint.resume == "required":  # e.g. a relative run_dir read from another directory
-            where = "" if Path(recipe.run_dir or "").is_absolute() else f" (from {Path.cwd()})"
-            raise RecipeError(f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, but {root}"
-                              f"{where} holds none; run it from the directory that holds {recipe.run_dir}, "
-                              "or set run_dir to that folder's full path")
+        if recipe.checkpoint.resume == "required":
+            raise RecipeError(_no_checkpoint_to_continue(recipe.resolved_run_dir(), root / LATEST))
         return ResumePlan(None, (), recipe.init_from), None
     try:
         latest = resolve_checkpoint(root)

@@ -311,14 +311,18 @@ def test_the_imported_recipe_never_trains_a_random_model(tmp_path, single_proces
 
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    for overrides, run_dir in (([], "runs/llama-fbt"), (["run_dir=variant"], "variant")):
-        assert main(["train", recipe, *overrides, "--dry-run"]) == 2
-        assert capsys.readouterr().err.strip() == (
-            f"fbt train: error: recipe key 'checkpoint.resume': the recipe continues a checkpoint, but "
-            f"{run_dir}/checkpoints (from {tmp_path / 'elsewhere'}) holds none; run it from the directory that "
-            f"holds {run_dir}, or set run_dir to that folder's full path")
+    assert main(["train", recipe]) == 2  # a real run, refused before it writes anything
+    assert capsys.readouterr().err.strip().endswith(
+        f"the recipe continues a checkpoint, but runs/llama-fbt does not exist in {tmp_path / 'elsewhere'}: run it "
+        "from the directory that holds runs/llama-fbt, or set run_dir to its full path; for a new run from a "
+        "checkpoint's weights, add init_from=CHECKPOINT checkpoint.resume=true")
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
     assert main(["train", recipe, f"run_dir={tmp_path / 'runs/llama-fbt'}", "--dry-run"]) == 0
-    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []  # nothing written
+    capsys.readouterr()
+    # a new run from the import, as the refusal and the guide say
+    assert main(["train", recipe, "run_dir=variant", f"init_from={checkpoint.resolve()}", "checkpoint.resume=true",
+                 "--dry-run"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["resolved"]["resume"]["init_from"] == str(checkpoint.resolve())
 
 
 def test_standard_export_is_transformers_llama(exported, tmp_path, single_process):

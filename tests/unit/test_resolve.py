@@ -231,6 +231,34 @@ def test_the_plan_counts_the_steps_this_invocation_trains_from_the_resumed_step(
     assert len(calls.read_text().splitlines()) == 2  # raised train.steps: it trains on
 
 
+def test_a_recipe_that_continues_a_checkpoint_is_refused_without_one(tmp_path, monkeypatch):
+    """checkpoint.resume: required (fbt convert from-hf's recipes) never starts a fresh model: a relative
+    run_dir missing here says where to run from; an existing or absolute one without ``latest`` names the
+    missing file; both say how to start a new run from saved weights instead."""
+    monkeypatch.chdir(tmp_path)
+    new_run = "for a new run from a checkpoint's weights, add init_from=CHECKPOINT checkpoint.resume=true"
+
+    def refusal(run_dir) -> str:
+        with pytest.raises(PlanError) as e:
+            resolve_run(load_recipe(data={"run_dir": run_dir, "checkpoint": {"resume": "required"}}), 1, CPU)
+        return str(e.value)
+
+    assert refusal("runs/imported") == (
+        f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, but runs/imported does not exist in "
+        f"{tmp_path}: run it from the directory that holds runs/imported, or set run_dir to its full path; {new_run}")
+    (tmp_path / "runs" / "emptied" / "checkpoints" / "step_00000004").mkdir(parents=True)  # no `latest`
+    assert refusal("runs/emptied") == (f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, but "
+                                       f"runs/emptied/checkpoints/latest does not exist; {new_run}")
+    assert refusal(str(tmp_path / "gone")) == (f"recipe key 'checkpoint.resume': the recipe continues a checkpoint, "
+                                               f"but {tmp_path / 'gone'}/checkpoints/latest does not exist; {new_run}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing written
+    assert resolve_run(load_recipe(data={"run_dir": "runs/new"}), 1, CPU).resume.checkpoint is None  # true: a new run
+    with pytest.raises(RecipeError, match=r"recipe key 'checkpoint.resume': must be true, false or required, not "
+                                          r"'Required'"):
+        load_recipe(data={"checkpoint": {"resume": "Required"}})
+    assert load_recipe(data={}, overrides=["checkpoint.resume=yes"]).checkpoint.resume is True
+
+
 def test_a_resume_with_another_network_is_refused_by_the_plan_naming_every_key(tmp_path):
     """The checkpoint was trained with 4 layers of width 128 and the GLU fusion: a recipe that changes any of
     them is refused before launch, every changed key named with both values; dropout, recomputation and the
