@@ -40,17 +40,28 @@ def describe_change(name: str, old: dict | None, new: dict | None) -> str | None
     return f"source '{name}' ({new['path']}): {', '.join(what)}" if what else None
 
 
-def data_changes(saved: dict | None, now: dict | None) -> list[str]:
-    """One phrase per source whose dataset differs between a checkpoint's record and now."""
+def trained_on_synthetic(state: dict) -> bool:
+    """Whether a checkpoint's state.json is of steps trained on synthetic data (an import's step 0 is not:
+    it has consumed nothing, so it may go on to any data)."""
+    recipe, train_state = state.get("recipe") or {}, state.get("train_state") or {}
+    return (recipe.get("data") or {}).get("source") == "synthetic" and int(train_state.get("step", 0)) > 0
+
+
+def data_changes(saved: dict | None, now: dict | None, *, from_synthetic: bool = False) -> list[str]:
+    """One phrase per source whose dataset differs between a checkpoint's record and now (``from_synthetic``:
+    the checkpoint trained on synthetic data, so prepared data now is a change of every source)."""
+    if from_synthetic and now is not None:
+        return ["the checkpoint trained on synthetic data (data.source: synthetic), the recipe reads prepared data"]
     if not saved or now is None:
         return []  # a checkpoint from before the record, or synthetic data
     names = list(dict.fromkeys([*saved, *now]))
     return [c for n in names if (c := describe_change(n, saved.get(n), now.get(n)))]
 
 
-def check_resume_data(checkpoint: str, saved: dict | None, now: dict | None, allow: bool) -> list[str]:
+def check_resume_data(checkpoint: str, saved: dict | None, now: dict | None, allow: bool, *,
+                      from_synthetic: bool = False) -> list[str]:
     """The changes (allowed), or :class:`DataChangedError` in one sentence naming the first source."""
-    changes = data_changes(saved, now)
+    changes = data_changes(saved, now, from_synthetic=from_synthetic)
     if changes and not allow:
         more = f" (and {len(changes) - 1} other source(s))" if len(changes) > 1 else ""
         raise DataChangedError(

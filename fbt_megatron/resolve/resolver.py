@@ -170,12 +170,14 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
     from data_pipeline.config import DataConfig
     from data_pipeline.errors import DataError
     from fbt_megatron.checkpoint.discovery import read_checkpoint_state
-    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
+    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints, trained_on_synthetic
 
-    saved = (read_checkpoint_state(checkpoint).get("data") or {}).get("fingerprints")
+    state = read_checkpoint_state(checkpoint)
+    saved = (state.get("data") or {}).get("fingerprints")
     try:
         now = data_fingerprints(DataConfig.model_validate(data_config))
-        check_resume_data(str(checkpoint), saved, now, recipe.checkpoint.allow_data_change)
+        check_resume_data(str(checkpoint), saved, now, recipe.checkpoint.allow_data_change,
+                          from_synthetic=trained_on_synthetic(state))
     except DataError as e:  # a changed dataset, or an index that cannot be read
         return [f"recipe key 'data.pipeline': {e}"], None
     return [], now

@@ -246,15 +246,16 @@ def _data_record(recipe: Recipe, data_config, latest: Path | None, run_dir: Path
     import time
 
     from fbt_megatron.checkpoint import read_checkpoint_state
-    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints
+    from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints, trained_on_synthetic
 
     now = known if known is not None else data_fingerprints(data_config)
-    saved = read_checkpoint_state(latest).get("data") or {} if latest is not None else {}
-    changes = check_resume_data(str(latest), saved.get("fingerprints"), now,
-                                recipe.checkpoint.allow_data_change) if latest is not None else []
+    state = read_checkpoint_state(latest) if latest is not None else {}
+    saved = state.get("data") or {}
+    changes = check_resume_data(str(latest), saved.get("fingerprints"), now, recipe.checkpoint.allow_data_change,
+                                from_synthetic=trained_on_synthetic(state)) if latest is not None else []
     history = list(saved.get("changes", []))
     if changes:
-        step = read_checkpoint_state(latest)["train_state"]["step"]
+        step = state["train_state"]["step"]
         row = {"event": "data_changed", "step": step, "time": time.time(), "changes": changes}
         history.append({k: row[k] for k in ("step", "changes")})
         log(f"data changed since {latest} (checkpoint.allow_data_change=true): {'; '.join(changes)}")

@@ -348,6 +348,26 @@ def test_a_resume_on_changed_data_is_refused_before_launch(tmp_path, monkeypatch
     assert resolve_run(load_recipe(data=data), 1, CPU).resume.checkpoint == step
 
 
+def test_a_resume_from_synthetic_steps_onto_prepared_data_is_a_data_change(tmp_path):
+    """Steps trained on synthetic data (as fbt convert from-hf's recipe runs as written), resumed on prepared
+    data: refused as a data change, with the flag that continues (its loader position names no document);
+    an import's step 0, which consumed nothing, goes on to prepared data as is."""
+    data, step = _resumed_run_on_a_dataset(tmp_path, {})
+    state = {"recipe": {"data": {"source": "synthetic"}}, "train_state": {"step": 20}, "data": {"fingerprints": None}}
+    (step / "state.json").write_text(json.dumps(state))
+    with pytest.raises(PlanError) as e:
+        resolve_run(load_recipe(data=data), 1, CPU)
+    assert e.value.problems[0] == (
+        f"recipe key 'data.pipeline': the data changed since checkpoint {step}: the checkpoint trained on synthetic "
+        "data (data.source: synthetic), the recipe reads prepared data, so resuming would train on other data; "
+        "restore the dataset, start a new run_dir, or set checkpoint.allow_data_change=true to continue on the new "
+        "data deliberately")
+    assert resolve_run(load_recipe(data={**data, "checkpoint": {"allow_data_change": True}}), 1, CPU).resume.checkpoint \
+        == step
+    (step / "state.json").write_text(json.dumps({**state, "train_state": {"step": 0}}))
+    assert resolve_run(load_recipe(data=data), 1, CPU).resume.checkpoint == step
+
+
 def test_a_held_out_count_a_source_cannot_spare_is_a_plan_problem(tmp_path):
     """``data.pipeline.valid_documents`` that would hold out every document of a source: the plan (so
     --dry-run and slurm submit) names the recipe key and the source, as the loader would at start-up."""
