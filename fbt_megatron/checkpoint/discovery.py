@@ -67,3 +67,25 @@ def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return f"{crc:08x}"
+
+
+def check_given_tokenizer(checkpoint: Path, given: str | Path) -> None:
+    """``--tokenizer GIVEN`` for ``checkpoint``: refused (:class:`UserError`) when the checkpoint carries the
+    run's tokenizer (``tokenizer.json`` or ``tokenizer.model``, as every save on tokenized data does) and GIVEN
+    is another one (compared by that file's bytes); a wrong tokenizer would decode or export text the model
+    never saw, without a word."""
+    import hashlib
+
+    from data_pipeline.tokenizer import tokenizer_files
+
+    name = next((n for n in ("tokenizer.json", "tokenizer.model") if (checkpoint / n).is_file()), None)
+    try:
+        theirs = tokenizer_files(given).get(name) if name else None
+    except (OSError, ValueError, UserError):
+        return  # a missing or unreadable path is the loader's sentence to say
+    if theirs is None:
+        return  # nothing to compare: no copy in the checkpoint, or a tokenizer of the other kind (the loader says)
+    digest = [hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16] for f in (checkpoint / name, theirs)]
+    if digest[0] != digest[1]:
+        raise UserError(f"--tokenizer {given} is not the tokenizer {checkpoint} was trained with ({name} "
+                        f"{digest[1]}, the run's {digest[0]}): leave --tokenizer out to use the checkpoint's copy")

@@ -89,9 +89,12 @@ def load_for_inference(path: str | os.PathLike, *, tokenizer: str | None = None,
                        need_tokenizer: bool = True) -> LoadedModel:
     """Build the run's model for the current parallel layout, fill it from the checkpoint, eval mode."""
     from fbt_megatron.checkpoint import load_model_weights, read_checkpoint_state
+    from fbt_megatron.checkpoint.discovery import check_given_tokenizer
     from fbt_megatron.generate.model import build_inference_model
 
     ckpt = resolve_checkpoint(path)
+    if tokenizer is not None:  # before the model is built and loaded
+        check_given_tokenizer(ckpt, tokenizer)
     state = read_checkpoint_state(ckpt)
     recipe = state.get("recipe")
     if not isinstance(recipe, dict) or "model" not in recipe:

@@ -261,6 +261,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}")
     from fbt_megatron.checkpoint import read_checkpoint_state
+    from fbt_megatron.checkpoint.discovery import check_given_tokenizer
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never written over (data_pipeline.output_dir)
@@ -272,6 +273,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     recipe = _recipe(state)
     if standard:
         mapping.check_llama_class(recipe.model, recipe.feedback)
+    if tokenizer:
+        check_given_tokenizer(path, tokenizer)
     tok_source = given_tokenizer(tokenizer) if tokenizer else tokenizer_source(path, recipe)
     rows = mapping.weight_rows(recipe.model, recipe.feedback)
     reader = CheckpointTensors(path)
