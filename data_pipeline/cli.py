@@ -143,13 +143,44 @@ def _cmd_inspect(a) -> int:
     return 0
 
 
-def _cmd_peek(a) -> int:
+def _peek_config(path: Path):
+    """The stream's DataConfig from a mix.yaml (``data:`` a DataConfig) or a training recipe (its
+    ``data.pipeline``, or the embedded mix it builds); a file that is neither is one sentence."""
+    from pydantic import ValidationError
+
     from .config import DataConfig
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise DataError(f"{path} is not YAML{at}: give a mix.yaml or a recipe") from None
+    data = raw.get("data", raw) if isinstance(raw, dict) else None
+    if isinstance(data, dict) and ("source" in data or "pipeline" in data):  # a training recipe's data section
+        if data.get("source", "synthetic") == "synthetic":
+            raise DataError(f"{path} trains on synthetic data (data.source: synthetic): there is no stream to peek")
+        if data.get("pipeline") is None:  # the embedded mix, as fbt train builds it
+            mix = Path(data.get("embedded_dir") or "data/embedded") / "mix.yaml"
+            if not mix.is_file():
+                raise DataError(f"{path} reads the embedded mix, which is not built at {mix}: run fbt data embedded")
+            return _peek_config(mix)
+        data = {**data["pipeline"], "seq_length": data.get("seq_length", 64)}
+    if not isinstance(data, dict):
+        raise DataError(f"{path} is neither a mix.yaml nor a recipe: it holds no data mapping")
+    try:
+        return DataConfig(**data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise DataError(f"{path} is neither a mix.yaml nor a recipe with data.pipeline: {where}: {first['msg']}") from None
+
+
+def _cmd_peek(a) -> int:
     from .loader import build_loader
     from .tokenizer import load_tokenizer
 
-    raw = yaml.safe_load(Path(a.recipe).read_text())
-    cfg = DataConfig(**(raw.get("data", raw)))
+    cfg = _peek_config(Path(a.recipe))
     sp = load_tokenizer(cfg.tokenizer)
     loader = build_loader(cfg, micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1,
                           consumed_sequences=a.start, split=a.split)

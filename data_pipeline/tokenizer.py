@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -209,6 +210,23 @@ def train_tokenizer(
     if not sentences:
         raise SourceError("tokenizer training input holds no text")
     buf = io.BytesIO()
+    try:
+        _train_sentencepiece(spm, sentences, buf, vocab_size, model_type, max_sentences, seed_sentencepiece_size,
+                             num_threads)
+    except RuntimeError as err:  # sentencepiece's own check, e.g. fewer pieces than the text's characters
+        found = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if found is None:
+            raise
+        raise SourceError(f"--vocab-size {found[1]} is smaller than the {found[2]} characters and special pieces "
+                          f"the text needs: raise --vocab-size to at least {found[2]}") from None
+    tmp = out_model.with_suffix(out_model.suffix + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, out_model)
+    return tokenizer_hash(out_model)
+
+
+def _train_sentencepiece(spm, sentences, buf, vocab_size, model_type, max_sentences, seed_sentencepiece_size,
+                         num_threads) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=buf,
@@ -233,7 +251,3 @@ def train_tokenizer(
         num_threads=num_threads or max(1, os.cpu_count() or 1),
         minloglevel=2,
     )
-    tmp = out_model.with_suffix(out_model.suffix + ".tmp")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, out_model)
-    return tokenizer_hash(out_model)

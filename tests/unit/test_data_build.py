@@ -39,6 +39,16 @@ def test_tokenizer_roundtrip_byte_fallback_and_hash(fx, tmp_path):
     assert tokenizer_hash(tmp_path / "copy.model") == tokenizer_hash(fx["tokenizer"])
 
 
+def test_a_vocabulary_smaller_than_the_texts_characters_is_one_sentence(tmp_path, capsys):
+    """sentencepiece's own RuntimeError (required characters over the vocabulary) as the flag to change."""
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("".join(chr(c) for c in range(0x4E00, 0x4E00 + 400)) * 3 + "\n")
+    assert cli.main(["tokenizer", "--input", str(corpus), "--out", str(tmp_path / "t.model"), "--vocab-size", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "error: --vocab-size 64 is smaller than the " in err and "raise --vocab-size to at least " in err
+    assert "Traceback" not in err and not (tmp_path / "t.model").exists()
+
+
 def test_cli_trains_unigram_tokenizer(fx, tmp_path, capsys):
     out = tmp_path / "u.model"
     rc = cli.main(["tokenizer", "--input", str(fx["root"] / "raw" / "web.jsonl"), str(fx["root"] / "raw" / "code"),
@@ -215,3 +225,20 @@ def test_cli_inspect_and_peek(fx, tmp_path, capsys):
     assert cli.main(["peek", str(recipe), "--sequences", "1", "--split", "valid"]) == 0
     out = capsys.readouterr().out
     assert "--- valid sequence 0" in out and "Question: what is" in out
+
+    # a training recipe: its data.pipeline is the stream (before: a pydantic traceback); synthetic data has none
+    training = tmp_path / "train.yaml"
+    training.write_text(yaml.safe_dump({"data": {"source": "pipeline", "seq_length": 48, "pipeline": {
+        "tokenizer": fx["tokenizer"], "sources": [{"name": "math", "path": str(fx["root"] / "math"), "weight": 1.0}]}}}))
+    assert cli.main(["peek", str(training), "--sequences", "1"]) == 0
+    assert "Question: what is" in capsys.readouterr().out
+    training.write_text(yaml.safe_dump({"data": {"source": "synthetic"}}))
+    assert cli.main(["peek", str(training)]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"{training} trains on synthetic data (data.source: synthetic): there is no stream to peek")
+    for text, said in (("data: {tokenizer: t}\n", "is neither a mix.yaml nor a recipe with data.pipeline: sources: "
+                                                   "Field required"),
+                       ("# notes\nnot: [yaml\n", "is not YAML (line 3, column 1): give a mix.yaml or a recipe")):
+        training.write_text(text)
+        assert cli.main(["peek", str(training)]) == 2
+        assert capsys.readouterr().err.strip().endswith(f"{training} {said}"), text
