@@ -160,12 +160,16 @@ def _peek_config(path: Path):
     if isinstance(data, dict) and ("source" in data or "pipeline" in data):  # a training recipe's data section
         if data.get("source", "synthetic") == "synthetic":
             raise DataError(f"{path} trains on synthetic data (data.source: synthetic): there is no stream to peek")
+        # as fbt train reads it: the row length and the data order's seed are the recipe's
+        own = {"seq_length": data.get("seq_length", 64), **({"seed": data["seed"]} if data.get("seed") is not None
+                                                             else {})}
         if data.get("pipeline") is None:  # the embedded mix, as fbt train builds it
-            mix = Path(data.get("embedded_dir") or "data/embedded") / "mix.yaml"
-            if not mix.is_file():
-                raise DataError(f"{path} reads the embedded mix, which is not built at {mix}: run fbt data embedded")
-            return _peek_config(mix)
-        data = {**data["pipeline"], "seq_length": data.get("seq_length", 64)}
+            where = Path(data.get("embedded_dir") or "data/embedded")
+            if not (where / "mix.yaml").is_file():
+                raise DataError(f"{path} reads the embedded mix, which is not built at {where} (relative to this "
+                                f"directory): run fbt data embedded --out {where}")
+            return _peek_config(where / "mix.yaml").model_copy(update=own)
+        data = {**data["pipeline"], **own}
     if not isinstance(data, dict):
         raise DataError(f"{path} is neither a mix.yaml nor a recipe: it holds no data mapping")
     try:

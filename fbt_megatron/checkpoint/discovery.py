@@ -70,22 +70,27 @@ def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def check_given_tokenizer(checkpoint: Path, given: str | Path) -> None:
-    """``--tokenizer GIVEN`` for ``checkpoint``: refused (:class:`UserError`) when the checkpoint carries the
-    run's tokenizer (``tokenizer.json`` or ``tokenizer.model``, as every save on tokenized data does) and GIVEN
-    is another one (compared by that file's bytes); a wrong tokenizer would decode or export text the model
-    never saw, without a word."""
+    """``--tokenizer GIVEN`` for ``checkpoint``: refused (:class:`UserError`) when the run's tokenizer is known
+    (the copy its checkpoints carry, as every save on tokenized data does, or an import's ``hf_import/``) and
+    GIVEN is another one: another kind, or the same kind with other bytes; a wrong tokenizer would decode or
+    export text the model never saw, without a word."""
     import hashlib
 
     from data_pipeline.tokenizer import tokenizer_files
 
-    name = next((n for n in ("tokenizer.json", "tokenizer.model") if (checkpoint / n).is_file()), None)
+    imported = checkpoint.parent.parent / "hf_import"  # fbt convert from-hf's copy (hf.export.IMPORT_DIR)
+    own = next(((d / n) for d in (checkpoint, imported) for n in ("tokenizer.json", "tokenizer.model")
+                if (d / n).is_file()), None)
+    if own is None:
+        return  # nothing to compare with (synthetic data, an older checkpoint)
     try:
-        theirs = tokenizer_files(given).get(name) if name else None
+        files = tokenizer_files(given)
     except (OSError, ValueError, UserError):
         return  # a missing or unreadable path is the loader's sentence to say
-    if theirs is None:
-        return  # nothing to compare: no copy in the checkpoint, or a tokenizer of the other kind (the loader says)
-    digest = [hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16] for f in (checkpoint / name, theirs)]
-    if digest[0] != digest[1]:
-        raise UserError(f"--tokenizer {given} is not the tokenizer {checkpoint} was trained with ({name} "
-                        f"{digest[1]}, the run's {digest[0]}): leave --tokenizer out to use the checkpoint's copy")
+    kind = "tokenizer.json" if "tokenizer.json" in files else "tokenizer.model"
+    digest = [hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16] for f in (own, files[kind])]
+    if digest[0] != digest[1]:  # another kind of tokenizer has other bytes too
+        what = (f"a {kind}, the run's is a {own.name}" if kind != own.name else
+                f"its {kind} differs byte for byte: {digest[1]}, the run's {digest[0]}")
+        raise UserError(f"--tokenizer {given} is not the tokenizer {checkpoint} was trained with ({what}): leave "
+                        "--tokenizer out to use the run's own copy")

@@ -62,6 +62,11 @@ def check_resume_data(checkpoint: str, saved: dict | None, now: dict | None, all
                       from_synthetic: bool = False) -> list[str]:
     """The changes (allowed), or :class:`DataChangedError` in one sentence naming the first source."""
     changes = data_changes(saved, now, from_synthetic=from_synthetic)
+    if changes and not allow and from_synthetic:
+        raise DataChangedError(
+            f"checkpoint {checkpoint} trained on synthetic data (data.source: synthetic) and the recipe reads "
+            "prepared data: set data.source=synthetic to go on as before, start a new run_dir, or set "
+            "checkpoint.allow_data_change=true to continue on the prepared data")
     if changes and not allow:
         more = f" (and {len(changes) - 1} other source(s))" if len(changes) > 1 else ""
         raise DataChangedError(

@@ -54,7 +54,7 @@ def parse_args(argv):
     p.add_argument("--data-dir", default="data/eval", help="local files of the bundled tasks")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="run model-generated programs (sandboxed subprocess) for code tasks")
-    p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
+    p.add_argument("--tokenizer", help="a sentencepiece .model, a tokenizer.json or a folder of either; for a checkpoint without the run's copy (another one is refused)")
     p.add_argument("--seed", type=number(int, ge=0), default=0)
     p.add_argument("--apply-chat-template", action="store_true",
                    help="render each prompt with the checkpoint's chat template (lm-eval's flag; an `fbt sft` run)")

@@ -43,7 +43,7 @@ def parse_args(argv):
                    help="a prompt longer than the context leaves room for: refuse it (none, default) or keep "
                         "its last tokens (left)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded together")
-    p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's)")
+    p.add_argument("--tokenizer", help="a sentencepiece .model, a tokenizer.json or a folder of either; for a checkpoint without the run's copy (another one is refused)")
     p.add_argument("--chat", action="store_true",
                    help="apply the checkpoint's chat template (an `fbt sft` run): each prompt is a user turn")
     p.add_argument("--system", help="with --chat: a system prompt before each user turn")

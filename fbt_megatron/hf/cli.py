@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     to.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     to.add_argument("--max-shard-size", type=parse_size, default=None,
                     help="largest safetensors shard, e.g. 2GB, 500MB (default: export.DEFAULT_SHARD_BYTES, 2 GiB)")
-    to.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: the run's own)")
+    to.add_argument("--tokenizer", default=None, help="a sentencepiece .model, a tokenizer.json or a folder of either; for a checkpoint without the run's copy (another one is refused)")
     to.add_argument("--standard", action="store_true",
                     help="a plain LlamaForCausalLM checkpoint (no remote code, no fusion): standard decoding; "
                          "Llama-class recipes only")

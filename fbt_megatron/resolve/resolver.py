@@ -178,8 +178,9 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
         now = data_fingerprints(DataConfig.model_validate(data_config))
         check_resume_data(str(checkpoint), saved, now, recipe.checkpoint.allow_data_change,
                           from_synthetic=trained_on_synthetic(state))
-    except DataError as e:  # a changed dataset, or an index that cannot be read
-        return [f"recipe key 'data.pipeline': {e}"], None
+    except DataError as e:  # a changed dataset (or data source), or an index that cannot be read
+        key = "data.source" if trained_on_synthetic(state) else "data.pipeline"
+        return [f"recipe key {key!r}: {e}"], None
     return [], now
 
 

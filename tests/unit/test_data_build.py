@@ -232,6 +232,19 @@ def test_cli_inspect_and_peek(fx, tmp_path, capsys):
         "tokenizer": fx["tokenizer"], "sources": [{"name": "math", "path": str(fx["root"] / "math"), "weight": 1.0}]}}}))
     assert cli.main(["peek", str(training), "--sequences", "1"]) == 0
     assert "Question: what is" in capsys.readouterr().out
+    from data_pipeline.cli import _peek_config
+
+    training.write_text(yaml.safe_dump({"data": {"source": "pipeline", "seq_length": 16, "seed": 7, "pipeline": {
+        "tokenizer": fx["tokenizer"], "sources": [{"name": "math", "path": str(fx["root"] / "math"), "weight": 1.0}]}}}))
+    assert (_peek_config(training).seq_length, _peek_config(training).seed) == (16, 7)  # as fbt train reads it
+    (tmp_path / "emb").mkdir()
+    (tmp_path / "emb" / "mix.yaml").write_text(recipe.read_text())
+    training.write_text(yaml.safe_dump({"data": {"source": "pipeline", "seq_length": 24, "seed": 5,
+                                                 "embedded_dir": str(tmp_path / "emb")}}))
+    assert (_peek_config(training).seq_length, _peek_config(training).seed) == (24, 5)
+    training.write_text(yaml.safe_dump({"data": {"source": "pipeline", "embedded_dir": str(tmp_path / "none")}}))
+    assert cli.main(["peek", str(training)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"run fbt data embedded --out {tmp_path / 'none'}")
     training.write_text(yaml.safe_dump({"data": {"source": "synthetic"}}))
     assert cli.main(["peek", str(training)]) == 2
     assert capsys.readouterr().err.strip().endswith(

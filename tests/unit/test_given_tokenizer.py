@@ -20,10 +20,21 @@ def test_another_tokenizer_than_the_checkpoints_copy_is_refused(tmp_path):
     with pytest.raises(UserError) as e:
         check_given_tokenizer(step, tmp_path / "other.model")
     assert str(e.value).startswith(f"--tokenizer {tmp_path / 'other.model'} is not the tokenizer {step} was trained "
-                                   "with (tokenizer.model ")
-    assert str(e.value).endswith("leave --tokenizer out to use the checkpoint's copy")
+                                   "with (its tokenizer.model differs byte for byte: ")
+    assert str(e.value).endswith("leave --tokenizer out to use the run's own copy")
+    (tmp_path / "hf").mkdir()  # a tokenizer of the other kind
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match=r"\(a tokenizer.json, the run's is a tokenizer.model\)"):
+        check_given_tokenizer(step, tmp_path / "hf")
     check_given_tokenizer(step, tmp_path / "missing.model")  # the loader names a missing file
-    check_given_tokenizer(tmp_path / "run", tmp_path / "other.model")  # no copy to compare with
+    bare = tmp_path / "bare" / "checkpoints" / "step_00000004"
+    bare.mkdir(parents=True)
+    check_given_tokenizer(bare, tmp_path / "other.model")  # no copy to compare with
+    (tmp_path / "bare" / "hf_import").mkdir()  # fbt convert from-hf's copy of the source's tokenizer
+    (tmp_path / "bare" / "hf_import" / "tokenizer.json").write_text("{}")
+    check_given_tokenizer(bare, tmp_path / "hf" / "tokenizer.json")
+    with pytest.raises(UserError, match=r"\(a tokenizer.model, the run's is a tokenizer.json\)"):
+        check_given_tokenizer(bare, tmp_path / "other.model")
 
 
 @pytest.mark.parametrize("command", ["to-hf", "generate"])

@@ -358,10 +358,9 @@ def test_a_resume_from_synthetic_steps_onto_prepared_data_is_a_data_change(tmp_p
     with pytest.raises(PlanError) as e:
         resolve_run(load_recipe(data=data), 1, CPU)
     assert e.value.problems[0] == (
-        f"recipe key 'data.pipeline': the data changed since checkpoint {step}: the checkpoint trained on synthetic "
-        "data (data.source: synthetic), the recipe reads prepared data, so resuming would train on other data; "
-        "restore the dataset, start a new run_dir, or set checkpoint.allow_data_change=true to continue on the new "
-        "data deliberately")
+        f"recipe key 'data.source': checkpoint {step} trained on synthetic data (data.source: synthetic) and the "
+        "recipe reads prepared data: set data.source=synthetic to go on as before, start a new run_dir, or set "
+        "checkpoint.allow_data_change=true to continue on the prepared data")
     assert resolve_run(load_recipe(data={**data, "checkpoint": {"allow_data_change": True}}), 1, CPU).resume.checkpoint \
         == step
     (step / "state.json").write_text(json.dumps({**state, "train_state": {"step": 0}}))
