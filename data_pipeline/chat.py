@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 BAD_KINDS = ("invalid_json", "not_a_conversation", "unknown_role", "no_assistant_turn", "too_long")
+# the kinds in words (too_long, which names the limit, is worded where it is known)
 BAD_KIND_WORDS = {"invalid_json": "not JSON", "not_a_conversation": "not a conversation",
                   "unknown_role": "a role other than system, user and assistant",
-                  "no_assistant_turn": "no assistant turn", "too_long": "longer than --max-tokens"}
+                  "no_assistant_turn": "no assistant turn"}
 TEMPLATE_FILE = "chat_template.jinja"
 
 # Zephyr-style turns: a role header line, the content, EOS as the end-of-turn token. The assistant's

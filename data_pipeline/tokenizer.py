@@ -211,8 +211,30 @@ def train_tokenizer(
         raise SourceError("tokenizer training input holds no text")
     buf = io.BytesIO()
     try:
-        _train_sentencepiece(spm, sentences, buf, vocab_size, model_type, max_sentences, seed_sentencepiece_size,
-                             num_threads)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=buf,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=True,
+            split_digits=True,
+            character_coverage=0.9995,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            user_defined_symbols=["\n", "\t"],
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            max_sentence_length=16384,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            seed_sentencepiece_size=seed_sentencepiece_size,
+            hard_vocab_limit=False,
+            num_threads=num_threads or max(1, os.cpu_count() or 1),
+            minloglevel=2,
+        )
     except RuntimeError as err:  # sentencepiece's own check, e.g. fewer pieces than the text's characters
         found = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if found is None:
@@ -223,31 +245,3 @@ def train_tokenizer(
     tmp.write_bytes(buf.getvalue())
     os.replace(tmp, out_model)
     return tokenizer_hash(out_model)
-
-
-def _train_sentencepiece(spm, sentences, buf, vocab_size, model_type, max_sentences, seed_sentencepiece_size,
-                         num_threads) -> None:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=buf,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        byte_fallback=True,
-        split_digits=True,
-        character_coverage=0.9995,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        user_defined_symbols=["\n", "\t"],
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        max_sentence_length=16384,
-        input_sentence_size=max_sentences,
-        shuffle_input_sentence=True,
-        seed_sentencepiece_size=seed_sentencepiece_size,
-        hard_vocab_limit=False,
-        num_threads=num_threads or max(1, os.cpu_count() or 1),
-        minloglevel=2,
-    )

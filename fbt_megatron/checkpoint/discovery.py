@@ -74,9 +74,7 @@ def check_given_tokenizer(checkpoint: Path, given: str | Path) -> None:
     (the copy its checkpoints carry, as every save on tokenized data does, or an import's ``hf_import/``) and
     GIVEN is another one: another kind, or the same kind with other bytes; a wrong tokenizer would decode or
     export text the model never saw, without a word."""
-    import hashlib
-
-    from data_pipeline.tokenizer import tokenizer_files
+    from data_pipeline.tokenizer import tokenizer_files, tokenizer_hash
 
     imported = checkpoint.parent.parent / "hf_import"  # fbt convert from-hf's copy (hf.export.IMPORT_DIR)
     own = next(((d / n) for d in (checkpoint, imported) for n in ("tokenizer.json", "tokenizer.model")
@@ -88,7 +86,7 @@ def check_given_tokenizer(checkpoint: Path, given: str | Path) -> None:
     except (OSError, ValueError, UserError):
         return  # a missing or unreadable path is the loader's sentence to say
     kind = "tokenizer.json" if "tokenizer.json" in files else "tokenizer.model"
-    digest = [hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16] for f in (own, files[kind])]
+    digest = [tokenizer_hash(f) for f in (own, files[kind])]  # of the one file: its bytes
     if digest[0] != digest[1]:  # another kind of tokenizer has other bytes too
         what = (f"a {kind}, the run's is a {own.name}" if kind != own.name else
                 f"its {kind} differs byte for byte: {digest[1]}, the run's {digest[0]}")

@@ -173,13 +173,13 @@ def _changed_data(recipe: Recipe, data_config: dict, checkpoint: Path) -> tuple[
     from fbt_megatron.data.fingerprint import check_resume_data, data_fingerprints, trained_on_synthetic
 
     state = read_checkpoint_state(checkpoint)
-    saved = (state.get("data") or {}).get("fingerprints")
+    saved, from_synthetic = (state.get("data") or {}).get("fingerprints"), trained_on_synthetic(state)
     try:
         now = data_fingerprints(DataConfig.model_validate(data_config))
         check_resume_data(str(checkpoint), saved, now, recipe.checkpoint.allow_data_change,
-                          from_synthetic=trained_on_synthetic(state))
+                          from_synthetic=from_synthetic)
     except DataError as e:  # a changed dataset (or data source), or an index that cannot be read
-        key = "data.source" if trained_on_synthetic(state) else "data.pipeline"
+        key = "data.source" if from_synthetic else "data.pipeline"
         return [f"recipe key {key!r}: {e}"], None
     return [], now
 
