@@ -46,7 +46,7 @@ import numpy as np
 from .errors import EmptySourceError, SourceError
 from .output_dir import OutputDirError, earlier_output
 from .prepare import (DATASET_ENTRIES, WRITER, _finished, _shard_tasks, _write_index, drop_shard_meta, exclusive_lock,
-                      run_shard_tasks)
+                      held_dataset, run_shard_tasks)
 from .shards import FORMAT_VERSION, INDEX_FILE, Dataset, DatasetReader, shard_name
 from .sources import Unit, expand_paths, fingerprint_files, iter_units, list_units
 from .tokenizer import load_tokenizer, resolve_bos, tokenizer_hash
@@ -151,7 +151,7 @@ def _check_out(out_dir: Path, plan_id: str, overwrite: bool) -> None:
     index = _read_json(out_dir / INDEX_FILE)
     if isinstance(index, dict) and (index.get("prepare") or {}).get("plan") == plan_id:
         return  # a merge of this plan stopped after its move
-    raise OutputDirError(f"--out {out_dir} holds a dataset of other inputs or settings: nothing was changed; "
+    raise OutputDirError(f"--out {out_dir} holds {held_dataset(index, by_array=True)}: nothing was changed; "
                          f"pass --overwrite to replace it, or choose another directory")
 
 

@@ -118,11 +118,13 @@ def _cmd_prepare_task(a) -> int:
 
 
 def _cmd_embedded(a) -> int:
-    from .embedded import build_embedded
+    from .embedded import build_embedded, settle_mix_settings
 
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     data = build_embedded(a.out, vocab_size=a.vocab_size, code_mb=a.code_mb, prose_mb=a.prose_mb,
                           math_docs=a.math_docs, seed=a.seed, num_workers=a.workers, seq_length=a.seq_length,
-                          force=a.force, progress=not a.quiet, log=lambda m: print(m, file=sys.stderr))
+                          force=a.force, progress=not a.quiet, log=log)
+    settle_mix_settings(a.out, seq_length=a.seq_length, seed=a.seed, log=log)  # the file says what is printed
     print(yaml.safe_dump({"data": data}, sort_keys=False), end="")
     return 0
 
@@ -173,11 +175,17 @@ def _peek_config(path: Path):
     if not isinstance(data, dict):
         raise DataError(f"{path} is neither a mix.yaml nor a recipe: it holds no data mapping")
     try:
-        return DataConfig(**data)
+        cfg = DataConfig(**data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise DataError(f"{path} is neither a mix.yaml nor a recipe with data.pipeline: {where}: {first['msg']}") from None
+    named = Path(cfg.tokenizer)
+    if (path.parent / "embedded.json").is_file() and named.is_absolute() and not named.exists() \
+            and named.parent.resolve() != path.parent.resolve():  # a copied or moved embedded build
+        raise DataError(f"{path} names the files of the embedded build at {named.parent}, which are not there: "
+                        f"run fbt data embedded --out {path.parent} to point it at this build's own")
+    return cfg
 
 
 def _cmd_peek(a) -> int:

@@ -214,13 +214,47 @@ def _point_mix_here(out: Path, log) -> None:
     section["tokenizer"] = str(home / "tokenizer.model")
     for s in sources:
         s["path"] = str(home / s["name"])
-    header = "".join(itertools.takewhile(lambda line: line.startswith("#"), text.splitlines(keepends=True)))
-    try:  # a reader sees the old file or the new one; two callers at once each write their own temporary
-        write_text_atomic(mix, header + yaml.safe_dump(raw, sort_keys=False))
+    try:
+        _rewrite_mix(mix, text, raw)
     except OSError as e:
         log(f"could not point {mix} at {home} ({e.strerror}); it still names the files in {old}")
         return
     log(f"{mix} named the files in {old}; it now names those in {home} (the build was copied or moved)")
+
+
+def _rewrite_mix(mix: Path, text: str, raw: dict) -> None:
+    """Write ``raw`` over ``mix`` (whose text was ``text``), keeping its leading comment lines."""
+    header = "".join(itertools.takewhile(lambda line: line.startswith("#"), text.splitlines(keepends=True)))
+    # a reader sees the old file or the new one; two callers at once each write their own temporary
+    write_text_atomic(mix, header + yaml.safe_dump(raw, sort_keys=False))
+
+
+def settle_mix_settings(out: str | os.PathLike, *, seq_length: int, seed: int, log=print) -> None:
+    """Set the ``seq_length`` and ``seed`` of the build's ``mix.yaml`` to those asked where they differ, keeping
+    its other keys: an earlier build's file holds the values its build was asked for, and the section
+    ``fbt data embedded`` prints must be the file's. A file that does not parse is left as it is."""
+    mix = Path(out) / "mix.yaml"
+    try:
+        text = mix.read_text()
+        raw = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # build_embedded has said so
+    section = raw.get("data") if isinstance(raw, dict) else None
+    asked = {"seq_length": seq_length, "seed": seed}
+    if not isinstance(section, dict) or not all(k in section for k in asked):
+        return  # not the layout a build writes
+    was = {k: section.get(k) for k, v in asked.items() if section.get(k) != v}
+    if not was:
+        return
+    section.update(asked)
+    try:
+        _rewrite_mix(mix, text, raw)
+    except OSError as e:
+        log(f"could not set {', '.join(was)} in {mix} ({e.strerror}); it keeps "
+            + ", ".join(f"{k} {v}" for k, v in was.items()))
+        return
+    log(f"{mix} had " + ", ".join(f"{k} {v}" for k, v in was.items()) + "; it now has "
+        + ", ".join(f"{k} {asked[k]}" for k in was) + " (as asked)")
 
 
 def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code_mb: float = 6.0,

@@ -276,10 +276,23 @@ def _earlier_dataset(out_dir: Path, settings_hash: str | None, overwrite: bool) 
         return index
     if overwrite:
         return None
-    what = (f"a dataset of other inputs or settings ({index.get('num_samples', '?')} documents of "
-            f"{index.get('name', '?')!r})" if isinstance(index, dict) else f"a dataset with an unreadable {INDEX_FILE}")
-    raise OutputDirError(f"--out {out_dir} holds {what}: nothing was changed; pass --overwrite to replace it, "
-                         f"or choose another directory")
+    raise OutputDirError(f"--out {out_dir} holds {held_dataset(index, by_array=False)}: nothing was changed; "
+                         f"pass --overwrite to replace it, or choose another directory")
+
+
+def held_dataset(index, *, by_array: bool) -> str:
+    """A refused ``--out``'s dataset in words, for a writer of ``fbt data prepare``'s kind or (``by_array``)
+    of the job array's: a dataset the other kind wrote may hold the same inputs, which neither records
+    in the other's terms, so it is named by its writer instead of called one of other inputs."""
+    if not isinstance(index, dict):
+        return f"a dataset with an unreadable {INDEX_FILE}"
+    size = f"{index.get('num_samples', '?')} documents of {index.get('name', '?')!r}"
+    made = index.get("prepare")
+    from_array = isinstance(made, dict) and made.get("plan") is not None
+    if from_array == by_array:
+        return f"a dataset of other inputs or settings ({size})"
+    writer = "fbt slurm submit-prepare's job array" if from_array else "fbt data prepare"
+    return f"a dataset {writer} wrote ({size}; train on it as it is if it holds these inputs)"
 
 
 _HELD_LOCKS: list = []  # this process's open locks: a forked worker closes its copies (:func:`_init_forked_worker`)

@@ -244,8 +244,11 @@ def test_a_merge_stopped_before_or_after_its_move_loses_nothing(corpus, tmp_path
     out = tmp_path / "out"
     prepare_dataset(corpus["inputs"][:1], out, corpus["tok"], name="old", shard_bytes=SHARD, progress=False)
     old_name = lambda: json.loads((out / "index.json").read_text())["name"]  # noqa: E731
-    with pytest.raises(OutputDirError, match=rf"^--out {out} holds a dataset of other inputs or settings: nothing "
-                                             "was changed; pass --overwrite"):
+    n_old = json.loads((out / "index.json").read_text())["num_samples"]
+    # fbt data prepare's dataset may hold these inputs: named by its writer, not called one of other inputs
+    with pytest.raises(OutputDirError, match=rf"^--out {out} holds a dataset fbt data prepare wrote \({n_old} "
+                                             r"documents of 'old'; train on it as it is if it holds these inputs\): "
+                                             "nothing was changed; pass --overwrite"):
         array.write_plan(corpus["inputs"], out, corpus["tok"], 2, name="corpus", shard_bytes=SHARD)
     assert not array.array_dir(out.resolve()).exists()
     adir = _planned_and_tokenized(corpus, out, corpus["tok"], overwrite=True)
@@ -273,6 +276,13 @@ def test_a_merge_stopped_before_or_after_its_move_loses_nothing(corpus, tmp_path
     assert old_name() == "corpus" and not list(tmp_path.glob(".out.replaced-*"))
     assert not list(out.glob("*.meta*")) and (adir / array.MERGED_FILE).is_file()
     assert_same_stream(out, corpus["ref"], corpus["tok"])
+    # the array's dataset: another plan's is one of other inputs; fbt data prepare names the array as its writer
+    with pytest.raises(OutputDirError, match=rf"^--out {out} holds a dataset of other inputs or settings "
+                                             rf"\({index['num_samples']} documents of 'corpus'\): nothing was changed"):
+        array.write_plan(corpus["inputs"][:1], out, corpus["tok"], 2, name="corpus", shard_bytes=SHARD)
+    with pytest.raises(OutputDirError, match=rf"^--out {out} holds a dataset fbt slurm submit-prepare's job array "
+                                             rf"wrote \({index['num_samples']} documents of 'corpus'; train on it"):
+        prepare_dataset(corpus["inputs"], out, corpus["tok"], name="corpus", shard_bytes=SHARD, progress=False)
 
 
 def test_merge_names_a_missing_count(corpus, tmp_path):

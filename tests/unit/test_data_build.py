@@ -135,7 +135,7 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeyp
     assert (out / "embedded.json").stat().st_mtime_ns == stamp
     assert (out / "math" / "shard-000000.tar").stat().st_mtime_ns == shard
     # a copied build: the section and mix.yaml name the copy's files (its other keys and comments kept),
-    # the original is left as it was; the section has the asked sequence length
+    # the original is left as it was; the section and mix.yaml have the asked sequence length, said
     def embedded_at(where, *extra):
         assert cli.main([*args[:2], str(where), *args[3:], *extra]) == 0
         captured = capsys.readouterr()
@@ -152,18 +152,28 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeyp
     (copy / "mix.yaml").chmod(0o644)
     err, printed = embedded_at(copy, "--seq-length", "32")
     assert "skipping" in err and f"named the files in {out}" in err and "copied or moved" in err
+    assert f"{copy / 'mix.yaml'} had seq_length 64; it now has seq_length 32 (as asked)" in err
     assert names(printed, copy) and printed["seq_length"] == 32
     copied_mix = yaml.safe_load((copy / "mix.yaml").read_text())
     assert names(copied_mix["data"], copy.resolve()) and copied_mix["note"] == "kept"
     assert {k: v for k, v in copied_mix["data"].items() if k not in ("tokenizer", "sources")} == \
-        {k: v for k, v in mix.items() if k not in ("tokenizer", "sources")}
+        {k: v for k, v in mix.items() if k not in ("tokenizer", "sources")} | {"seq_length": 32}
+    assert {k: v for k, v in copied_mix["data"].items() if k not in ("tokenizer", "sources")} == \
+        {k: v for k, v in printed.items() if k not in ("tokenizer", "sources")}
     assert (copy / "mix.yaml").read_text().startswith("# Embedded default token mix")
     assert (copy / "mix.yaml").stat().st_mode & 0o777 == 0o644
     assert (out / "mix.yaml").read_text() == original_mix and sorted(copy.glob(".mix.yaml*")) == []
-    assert "copied or moved" not in embedded_at(copy)[0]  # now at home: nothing rewritten
+    err = embedded_at(copy)[0]
+    assert "copied or moved" not in err  # now at home: only the sequence length asked
+    assert "seq_length 32; it now has seq_length 64" in err
+    assert "now has" not in embedded_at(copy)[0]  # as asked already: nothing rewritten
     # moved, the folder it names gone: the moved mix.yaml is what a loader reads
     moved = tmp_path / "moved"
     shutil.move(copy, moved)
+    assert cli.main(["peek", str(moved / "mix.yaml")]) == 2  # before fbt data embedded points it here: the fix
+    assert capsys.readouterr().err.strip().endswith(
+        f"{moved / 'mix.yaml'} names the files of the embedded build at {copy.resolve()}, which are not there: "
+        f"run fbt data embedded --out {moved} to point it at this build's own")
     err, printed = embedded_at(moved)
     assert f"named the files in {copy.resolve()}" in err and names(printed, moved)
     moved_mix = DataConfig(**yaml.safe_load((moved / "mix.yaml").read_text())["data"])
