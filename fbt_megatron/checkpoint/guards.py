@@ -42,13 +42,16 @@ def previous_checkpoint(path: Path) -> Path | None:
     return older[-1] if older else None
 
 
-def _where_to_go(path: Path, init_from: bool) -> str:
+def where_to_go(path: Path, use: str) -> str:
+    """What to do when checkpoint ``path`` cannot be loaded: the previous kept checkpoint and how to use
+    it for ``use``: "resume" (fbt train resuming its run), "init_from", or "read" (export, generate, tools)."""
     prev = previous_checkpoint(path)
     if prev is None:
-        return (f"no earlier checkpoint is kept in {path.parent}; "
-                f"set checkpoint.verify_on_load=false only if you accept the damage")
-    if init_from:
+        return f"no earlier checkpoint is kept in {path.parent}"
+    if use == "init_from":
         return f"set init_from to the previous checkpoint {prev}"
+    if use == "read":
+        return f"give the previous checkpoint {prev} instead"
     return (f"resume from the previous checkpoint {prev.name} with "
             f"`echo {prev.name} > {path.parent / LATEST}` and the same fbt train command")
 
@@ -57,9 +60,10 @@ def _dist() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def verify_checksums(path: Path, *, init_from: bool = False) -> None:
+def verify_checksums(path: Path, *, use: str = "resume") -> None:
     """Check the CRC-32 of every file of checkpoint ``path`` against its manifest, each rank a share of
-    the files (collective when a process group exists); raises :class:`CheckpointCorrupted` on every rank."""
+    the files (collective when a process group exists); raises :class:`CheckpointCorrupted` on every rank,
+    saying what to do for ``use`` (:func:`where_to_go`)."""
     files = json.loads((path / "manifest.json").read_text())["files"]
     rank, world = _dist()
     mine = []
@@ -75,9 +79,11 @@ def verify_checksums(path: Path, *, init_from: bool = False) -> None:
     if bad:
         rel, crc, want = bad[0]
         more = f" (and {len(bad) - 1} other file(s))" if len(bad) > 1 else ""
+        accept = ("; set checkpoint.verify_on_load=false only if you accept the damage"
+                  if use != "read" and previous_checkpoint(path) is None else "")
         raise CheckpointCorrupted(
             f"checkpoint file {path / rel}{more} does not match the checksum recorded at save (CRC-32 {crc}, "
-            f"expected {want}), so {path.name} is corrupted and was not loaded: {_where_to_go(path, init_from)}")
+            f"expected {want}), so {path.name} is corrupted and was not loaded: {where_to_go(path, use)}{accept}")
 
 
 # ---------------------------------------------------------------------- save

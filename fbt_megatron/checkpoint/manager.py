@@ -58,9 +58,11 @@ FORMAT_VERSION = 2
 
 
 # ---------------------------------------------------------------------- file checks
-def check_files_present(path: Path) -> dict:
+def check_files_present(path: Path, *, use: str = "resume") -> dict:
     """Every file the manifest lists exists with its recorded size (cheap; ``fbt ckpt verify`` also
-    checks the CRCs). Returns the manifest."""
+    checks the CRCs). Returns the manifest. A refusal says what to do for ``use`` (``guards.where_to_go``)."""
+    from fbt_megatron.checkpoint.guards import where_to_go
+
     manifest_file = path / "manifest.json"
     if not manifest_file.exists():
         raise CheckpointError(f"{manifest_file} is missing: {path} is incomplete or from an older format")
@@ -68,11 +70,13 @@ def check_files_present(path: Path) -> dict:
     for rel, info in manifest["files"].items():
         f = path / rel
         if not f.exists():
-            raise CheckpointError(f"checkpoint file {f} is missing (expected {info['bytes']} bytes)")
+            raise CheckpointError(f"checkpoint file {f} is missing (expected {info['bytes']} bytes), so "
+                                  f"{path.name} was not loaded: {where_to_go(path, use)}")
         size = f.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(f"checkpoint file {f} has {size} bytes, expected {info['bytes']} bytes "
-                                  f"(truncated or overwritten)")
+                                  f"(truncated or overwritten), so {path.name} was not loaded: "
+                                  f"{where_to_go(path, use)}")
     return manifest
 
 
@@ -145,18 +149,19 @@ def _load_fragments(path: Path, fragments: list[Fragment], which=STATE_NAMES) ->
 
 # ---------------------------------------------------------------------- weights only
 @torch.no_grad()
-def load_model_weights(path: str | Path, model: torch.nn.Module, verify: bool = True) -> Path:
+def load_model_weights(path: str | Path, model: torch.nn.Module, verify: bool = True, use: str = "read") -> Path:
     """Fill a bare (not DeepSpeed-wrapped) model's parameters from a checkpoint's fp32 master weights,
     in the current TP layout (call on every rank of the process group). Returns the checkpoint dir.
-    ``verify``: check every file's CRC-32 first (see :mod:`.guards`)."""
+    ``verify``: check every file's CRC-32 first (see :mod:`.guards`); ``use`` ("read" or "init_from"):
+    what a refusal advises."""
     from fbt_megatron.checkpoint.shards import param_specs, whole_tensor_fragment
 
     path = resolve_checkpoint(path)
-    check_files_present(path)
+    check_files_present(path, use=use)
     if verify:
         from fbt_megatron.checkpoint.guards import verify_checksums
 
-        verify_checksums(path, init_from=True)
+        verify_checksums(path, use=use)
     specs = param_specs(model)
     check_shapes(path, specs, which=("param",))
     fragments, copies = [], []

@@ -53,5 +53,5 @@ def init_weights(init_from: str | None, model, log, verify: bool = True) -> None
         return
     from fbt_megatron.checkpoint.manager import load_model_weights
 
-    path = load_model_weights(init_from, model, verify=verify)
+    path = load_model_weights(init_from, model, verify=verify, use="init_from")
     log(f"initialised from {path} (weights only: new optimiser, LR schedule and data cursor)")

@@ -165,6 +165,8 @@ def test_resume_false_refuses_used_directory(result):
 def test_truncated_shard_names_file_and_size_previous_loads(result):
     msg = result["E_truncated"]
     assert result["E_truncated_file"] in msg and f"expected {result['E_truncated_bytes']} bytes" in msg, msg
+    assert "so step_00000004 was not loaded: resume from the previous checkpoint step_00000002 with `echo " \
+           "step_00000002 > " in msg and msg.endswith("/checkpoints/latest` and the same fbt train command"), msg
     assert result["E_previous_loads"] == "ok"
 
 

@@ -308,3 +308,20 @@ def test_merge_refuses_a_slice_record_whose_samples_do_not_follow_on(corpus, tmp
                                           rf"{k} from {want}: run the tasks again"):
         array.merge(adir)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_corpus_of_empty_documents_is_refused_by_the_merge_counting_them(corpus, tmp_path):
+    """Every document empty: the merge says the source is empty and how many empty ones it skipped, as
+    fbt data prepare does (EmptySourceError), and writes no dataset."""
+    from data_pipeline.errors import EmptySourceError
+
+    raw = tmp_path / "empty.jsonl"
+    raw.write_text("".join('{"id": %d, "text": ""}\n' % i for i in range(5)))
+    adir, _, _ = array.write_plan([str(raw)], tmp_path / "out", corpus["tok"], 2, name="blank", shard_bytes=SHARD)
+    for stage in (array.count_slice, array.tokenize_slice):
+        for i in range(2):
+            stage(adir, i)
+    with pytest.raises(EmptySourceError, match=rf"^source 'blank' is empty: no non-empty documents in {raw} "
+                                               r"\(5 empty skipped\)$"):
+        array.merge(adir)
+    assert not (tmp_path / "out").exists()

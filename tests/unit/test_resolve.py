@@ -367,6 +367,35 @@ def test_a_resume_from_synthetic_steps_onto_prepared_data_is_a_data_change(tmp_p
     assert resolve_run(load_recipe(data=data), 1, CPU).resume.checkpoint == step
 
 
+def test_the_trainer_refuses_synthetic_steps_onto_prepared_data_by_itself(tmp_path, monkeypatch):
+    """The trainer checks the resumed checkpoint's data again (its plan may predate the change): steps on
+    synthetic data then prepared data are refused there too; allow_data_change continues, logs the change
+    and records it in metrics.jsonl and the next checkpoint's data record."""
+    from fbt_megatron.data.fingerprint import DataChangedError
+    from fbt_megatron.data.loaders import data_pipeline_config
+    from fbt_megatron.train import run
+
+    data, step = _resumed_run_on_a_dataset(tmp_path, {})
+    state = {"recipe": {"data": {"source": "synthetic"}}, "train_state": {"step": 20}, "data": {"fingerprints": None}}
+    (step / "state.json").write_text(json.dumps(state))
+    recipe = load_recipe(data=data)
+    config, said = data_pipeline_config(recipe), []
+    with pytest.raises(DataChangedError, match=rf"^checkpoint {step} trained on synthetic data \(data.source: "
+                                               r"synthetic\) and the recipe reads prepared data: set data.source"):
+        run._data_record(recipe, config, step, tmp_path / "run", said.append)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and said == []
+    monkeypatch.setattr(run.dist, "get_rank", lambda: 0)
+    allowed = load_recipe(data={**data, "checkpoint": {"allow_data_change": True}})
+    record, changed = run._data_record(allowed, config, step, tmp_path / "run", said.append)
+    assert changed and record["fingerprints"]["web"]["documents"] > 0
+    assert record["changes"] == [{"step": 20, "changes": [
+        "the checkpoint trained on synthetic data (data.source: synthetic), the recipe reads prepared data"]}]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["event"] == "data_changed" and row["step"] == 20 and said[0].startswith(f"data changed since {step}")
+    (step / "state.json").write_text(json.dumps({**state, "train_state": {"step": 0}}))  # an import's step 0
+    assert run._data_record(recipe, config, step, tmp_path / "run", said.append)[1] is False
+
+
 def test_a_held_out_count_a_source_cannot_spare_is_a_plan_problem(tmp_path):
     """``data.pipeline.valid_documents`` that would hold out every document of a source: the plan (so
     --dry-run and slurm submit) names the recipe key and the source, as the loader would at start-up."""
