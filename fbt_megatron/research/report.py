@@ -89,19 +89,22 @@ def _report_of_a_tool(file: Path) -> bool:
     return json_object_with("provenance")(file) or json_object_with("args", "readouts", "val_history")(file)
 
 
-def _figure_of_matplotlib(file: Path) -> bool:
+def _figure_of_a_tool(file: Path) -> bool:
+    """A matplotlib PNG beside the page a tool wrote (a tool writes its page first): a user's own
+    matplotlib figure of that name, alone, is not taken for a tool's."""
     with open(file, "rb") as f:
         head = f.read(4096)
-    return head.startswith(b"\x89PNG") and b"Matplotlib" in head
+    page = file.with_suffix(".md")
+    return head.startswith(b"\x89PNG") and b"Matplotlib" in head and page.is_file() and _page_of_a_tool(page)
 
 
 def check_report_files(out_dir: Path, stem: str) -> None:
     """Refuse (:class:`OutputDirError`, one sentence) when ``out_dir`` holds a ``STEM.md``, ``STEM.json`` or
     ``STEM.png`` that no tool wrote: a page ending in its provenance line, a JSON report with a
     ``provenance`` record (the feedback study's: its args, read-outs and validation histories), a
-    matplotlib figure. A tool calls it before its runs, and :func:`save` again."""
+    matplotlib figure beside such a page. A tool calls it before its runs, and :func:`save` again."""
     check_own_files(out_dir, {f"{stem}.md": _page_of_a_tool, f"{stem}.json": _report_of_a_tool,
-                              f"{stem}.png": _figure_of_matplotlib},
+                              f"{stem}.png": _figure_of_a_tool},
                     writer="a research tool", option="--out", instead="another --out")
 
 

@@ -582,10 +582,6 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
     axes[1].set_xlabel("composed steps (position + 1)")
     axes[1].set_ylabel("state-tracking accuracy")
     axes[1].legend(fontsize=6)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if fig is not None:
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{stem}.png", dpi=110)
     comp_rows = [[kind, name + (f" ({row['best mode']} passes)" if name.startswith("best") else ""), _pm(*v[:2]),
                   ci_text(*v[:3]), v[2]]
                  for kind, row in comparisons.items() for name, v in row.items() if name not in ("seeds", "best mode")]
@@ -635,4 +631,4 @@ def render(summaries: dict, readouts: dict, seeds: list[int], args, seconds: flo
             "val_history": {**{n: s["val_history"] for n, s in summaries.items()},
                             **{n: r["val_history"] for n, r in kept.items()}},
             "kept": sorted(kept), "diverged": dict(diverged)}
-    return save(out_dir, stem, md, data)
+    return save(out_dir, stem, md, data, draw=None if fig is None else lambda: fig)  # the figure after the page

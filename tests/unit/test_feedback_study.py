@@ -174,6 +174,24 @@ def test_curves_average_seeds_at_the_same_steps(tmp_path, monkeypatch):
     assert "--lr 0.001" in (tmp_path / "t.md").read_text()  # the provenance line names an LR variant
 
 
+def test_the_report_draws_its_figure_into_a_new_folder_and_again_over_its_own(tmp_path):
+    """With matplotlib, the report writes its page, JSON and figure into a new --out (the figure after the
+    page, so the check of a user's files takes it for the tool's), and a second report replaces all three."""
+    pytest.importorskip("matplotlib")
+    from fbt_megatron.research import study
+
+    answers = {"standard": {"answer_nll": 2.0, "exact_match": 0.0}}
+    summaries = {f"standard_seed{s}": {"val_history": [{"step": 10, "tokens": 10, "loss": {"1": 5.0 + s}}]}
+                 for s in (1, 2)}
+    readouts = {n: {"val_loss": {"1": 5.0}, "seq_length": 8, "answers": answers, "fusion_history": []}
+                for n in summaries}
+    args = SimpleNamespace(seeds="1,2", groups="main", scale="tiny", steps=None, lr=None, only=None)
+    for _ in range(2):
+        study.render(summaries, readouts, [1, 2], args, 1.0, tmp_path / "out", "t")
+        assert (tmp_path / "out" / "t.png").read_bytes().startswith(b"\x89PNG")
+        assert "![curves and state tracking](t.png)" in (tmp_path / "out" / "t.md").read_text()
+
+
 def test_a_narrower_report_keeps_the_runs_recorded_before(tmp_path, monkeypatch):
     """A report that selects fewer runs or seeds than the one it replaces keeps the others' records (their
     folders may be gone: the JSON is all that is left of them); a selected run's new record wins."""

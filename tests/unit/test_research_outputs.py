@@ -77,6 +77,23 @@ def test_a_tools_own_page_report_and_figure_are_replaced(stem, tmp_path):
     assert (tmp_path / f"{stem}.md").read_text().startswith("# the page again")
 
 
+def test_a_users_own_matplotlib_figure_is_not_taken_for_a_tools(tmp_path):
+    """A matplotlib PNG is a tool's only beside the page a tool wrote (a tool writes its page first): a
+    user's own figure under a tool's name, alone or beside the user's own page, is refused and kept."""
+    from fbt_megatron.research.report import check_report_files
+
+    figure = (RESULTS / "probes.png").read_bytes()  # a matplotlib PNG, as a user's own would be
+    (tmp_path / "probes.png").write_bytes(figure)
+    with pytest.raises(OutputDirError, match=r"holds probes.png, which a research tool did not write"):
+        check_report_files(tmp_path, "probes")
+    (tmp_path / "probes.md").write_text("# my page\n")
+    with pytest.raises(OutputDirError, match=r"holds probes.md and probes.png, which a research tool did not"):
+        check_report_files(tmp_path, "probes")
+    shutil.copy(RESULTS / "probes.md", tmp_path / "probes.md")  # beside a tool's page: the tool's figure
+    check_report_files(tmp_path, "probes")
+    assert (tmp_path / "probes.png").read_bytes() == figure
+
+
 def test_save_refuses_a_users_page_and_writes_nothing(tmp_path):
     from fbt_megatron.research.report import save
 
