@@ -90,12 +90,13 @@ def _report_of_a_tool(file: Path) -> bool:
 
 
 def _figure_of_a_tool(file: Path) -> bool:
-    """A matplotlib PNG beside the page a tool wrote (a tool writes its page first): a user's own
-    matplotlib figure of that name, alone, is not taken for a tool's."""
+    """A matplotlib PNG beside the page or the report a tool wrote (a tool writes both before its figure):
+    a user's own matplotlib figure of that name, alone, is not taken for a tool's."""
     with open(file, "rb") as f:
         head = f.read(4096)
-    page = file.with_suffix(".md")
-    return head.startswith(b"\x89PNG") and b"Matplotlib" in head and page.is_file() and _page_of_a_tool(page)
+    page, report = file.with_suffix(".md"), file.with_suffix(".json")
+    return head.startswith(b"\x89PNG") and b"Matplotlib" in head and (
+        (page.is_file() and _page_of_a_tool(page)) or (report.is_file() and _report_of_a_tool(report)))
 
 
 def check_report_files(out_dir: Path, stem: str) -> None:

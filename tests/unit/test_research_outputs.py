@@ -78,8 +78,8 @@ def test_a_tools_own_page_report_and_figure_are_replaced(stem, tmp_path):
 
 
 def test_a_users_own_matplotlib_figure_is_not_taken_for_a_tools(tmp_path):
-    """A matplotlib PNG is a tool's only beside the page a tool wrote (a tool writes its page first): a
-    user's own figure under a tool's name, alone or beside the user's own page, is refused and kept."""
+    """A matplotlib PNG is a tool's only beside the page or the report a tool wrote (a tool writes both
+    first): a user's own figure under a tool's name, alone or beside the user's own page, is refused and kept."""
     from fbt_megatron.research.report import check_report_files
 
     figure = (RESULTS / "probes.png").read_bytes()  # a matplotlib PNG, as a user's own would be
@@ -90,6 +90,9 @@ def test_a_users_own_matplotlib_figure_is_not_taken_for_a_tools(tmp_path):
     with pytest.raises(OutputDirError, match=r"holds probes.md and probes.png, which a research tool did not"):
         check_report_files(tmp_path, "probes")
     shutil.copy(RESULTS / "probes.md", tmp_path / "probes.md")  # beside a tool's page: the tool's figure
+    check_report_files(tmp_path, "probes")
+    (tmp_path / "probes.md").unlink()
+    shutil.copy(RESULTS / "probes.json", tmp_path / "probes.json")  # beside a tool's report: the tool's figure
     check_report_files(tmp_path, "probes")
     assert (tmp_path / "probes.png").read_bytes() == figure
 
