@@ -69,18 +69,52 @@ def file_crc32(path: Path, chunk: int = 1 << 22) -> str:
     return f"{crc:08x}"
 
 
+IMPORT_DIR = "hf_import"  # beside checkpoints/ in a run fbt convert from-hf made: the source's tokenizer, provenance
+
+
+def import_dir(checkpoint: Path) -> Path:
+    """``<run>/hf_import`` for a checkpoint ``<run>/checkpoints/step_N``."""
+    return checkpoint.parent.parent / IMPORT_DIR
+
+
+def run_tokenizer(checkpoint: Path, recipe: dict | None) -> Path | None:
+    """The tokenizer ``checkpoint``'s run was trained with, as a path the tokenizer loaders read (a
+    ``tokenizer.json``'s folder or a ``tokenizer.model``): the copy the checkpoint carries (every save of a
+    run on tokenized data keeps one), else an import's ``hf_import/`` copy, else, for checkpoints from
+    before the copy, ``recipe``'s ``data.pipeline.tokenizer`` (a relative path tried from the working
+    directory, then from the checkpoint's parent directories). None: none is known (synthetic data). One
+    rule for export, generation, evaluation and the ``--tokenizer`` check; a recipe's path that is not found
+    is :class:`CheckpointError`."""
+    for where in (checkpoint, import_dir(checkpoint)):
+        if (where / "tokenizer.json").is_file():  # a Hugging Face tokenizer: its folder, config files with it
+            return where
+        if (where / "tokenizer.model").is_file():
+            return where / "tokenizer.model"
+    data = (recipe or {}).get("data") or {}
+    name = (data.get("pipeline") or {}).get("tokenizer") if data.get("source") == "pipeline" else None
+    if not name:
+        return None
+    candidates = [Path(name)]
+    if not Path(name).is_absolute():  # checkpoint = <repo>/runs/<name>/checkpoints/step_N
+        candidates += [parent / name for parent in checkpoint.resolve().parents]
+    found = next((c for c in candidates if c.exists()), None)
+    if found is None:
+        raise CheckpointError(f"the run's tokenizer {name} (its recipe's data.pipeline.tokenizer) was not found in "
+                              f"{Path.cwd()} or the checkpoint's parent directories: pass --tokenizer PATH")
+    return found
+
+
 def check_given_tokenizer(checkpoint: Path, given: str | Path) -> None:
     """``--tokenizer GIVEN`` for ``checkpoint``: refused (:class:`UserError`) when the run's tokenizer is known
-    (the copy its checkpoints carry, as every save on tokenized data does, or an import's ``hf_import/``) and
-    GIVEN is another one: another kind, or the same kind with other bytes; a wrong tokenizer would decode or
-    export text the model never saw, without a word."""
+    from a copy (:func:`run_tokenizer`: the checkpoint's or an import's) and GIVEN is another one: another
+    kind, or the same kind with other bytes; a wrong tokenizer would decode or export text the model never
+    saw, without a word."""
     from data_pipeline.tokenizer import tokenizer_files, tokenizer_hash
 
-    imported = checkpoint.parent.parent / "hf_import"  # fbt convert from-hf's copy (hf.export.IMPORT_DIR)
-    own = next(((d / n) for d in (checkpoint, imported) for n in ("tokenizer.json", "tokenizer.model")
-                if (d / n).is_file()), None)
-    if own is None:
+    copy = run_tokenizer(checkpoint, None)
+    if copy is None:
         return  # nothing to compare with (synthetic data, an older checkpoint)
+    own = copy / "tokenizer.json" if copy.is_dir() else copy
     try:
         files = tokenizer_files(given)
     except (OSError, ValueError, UserError):

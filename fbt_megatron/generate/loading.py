@@ -60,29 +60,13 @@ def ensure_runtime(tensor: int | None = None) -> None:
 
 
 def find_tokenizer(recipe: dict, checkpoint: Path, override: str | None = None):
-    """The run's tokenizer: ``override``, else the copy kept in the checkpoint
-    (``tokenizer.json`` and its config files, or ``tokenizer.model``, written by every save of a run on tokenized data), else, for checkpoints from
-    before that, the recipe's ``data.pipeline.tokenizer`` (a relative path is tried from the working
-    directory, then from the checkpoint's parent directories)."""
+    """The run's tokenizer, loaded: ``override``, else :func:`checkpoint.discovery.run_tokenizer`'s (the
+    checkpoint's copy, an import's, or the recipe's path); None when none is known (synthetic data)."""
     from data_pipeline.tokenizer import load_tokenizer
+    from fbt_megatron.checkpoint.discovery import run_tokenizer
 
-    if override:
-        return load_tokenizer(override)
-    if (checkpoint / "tokenizer.json").is_file():  # a Hugging Face tokenizer travels as its files
-        return load_tokenizer(checkpoint)
-    if (checkpoint / "tokenizer.model").is_file():
-        return load_tokenizer(checkpoint / "tokenizer.model")
-    name = ((recipe.get("data") or {}).get("pipeline") or {}).get("tokenizer")
-    if not name:
-        return None
-    candidates = [Path(name)]
-    if not Path(name).is_absolute():  # checkpoint = <repo>/runs/<name>/checkpoints/step_N
-        candidates += [parent / name for parent in checkpoint.resolve().parents]
-    for c in candidates:
-        if c.is_file():
-            return load_tokenizer(c)
-    raise FileNotFoundError(f"the run's tokenizer {name} was not found (looked in {os.getcwd()} and the "
-                            f"checkpoint's parent directories); pass --tokenizer PATH")
+    found = override or run_tokenizer(checkpoint, recipe)
+    return None if found is None else load_tokenizer(found)
 
 
 def load_for_inference(path: str | os.PathLike, *, tokenizer: str | None = None,

@@ -29,6 +29,7 @@ import torch
 
 from data_pipeline.output_dir import describe
 from data_pipeline.tokenizer import HF_TOKENIZER_FILES  # noqa: F401 (the importer's list too)
+from fbt_megatron.checkpoint.discovery import CheckpointError, import_dir, run_tokenizer
 from fbt_megatron.files import new_file_mode
 from fbt_megatron.hf import families, mapping
 from fbt_megatron.hf.checkpoint_io import CheckpointTensors, resolve_checkpoint
@@ -42,12 +43,6 @@ REMOTE_CODE = (MODELING_FILE, Path(feedback_rule.__file__))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-IMPORT_DIR = "hf_import"  # in a run made by `from-hf`: the source's tokenizer and provenance
-
-
-def import_dir(path: Path) -> Path:
-    """``<run>/hf_import`` for a checkpoint ``<run>/checkpoints/step_N``."""
-    return path.parent.parent / IMPORT_DIR
 
 
 def _recipe(state: dict):
@@ -82,24 +77,13 @@ def provenance(path: Path, state: dict, recipe) -> dict:
 
 # ---------------------------------------------------------------------- tokenizer
 def tokenizer_source(path: Path, recipe) -> tuple[str, Path] | None:
-    """("hf", dir) for an imported checkpoint's HF tokenizer or the copy of a run's HF tokenizer that every
-    save keeps, ("sp", model) for the run's sentencepiece model — the checkpoint's copy, else
-    (checkpoints from before that) the recipe's path — or None (synthetic data: no tokenizer)."""
-    imported = import_dir(path)
-    if (imported / "tokenizer.json").is_file():
-        return "hf", imported
-    if (path / "tokenizer.json").is_file():  # a run on data tokenized by a Hugging Face tokenizer
-        return "hf", path
-    if (path / "tokenizer.model").is_file():
-        return "sp", path / "tokenizer.model"
-    pipeline = recipe.data.pipeline or {}
-    sp = pipeline.get("tokenizer")
-    if recipe.data.source == "pipeline" and sp:
-        if not Path(sp).exists():
-            raise ConversionError(f"the run's tokenizer {sp} (recipe data.pipeline.tokenizer) is missing; "
-                                  "pass --tokenizer PATH")
-        return given_tokenizer(sp)
-    return None
+    """("hf", dir) or ("sp", model) for the run's tokenizer (:func:`checkpoint.discovery.run_tokenizer`: the
+    checkpoint's copy, an import's, or the recipe's path), or None (synthetic data: no tokenizer)."""
+    try:
+        found = run_tokenizer(path, None if recipe is None else {"data": recipe.data.model_dump()})
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
+    return None if found is None else given_tokenizer(found)
 
 
 def given_tokenizer(tokenizer: str | Path) -> tuple[str, Path]:

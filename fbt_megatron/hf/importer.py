@@ -24,8 +24,9 @@ import torch
 import yaml
 
 from data_pipeline.output_dir import OutputDirError, check_own_files
+from fbt_megatron.checkpoint.discovery import IMPORT_DIR
 from fbt_megatron.hf import families, mapping
-from fbt_megatron.hf.export import HF_TOKENIZER_FILES, IMPORT_DIR
+from fbt_megatron.hf.export import HF_TOKENIZER_FILES
 from fbt_megatron.hf.mapping import ConversionError
 
 STOCK_TYPES = tuple(families.FAMILIES)

@@ -63,3 +63,42 @@ def test_both_commands_check_a_given_tokenizer(command, tmp_path, monkeypatch):
 
             load_for_inference(tmp_path / "run", tokenizer=str(tmp_path / "t.model"))
     assert calls == [(step, str(tmp_path / "t.model"))]
+
+
+def test_the_runs_tokenizer_is_found_by_one_rule(tmp_path, monkeypatch):
+    """run_tokenizer, which export, generation, evaluation and the --tokenizer check share: the checkpoint's
+    copy first (what this checkpoint trained with), then an import's hf_import/ copy, then (checkpoints from
+    before the copy) the recipe's data.pipeline.tokenizer, a relative one also from the checkpoint's parents;
+    synthetic data has none, whatever pipeline section its recipe keeps; a recipe path not found is one
+    sentence naming --tokenizer."""
+    import shutil
+
+    from fbt_megatron.checkpoint.discovery import CheckpointError, run_tokenizer
+    from fbt_megatron.generate.loading import find_tokenizer
+    from tests.support.generate_helpers import make_tokenizer
+
+    sp = make_tokenizer(tmp_path / "tok")
+    step = tmp_path / "repo" / "runs" / "r" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    pipeline = {"data": {"source": "pipeline", "pipeline": {"tokenizer": "data/tok.model"}}}
+    synthetic = {"data": {"source": "synthetic", "pipeline": {"tokenizer": "data/tok.model"}}}
+    with pytest.raises(CheckpointError, match=r"^the run's tokenizer data/tok.model \(its recipe's data.pipeline."
+                                              r"tokenizer\) was not found in .*: pass --tokenizer PATH$"):
+        run_tokenizer(step, pipeline)
+    assert run_tokenizer(step, synthetic) is None and run_tokenizer(step, None) is None
+    (tmp_path / "repo" / "data").mkdir()
+    shutil.copy(sp, tmp_path / "repo" / "data" / "tok.model")  # relative to the repository the run was in
+    assert run_tokenizer(step, pipeline) == tmp_path / "repo" / "data" / "tok.model"
+    imported = tmp_path / "repo" / "runs" / "r" / "hf_import"
+    imported.mkdir()
+    shutil.copy(sp, imported / "tokenizer.model")
+    assert run_tokenizer(step, synthetic) == imported / "tokenizer.model"
+    # fbt generate on an import trained on synthetic data finds the import's tokenizer (before: "pass --tokenizer")
+    assert find_tokenizer(synthetic, step).get_piece_size() == 300
+    (imported / "tokenizer.json").write_text("{}")
+    assert run_tokenizer(step, synthetic) == imported  # a Hugging Face tokenizer: its folder
+    shutil.copy(sp, step / "tokenizer.model")
+    assert run_tokenizer(step, synthetic) == step / "tokenizer.model"  # the checkpoint's own copy first
+    (step / "tokenizer.json").write_text("{}")
+    assert run_tokenizer(step, pipeline) == step

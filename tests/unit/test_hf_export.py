@@ -100,7 +100,9 @@ def test_a_pipeline_run_exports_the_tokenizer_its_recipe_names(tmp_path):
     synthetic = SimpleNamespace(data=DataSection(source="synthetic", pipeline={"tokenizer": str(sp)}))
     assert export.tokenizer_source(ckpt, synthetic) is None
     sp.unlink()
-    with pytest.raises(ConversionError, match="tokenizer .*missing; pass --tokenizer"):
+    with pytest.raises(ConversionError, match=rf"^the run's tokenizer {sp} \(its recipe's data.pipeline.tokenizer\) "
+                                              r"was not found in .* or the checkpoint's parent directories: pass "
+                                              r"--tokenizer PATH$"):
         export.tokenizer_source(ckpt, pipeline)
 
 
