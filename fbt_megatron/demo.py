@@ -32,7 +32,9 @@ def main(argv: list[str]) -> int:
         loss = out.token_loss.mean()
         loss.backward()
         res = ", ".join(f"{r.item():.3f}" for r in out.pass_residuals) or "-"
-        print(f"passes={k} loss={loss.item():.4f} |grad W_U|={model.feedback.value.weight.grad.norm():.3e} residuals=[{res}]")
+        grad = model.feedback.value.weight.grad  # None after one pass: it feeds no state, so W_U is not used
+        norm = 0.0 if grad is None else grad.norm().item()
+        print(f"passes={k} loss={loss.item():.4f} |grad W_U|={norm:.3e} residuals=[{res}]")
     model.eval()
     ref = sequential_forward(model, ids)
     with torch.no_grad():

@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from data_pipeline.argtypes import positive_int
+
 
 CONVERGED = 0.05
 
@@ -42,18 +44,46 @@ def depth_report(run_dir: str | Path, passes: list[int]) -> dict:
     return {"checkpoint": str(latest), "seq_length": recipe.data.seq_length, "rows": rows}
 
 
+def pass_counts(text: str) -> list[int]:
+    """``--passes``: comma-separated pass counts, each an integer >= 1."""
+    try:
+        return [positive_int(k.strip()) for k in text.split(",")]
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: each pass count {err}") from None
+
+
+def check_json_out(path: Path) -> None:
+    """``--json PATH`` may replace only an earlier report of this tool: a user's file there is refused."""
+    from data_pipeline.output_dir import json_object_with
+    from fbt_megatron.errors import UserError
+
+    if path.is_dir():
+        raise UserError(f"--json {path} is a directory: give a file name")
+    if path.exists():
+        try:
+            ours = json_object_with("checkpoint", "seq_length", "rows")(path)
+        except (OSError, UnicodeDecodeError, ValueError):
+            ours = False
+        if not ours:
+            raise UserError(f"--json {path} exists and is not a report of this tool: nothing was changed; "
+                            "choose another file, or move it away")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
-    ap.add_argument("--passes", default="1,2,3,5,10,30,100")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--passes", type=pass_counts, default="1,2,3,5,10,30,100",
+                    help="comma-separated pass counts, each >= 1 (default 1,2,3,5,10,30,100)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the report here (replaces only its own)")
     a = ap.parse_args(argv)
+    if a.json is not None:
+        check_json_out(a.json)  # before the model is loaded
     os.environ.setdefault("FBT_DEVICE", "cpu")
     from fbt_megatron import runtime
 
     runtime.init_distributed()
     try:
-        report = depth_report(a.run_dir, [int(k) for k in a.passes.split(",")])
+        report = depth_report(a.run_dir, a.passes)
     finally:
         runtime.shutdown()
     print(f"{report['checkpoint']} (sequence length {report['seq_length']})")
@@ -61,10 +91,14 @@ def main(argv=None) -> int:
     for r in report["rows"]:
         res = "-" if r["last_residual"] is None else f"{r['last_residual']:.2e}"
         print(f"{r['passes']:>6}  {r['val_loss']:9.4f}  {res:>13}{'  converged' if r['converged'] else ''}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
+    if a.json is not None:
+        from fbt_megatron.files import write_text_atomic
+
+        write_text_atomic(a.json, json.dumps(report, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fbt_megatron.research.report import run_tool
+
+    sys.exit(run_tool(main, "feedback_depth"))

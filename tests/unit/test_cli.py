@@ -71,6 +71,20 @@ def test_log_levels_and_ranks(capsys, monkeypatch):
     assert "[rank 1] an info line" in err
 
 
+def test_the_demo_trains_one_to_three_passes_and_checks_the_recurrence(capsys, monkeypatch):
+    """`fbt demo`, the installation's smoke test: one pass gives W_U no gradient (it feeds no state: the
+    plain model), two and three do; the teacher-forced passes equal the token-by-token recurrence."""
+    import re
+
+    monkeypatch.setenv("FBT_DEVICE", "cpu")
+    assert main(["demo", "--seq", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    grads = [float(re.search(r"\|grad W_U\|=(\S+)", line).group(1)) for line in lines[:3]]
+    assert [line.split()[0] for line in lines[:3]] == ["passes=1", "passes=2", "passes=3"]
+    assert grads[0] == 0.0 and grads[1] > 0 and grads[2] > 0, lines
+    assert lines[3].startswith("8-pass teacher forcing vs sequential recurrence: relative error"), lines
+
+
 @pytest.mark.slow  # fbt train end to end (~10 s)
 def test_training_progress_is_logged_and_summary_is_on_stdout(tmp_path, capsys, monkeypatch):
     """`fbt train`: the progress lines go through logging (stderr; -q silences them), the summary (the
