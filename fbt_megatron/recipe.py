@@ -476,10 +476,14 @@ def check_layout(recipe: Recipe, world_size: int) -> int:
     p = recipe.parallel
     model_parallel = p.tensor * p.pipeline
     if world_size % model_parallel:
+        # the key to change is the one set above 1 (tensor when both are): its sizes that fit the processes
+        key, other = ("parallel.pipeline", p.tensor) if p.tensor == 1 else ("parallel.tensor", p.pipeline)
+        fits = [n for n in range(1, world_size + 1) if world_size % (n * other) == 0]
         raise RecipeError(
-            f"recipe key 'parallel.tensor': tensor={p.tensor} x pipeline={p.pipeline} does not divide "
-            f"the process count {world_size}; allowed tensor sizes: "
-            f"{[t for t in range(1, world_size + 1) if world_size % (t * p.pipeline) == 0]}")
+            f"recipe key '{key}': tensor={p.tensor} x pipeline={p.pipeline} does not divide the process count "
+            f"{world_size}: one copy of the model takes {model_parallel} processes, so launch a multiple of "
+            f"{model_parallel} (torchrun --nproc-per-node, fbt plan --gpus, fbt slurm submit --gpus-per-node)"
+            + (f" or set {key} to one of {fits}" if fits else ""))
     dp = world_size // model_parallel
     per_step = recipe.batch.micro_batch_size * dp
     if recipe.global_batch_size % per_step:

@@ -136,7 +136,16 @@ def test_impossible_layouts_fail_with_key():
     r = load_recipe(data={"parallel": {"tensor": 2}})
     with pytest.raises(RecipeError) as e:
         check_layout(r, 3)
-    assert "parallel.tensor" in str(e.value)
+    assert str(e.value) == (
+        "recipe key 'parallel.tensor': tensor=2 x pipeline=1 does not divide the process count 3: one copy of the "
+        "model takes 2 processes, so launch a multiple of 2 (torchrun --nproc-per-node, fbt plan --gpus, fbt slurm "
+        "submit --gpus-per-node) or set parallel.tensor to one of [1, 3]")
+    # pipeline stages without the processes (fbt train without torchrun): the pipeline is named, not tensor
+    with pytest.raises(RecipeError) as e:
+        check_layout(load_recipe(data={"parallel": {"pipeline": 2}}), 1)
+    assert str(e.value).startswith("recipe key 'parallel.pipeline': tensor=1 x pipeline=2 does not divide the process "
+                                   "count 1: one copy of the model takes 2 processes, so launch a multiple of 2")
+    assert str(e.value).endswith("or set parallel.pipeline to one of [1]")
     r = load_recipe(data={"batch": {"global_batch_size": 6, "micro_batch_size": 2}})
     with pytest.raises(RecipeError) as e:
         check_layout(r, 2)
