@@ -29,11 +29,13 @@ import torch.distributed as dist
 def quiet_known_warnings() -> None:
     """Silence warnings that say nothing actionable and repeat on every log line (called from the
     package's __init__): torch's ShardedTensor / load_state_dict deprecations, raised from inside
-    megatron's dist_checkpointing on every save/load; and on CPU, megatron's notes that apex/TE are absent and
-    CUDA streams unused."""
+    megatron's dist_checkpointing on every save/load, and torch's all_gather_into_tensor deprecation, raised
+    from megatron's tensor-parallel gathers on every rank; and on CPU, megatron's notes that apex/TE are
+    absent and CUDA streams unused."""
     import warnings
 
-    for pattern in (".*Please use DTensor instead.*", ".*`load_state_dict` is deprecated.*"):
+    for pattern in (".*Please use DTensor instead.*", ".*`load_state_dict` is deprecated.*",
+                    ".*`torch.distributed.all_gather_into_tensor` is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
     if use_cuda():
         return

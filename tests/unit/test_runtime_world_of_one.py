@@ -53,3 +53,22 @@ def test_the_same_layout_again_keeps_megatrons_groups(single_process):
     assert group not in torch.distributed.distributed_c10d._world.pg_map
     runtime.init_parallel_state(runtime.ParallelLayout(), seed=7, timeout_s=90)
     assert len(torch.distributed.distributed_c10d._world.pg_map) == open_groups
+
+
+def test_megatrons_tensor_parallel_gather_warns_nothing(single_process):
+    """torch deprecates all_gather_into_tensor, which megatron's tensor-parallel gathers call on every rank:
+    a warning per rank per run that no user can act on is silenced; the call itself still works."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from fbt_megatron import runtime
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runtime.quiet_known_warnings()
+        out = torch.empty(4)
+        dist.all_gather_into_tensor(out, torch.arange(4.0))
+    assert [str(w.message) for w in seen if "all_gather_into_tensor" in str(w.message)] == []
+    assert torch.equal(out, torch.arange(4.0))
