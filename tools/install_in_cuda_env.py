@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -69,31 +70,46 @@ def commands(requirements: list[str], constraints_file: Path) -> list[list[str]]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="print the constraints and pip commands only")
-    ap.add_argument("--extras", default="", help="comma-separated optional extras (eval, wandb, research)")
-    a = ap.parse_args(argv)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the constraints and the pip commands (shell-quoted, to paste) only")
+    ap.add_argument("--extras", default="", help=f"comma-separated optional extras ({', '.join(sorted(extras))})")
+    a = ap.parse_args(argv)
     installed = installed_versions()
     if "torch" not in installed:
         print("install_in_cuda_env: this environment has no torch: install a CUDA build first (or use "
               "`pip install -e '.[gpu]'`, which installs torch from PyPI)", file=sys.stderr)
         return 2
     try:
-        requirements, constraints = install_plan(project["dependencies"], installed,
-                                                 project.get("optional-dependencies", {}),
+        requirements, constraints = install_plan(project["dependencies"], installed, extras,
                                                  [e for e in a.extras.split(",") if e])
     except ValueError as e:
         print(f"install_in_cuda_env: {e}", file=sys.stderr)
         return 2
-    constraints_file = Path(tempfile.mkdtemp()) / "constraints.txt"
-    constraints_file.write_text("\n".join(constraints) + "\n")
     print("kept at the installed version: " + ", ".join(constraints))
-    for cmd in commands(requirements, constraints_file):
-        print("$ " + " ".join(cmd))
-        if not a.dry_run:
-            subprocess.run(cmd, check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+    if a.dry_run:  # the printed command reads the constraints file: it stays, and the output says where
+        constraints_file = _write_constraints(Path(tempfile.mkdtemp(prefix="install_in_cuda_env.")), constraints)
+        print(f"constraints file (kept for the second command; remove its folder when done): {constraints_file}")
+        for cmd in commands(requirements, constraints_file):
+            print("$ " + shlex.join(cmd))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="install_in_cuda_env.") as tmp:  # removed once pip is done
+        for cmd in commands(requirements, _write_constraints(Path(tmp), constraints)):
+            print("$ " + shlex.join(cmd), flush=True)
+            status = subprocess.run(cmd, env={**os.environ, "DS_BUILD_OPS": "0"}).returncode
+            if status:
+                print(f"install_in_cuda_env: pip exited with status {status} (its messages are above); the "
+                      "commands after it did not run", file=sys.stderr)
+                return status
     return 0
+
+
+def _write_constraints(folder: Path, constraints: list[str]) -> Path:
+    path = folder / "constraints.txt"
+    path.write_text("\n".join(constraints) + "\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.argtypes import number, positive_int
-from fbt_megatron.launch.submit import JobSpec, SubmitError, resolve_job, submit
+from fbt_megatron.launch.submit import JobSpec, SubmitError, check_time, resolve_job, submit
 
 
 def _submit_parser() -> argparse.ArgumentParser:
@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.template:
         spec.template = a.template
     try:
+        check_time(a.time)  # before anything: sbatch would refuse it only after the script is written
         if a.dry_run:  # the run plan the job resolves to, as `fbt train --dry-run` prints it
             print(resolve_job(spec, a.overrides).to_yaml())
         submit(spec, phases=a.phases, dry_run=a.dry_run)

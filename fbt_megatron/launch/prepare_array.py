@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fbt_megatron.launch.submit import SubmitError, active_jobs, sbatch
+from fbt_megatron.launch.submit import SubmitError, active_jobs, check_time, new_script_path, sbatch
 
 STAGES = ("count", "tokenize", "merge")
 
@@ -93,6 +93,7 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
 
     if spec.tasks < 1 or spec.workers < 1:
         raise SubmitError(f"--array {spec.tasks} and --workers {spec.workers} must be at least 1")
+    check_time(spec.time)  # before the plan is written: sbatch would refuse it only after
     # before the plan is touched: a new plan removes the work of the old one, which its jobs may be writing
     jobs_file = array.array_dir(Path(spec.out).resolve()) / "jobs.jsonl"
     busy = active_jobs([row["job_id"] for row in read_rows(jobs_file)]) if not dry_run else []
@@ -126,9 +127,8 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
             rec["job_id"] = previous = f"<{stage}>"
             records.append(rec)
             continue
-        (adir / "logs").mkdir(parents=True, exist_ok=True)
-        path = adir / f"{name}-{stage}.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-        job_id = sbatch(path, script)
+        path = new_script_path(adir, f"{name}-{stage}")
+        job_id = sbatch(path, script, dirs=(adir / "logs",))  # refused: its script and new log folder removed
         rec.update(job_id=job_id, script=str(path))
         with open(jobs_file, "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -14,6 +14,7 @@ get its own time limit and node count, and a failed phase 1 never starts phase 2
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -134,6 +135,18 @@ def render(spec: JobSpec, run_dir: Path, job_name: str) -> str:
     return text
 
 
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (SLURM's sbatch(1)); UNLIMITED or INFINITE
+_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:unlimited|infinite)")
+
+
+def check_time(value: str) -> str:
+    """``value`` if sbatch accepts it as ``--time``; else :class:`SubmitError` naming the formats it takes."""
+    if not _TIME.fullmatch(str(value)):
+        raise SubmitError(f"--time {value!r} is not a SLURM time limit: use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM "
+                          "or D-HH:MM:SS (e.g. 25:00:00 or 1-01:00:00), or UNLIMITED")
+    return value
+
+
 def resolve_job(spec: JobSpec, overrides: list[str]):
     """The run plan ``fbt train --dry-run`` prints for this job (its recipe, its nodes' device and each
     process count it may start with), so a job that would fail at start-up is never queued; raises
@@ -150,14 +163,55 @@ def resolve_job(spec: JobSpec, overrides: list[str]):
         raise SubmitError(f"{spec.recipe}: {e}") from None
 
 
-def sbatch(path: Path, script: str) -> str:
-    """Write ``script`` to ``path`` and submit it; returns the job id (raises :class:`SubmitError` with
-    sbatch's message when it refuses)."""
-    path.write_text(script)
-    r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-    if r.returncode:
-        raise SubmitError(f"sbatch {path} failed ({r.returncode}): {r.stderr.strip()}")
-    return r.stdout.strip().split(";")[0]
+def new_script_path(folder: Path, name: str) -> Path:
+    """``folder/NAME.YYYYmmdd-HHMMSS.sbatch``, with ``-2``, ``-3``... when a submit in the same second took it:
+    a script a job record names is never replaced."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return next(p for i in itertools.count(1)
+                if not (p := folder / f"{name}.{stamp}{f'-{i}' if i > 1 else ''}.sbatch").exists())
+
+
+def sbatch(path: Path, script: str, dirs: tuple[Path, ...] = ()) -> str:
+    """Write ``script`` to ``path`` (a new file; its folder and ``dirs``, e.g. the log folder, are created)
+    and submit it; returns the job id. When sbatch refuses it, is missing, or the script cannot be written,
+    what this call created is removed again (the script, and each folder it made that is still empty:
+    nothing that was there before) and :class:`SubmitError` says why."""
+    made: list[Path] = []
+    wrote = False
+    try:
+        for folder in (path.parent, *dirs):  # each folder made, outermost first
+            for d in (*reversed(folder.parents), folder):
+                if not d.is_dir():
+                    try:
+                        d.mkdir()
+                    except FileExistsError:  # made meanwhile by another process (or a file: the next level says so)
+                        continue
+                    made.append(d)
+        with open(path, "x") as f:
+            wrote = True
+            f.write(script)
+        r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+        if not r.returncode:
+            return r.stdout.strip().split(";")[0]
+        said = "; ".join(line.strip() for line in r.stderr.splitlines() if line.strip())  # one line
+        refused = f"sbatch refused the job: {said or f'exit status {r.returncode}'}"
+    except FileExistsError:
+        refused = f"{path} was written meanwhile by another submit: submit again"
+    except OSError as e:
+        if e.filename == "sbatch":
+            refused = "sbatch is not installed here: submit from a SLURM login node"
+        elif e.filename is not None:
+            refused = f"cannot write {e.filename}: {e.strerror}"
+        else:
+            raise
+    if wrote:
+        path.unlink(missing_ok=True)
+    for d in reversed(made):  # deepest first; a folder something else wrote into meanwhile stays
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    raise SubmitError(refused)
 
 
 def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_fn=print) -> list[dict]:
@@ -165,6 +219,7 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
     from fbt_megatron.resolve.plan import nothing_to_train
     from fbt_megatron.train.callbacks.metrics_file import read_rows
 
+    check_time(spec.time)
     first = resolve_job(spec, spec.overrides)
     recipe = first.recipe
     run_dir = recipe.resolved_run_dir()
@@ -211,9 +266,15 @@ def submit(spec: JobSpec, *, phases: bool = False, dry_run: bool = False, print_
             rec["job_id"] = previous = f"<phase{phase or 1}>"
             records.append(rec)
             continue
-        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{name}.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-        job_id = sbatch(path, script)
+        path = new_script_path(out_dir, name)
+        try:
+            job_id = sbatch(path, script, dirs=(out_dir / "logs",))
+        except SubmitError as e:
+            if previous is None:
+                raise SubmitError(f"{e}; nothing was queued, and the script and folders this submit made were "
+                                  "removed") from None
+            raise SubmitError(f"{e}; phase 1 is queued as job {previous}: scancel it and submit again, or submit "
+                              f"the recipe without --phases with --dependency afterok:{previous}") from None
         rec.update(job_id=job_id, script=str(path), log=str(out_dir / "logs" / f"{name}-{job_id}.out"))
         with open(out_dir / "jobs.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")

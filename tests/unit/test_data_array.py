@@ -169,6 +169,31 @@ def test_submit_prepare_dry_run_renders_the_arrays(corpus, tmp_path):
         submit_prepare(PrepareSpec(**{**spec.__dict__, "tasks": 0}), dry_run=True)
 
 
+def test_submit_prepare_refused_leaves_only_its_plan(corpus, tmp_path, monkeypatch):
+    """A --time sbatch cannot parse is refused before the plan is written; a script sbatch refuses is
+    removed with the log folder it made, and the plan stays for the next submit to resume."""
+    import os
+
+    from fbt_megatron.launch.prepare_array import PrepareSpec, SubmitError, submit_prepare
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: nosuch' >&2\n"
+                                    "echo 'sbatch: error: Batch job submission failed' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    spec = PrepareSpec(inputs=corpus["inputs"], out=str(tmp_path / "out"), tokenizer=str(corpus["tok"]), tasks=2,
+                       workers=1, shard_mb=SHARD / (1 << 20), time="25h")
+    with pytest.raises(SubmitError, match=r"^--time '25h' is not a SLURM time limit"):
+        submit_prepare(spec, print_fn=lambda *a: None)
+    assert not (tmp_path / "out.array").exists()
+    spec.time = "04:00:00"
+    with pytest.raises(SubmitError, match=r"^sbatch refused the job: sbatch: error: invalid partition specified: "
+                                          r"nosuch; sbatch: error: Batch job submission failed$"):
+        submit_prepare(spec, print_fn=lambda *a: None)
+    assert sorted(p.name for p in (tmp_path / "out.array").iterdir()) == ["plan.json"]
+
+
 def test_array_with_bos_equals_one_process(corpus, tmp_path):
     ref = prepare_dataset(corpus["inputs"], tmp_path / "ref", corpus["tok"], name="corpus", shard_bytes=SHARD,
                           progress=False, bos="yes")
