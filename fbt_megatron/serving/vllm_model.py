@@ -41,7 +41,7 @@ would run over the generated tokens too (logged at start-up).
 (the ``--standard`` export in stock vLLM gives the same tokens without the plugin).
 
 Only the Llama-class architecture is served (RMSNorm, SwiGLU, RoPE: vLLM's ``LlamaModel``); other exports are
-refused naming the field.
+refused naming the field. A setting outside its values (``SETTINGS``) is refused naming it and the values allowed.
 """
 
 from __future__ import annotations
@@ -60,29 +60,29 @@ from fbt_megatron.model.feedback_rule import token_gate
 from fbt_megatron.model.modeling_fbt import LatentFeedback as HFLatentFeedback
 
 LLAMA_CLASS = {"norm_type": "RMSNorm", "mlp_gated": True, "position_embedding_type": "rope"}
+SETTINGS = {  # field: (default, whether a value is served, the values served as the message names them)
+    "feedback_fusion": ("glu", lambda v: v in ("glu", "additive", "off"), "'glu', 'additive' or 'off'"),
+    "feedback_first_input": ("embedding", lambda v: v in ("embedding", "state"), "'embedding' or 'state'"),
+    "feedback_gate_table": (True, lambda v: isinstance(v, bool), "true or false"),
+    "feedback_decoding": ("feedback", lambda v: v in ("feedback", "standard"), "'feedback' or 'standard'"),
+    "prefill_passes": (2, lambda v: v == "exact" or (type(v) is int and v >= 1), "an integer >= 1 or 'exact'"),
+}
 
 
 def check_servable(config) -> None:
-    """Raise naming each config field vLLM's Llama stack cannot serve."""
-    wrong = [f"{k}={getattr(config, k, v)!r} (served: {v!r})" for k, v in LLAMA_CLASS.items()
-             if getattr(config, k, v) != v]
+    """Raise naming each config field the plugin cannot serve: an architecture field vLLM's Llama stack does not
+    run, or a setting (the export's config or ``--hf-overrides``) outside the values the plugin serves."""
+    arch = [f"{k}={getattr(config, k, v)!r} (served: {v!r})" for k, v in LLAMA_CLASS.items()
+            if getattr(config, k, v) != v]
     if getattr(config, "qkv_bias", False) and not getattr(config, "attention_bias", False):
-        wrong.append("qkv_bias=True (served: false; vLLM's Llama puts attention biases on q/k/v and o_proj "
-                     "together, and Qwen2-style q/k/v-only biases are not wired in the plugin)")
-    if getattr(config, "feedback_fusion", "glu") not in ("glu", "additive", "off"):
-        wrong.append(f"feedback_fusion={config.feedback_fusion!r} (served: 'glu', 'additive', 'off')")
-    if getattr(config, "feedback_first_input", "embedding") not in ("embedding", "state"):
-        wrong.append(f"feedback_first_input={config.feedback_first_input!r}")
-    if not isinstance(getattr(config, "feedback_gate_table", True), bool):
-        wrong.append(f"feedback_gate_table={config.feedback_gate_table!r} (served: true or false)")
-    if getattr(config, "feedback_decoding", "feedback") not in ("feedback", "standard"):
-        wrong.append(f"feedback_decoding={config.feedback_decoding!r} (served: 'feedback', 'standard')")
-    passes = getattr(config, "prefill_passes", 2)
-    if passes != "exact" and (isinstance(passes, bool) or not isinstance(passes, int) or passes < 1):
-        wrong.append(f"prefill_passes={passes!r} (served: an integer >= 1 or 'exact')")
-    if wrong:
-        raise ValueError("the fbt_megatron vLLM plugin serves Llama-class FBT exports only; this one has "
-                         + ", ".join(wrong))
+        arch.append("qkv_bias=True (served: false; vLLM's Llama puts attention biases on q/k/v and o_proj "
+                    "together, and Qwen2-style q/k/v-only biases are not wired in the plugin)")
+    values = {k: getattr(config, k, default) for k, (default, _, _) in SETTINGS.items()}
+    bad = [f"{k}={values[k]!r} (allowed: {names})" for k, (_, ok, names) in SETTINGS.items() if not ok(values[k])]
+    problems = (["serves Llama-class FBT exports only; this one has " + ", ".join(arch)] if arch else []) + \
+               (["does not serve " + ", ".join(bad)] if bad else [])
+    if problems:
+        raise ValueError("the fbt_megatron vLLM plugin " + "; it also ".join(problems))
 
 
 def refuse_lora(vllm_config) -> None:

@@ -93,16 +93,15 @@ def model(tmp_path_factory):
     return root / "run", root / "hf", root / "std", refs
 
 
-def side_env(tmp: Path, plugin: bool, cli: bool = False) -> dict:
-    """The environment of a vLLM process: offline, one thread, this checkout's package (and the plugin) on PYTHONPATH;
-    ``cli``: the metadata the CPU wheel's ``vllm`` command needs (``vllm_env.cli_alias``)."""
+def side_env(tmp: Path, plugin: bool) -> dict:
+    """The environment of a vLLM process: offline, one thread, this checkout's package (and the plugin) on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PLUGINS", "VIRTUAL_ENV")}
     package = str(vllm_env.package_path(tmp / "package"))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp / "hf_home"), OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
                PYTHONPATH=f"{vllm_env.plugin_path(tmp / 'plugin')}:{package}" if plugin else package)
-    if cli:
-        env["PYTHONPATH"] = f"{vllm_env.cli_alias(tmp / 'cli')}:{env['PYTHONPATH']}"
+    if not plugin:  # none loads, even the plugin pip-installed into this venv as serving.md shows (an allowlist of "")
+        env["VLLM_PLUGINS"] = ""
     return env
 
 
@@ -161,7 +160,8 @@ def test_plugin_feedback(vllm_python, model, tmp_path):
     assert kinds.get("gate matmul", 0) >= NEW_TOKENS and "gate table" not in kinds, kinds
     assert res["standard"]["tokens"] == refs["standard"]
     err = res["unservable"]["error"]
-    assert err is not None and "serves Llama-class FBT exports only" in err, err
+    assert err is not None and "serves Llama-class FBT exports only; this one has norm_type='LayerNorm'" in err, err
+    assert "; it also does not serve " in err and "prefill_passes=0 (allowed: an integer >= 1 or 'exact')" in err, err
     for field in ("prefill_passes=0", "feedback_decoding='beam'", "norm_type='LayerNorm'", "feedback_gate_table='yes'",
                   "qkv_bias=True"):
         assert field in err, (field, err)
@@ -206,7 +206,8 @@ def test_plugin_gate_table_formula(vllm_python, tmp_path):
 def test_plugin_built_without_an_engine(vllm_python, tmp_path):
     """The plugin's model built as vLLM's model runner builds it, without an engine (tests/support/side/vllm_build_side.py:
     the export's config, a stack of no layers). The export's Llama-class config is served; a field vLLM's Llama stack
-    cannot serve is refused naming it, and so is a ``prefill_passes`` that is not an integer >= 1 or "exact"; a
+    cannot serve is refused naming it; a setting outside its values (a ``prefill_passes`` that is not an integer >= 1
+    or "exact", a ``feedback_decoding`` that is not feedback or standard, ...) is refused naming it and its values; a
     pipeline-parallel size above 1 is refused naming ``--pipeline-parallel-size 1`` (1 is served); ``--enable-lora``
     is refused on a feedback export and served without a fusion. Built in a model runner's ``load_model`` the
     plugin finds the runner (the prompt lengths of a K-pass prefill; not the model loader in between) and warns of
@@ -229,12 +230,18 @@ def test_plugin_built_without_an_engine(vllm_python, tmp_path):
             assert outcome == "ok", outcome
         else:
             assert outcome.startswith(refused) and f"{field}=" in outcome, (field, outcome)
+    # a setting outside its values is named with the values served, not called a model that is not Llama-class
+    bad = "ValueError: the fbt_megatron vLLM plugin does not serve "
+    assert res["bad settings"] == {
+        "feedback_fusion": f"{bad}feedback_fusion='mul' (allowed: 'glu', 'additive' or 'off')",
+        "feedback_first_input": f"{bad}feedback_first_input='token' (allowed: 'embedding' or 'state')",
+        "feedback_gate_table": f"{bad}feedback_gate_table='yes' (allowed: true or false)",
+        "feedback_decoding": f"{bad}feedback_decoding='beam' (allowed: 'feedback' or 'standard')"}, res["bad settings"]
     for value, outcome in res["prefill_passes"].items():
         if value in ("1", "2", "7", "'exact'"):
             assert outcome == "ok", (value, outcome)
         else:
-            assert outcome.startswith(refused) and f"prefill_passes={value} (served: an integer >= 1 or 'exact')" \
-                in outcome, (value, outcome)
+            assert outcome == f"{bad}prefill_passes={value} (allowed: an integer >= 1 or 'exact')", (value, outcome)
     assert res["pipeline parallel 2"].startswith("NotImplementedError: the fbt_megatron vLLM plugin does not run "
                                                  "pipeline parallelism") and "--pipeline-parallel-size 1" in res["pipeline parallel 2"]
     lora = res["lora"]
@@ -343,16 +350,15 @@ def free_port() -> int:
 
 
 def serve(python: Path, export: Path, tmp: Path, plugin: bool, timeout: float = 600):
-    """Start ``vllm serve EXPORT`` (the venv's CLI, ``python -m vllm.entrypoints.cli.main``, what ``bin/vllm``
-    runs: the venv was built elsewhere and moved, so that script's interpreter line is stale) in a process
-    group of its own; return (process, base URL, log path) once /health answers."""
+    """Start ``vllm serve EXPORT`` (the venv's ``bin/vllm``, as a user runs it) in a process group of its own;
+    return (process, base URL, log path) once /health answers."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = tmp / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(export), *SERVE,
+        proc = subprocess.Popen([str(python.with_name("vllm")), "serve", str(export), *SERVE,
                                  "--host", "127.0.0.1", "--port", str(port)],
-                                cwd=tmp, env=side_env(tmp, plugin, cli=True), stdout=out, stderr=subprocess.STDOUT,
+                                cwd=tmp, env=side_env(tmp, plugin), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout
     while True:

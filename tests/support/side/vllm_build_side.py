@@ -4,8 +4,8 @@ vLLM config; the export's config, an ``FBTConfig``, with a stack of no layers, s
 runs: its config checks, its refusals, its start-up warning, its weights' loading), and its state cache.
 
 Writes {check: outcome} to argv[1], an outcome being "ok" or "ExceptionType: message":
-- "servable" (the export's config), "unservable" {field: outcome} (one wrong field each), "prefill_passes"
-  {repr(value): outcome};
+- "servable" (the export's config), "unservable" {field: outcome} (one architecture field that is not Llama-class
+  each), "bad settings" {field: outcome} (one setting outside its values each), "prefill_passes" {repr(value): outcome};
 - "pipeline parallel 2", "lora" {fusion: outcome}: the refusals (and what is served);
 - "built" {case: {"outcome", "prefill_passes", "runner found", "warned"}}: built in a model runner's
   ``load_model`` (as vLLM does) or not, exact or K-pass prefill, without a fusion, from a plain Llama config
@@ -124,6 +124,10 @@ def main(out):
                             for k, v in wrong.items()}
     result["unservable"]["qkv_bias with attention_bias"] = outcome(
         lambda: vllm_model.check_servable(FBTConfig(**{**TINY, "qkv_bias": True, "attention_bias": True})))
+    settings = {"feedback_fusion": "mul", "feedback_first_input": "token", "feedback_gate_table": "yes",
+                "feedback_decoding": "beam"}
+    result["bad settings"] = {k: outcome(lambda: vllm_model.check_servable(FBTConfig(**{**TINY, k: v})))
+                              for k, v in settings.items()}
     result["prefill_passes"] = {repr(v): outcome(lambda: vllm_model.check_servable(FBTConfig(**{**TINY, "prefill_passes": v})))
                                 for v in (1, 2, 7, "exact", 0, -1, True, 2.0, "2", "two", None)}
 
