@@ -2,8 +2,9 @@
 
 Communication: ``torch.distributed.batch_isend_irecv`` (gloo and NCCL alike), one batch per
 *round* of the schedule's simulation (the time the sending op finishes), issued by both ends between
-the ops where that time falls (:func:`message_plan`); its receives are awaited at once, its sends when
-the step ends (or seen complete sooner), so a sender goes on with its ops. On NCCL all p2p ops of a
+the ops where that time falls (:func:`message_plan`); its receives are awaited at once, and so are its
+sends on CUDA (a wait there orders streams, the host goes on); on CPU its sends are awaited when the step
+ends (or seen complete sooner), so a sender goes on with its ops. On NCCL all p2p ops of a
 rank run in issue order on one stream and a send waits for its receive, so receives posted ahead as
 lone ``irecv`` can deadlock; the round order cannot (the argument is in :func:`message_plan`, and
 ``tests/unit/test_pipeline_messages.py`` replays every schedule against a model of stream-ordered blocking
@@ -97,9 +98,10 @@ class Channel:
     """Point-to-point messages of one step for this rank, issued as :func:`message_plan` says: before
     op ``i`` the runner calls :meth:`exchange` (``i``), which runs every batch planned before op ``i``
     with ``torch.distributed.batch_isend_irecv`` (Megatron's p2p_communication does the same per
-    schedule step) and waits for its receives. Its sends are awaited by :meth:`finish` (on gloo a send
-    completes only when the peer receives it: waiting kept this stage idle at its peer's pace); a sent
-    tensor is held until its send completes, a received one until its op takes it (:meth:`recv`)."""
+    schedule step) and waits for its receives, and on CUDA for its sends. On CPU its sends are awaited by
+    :meth:`finish` (on gloo a send completes only when the peer receives it: waiting kept this stage idle
+    at its peer's pace); a sent tensor is held until its send completes, a received one until its op
+    takes it (:meth:`recv`)."""
 
     def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], group, shape, dtype, device,
                  clock=None, tp_group=None):
@@ -125,6 +127,9 @@ class Channel:
         self.waits: list = []  # (start, end) marks around each batch's wait: idle, not work
         self.peak_held = 0  # most tensors held in the outbox and inbox at once
         self.sending: list = []  # (work, tensor) of sends issued and not yet seen complete
+        # CUDA (NCCL): a wait does not block the host, it orders the streams, keeping later kernels off the
+        # memory being sent; CPU (gloo): it blocks the host until the peer has received, so it is left
+        self.await_sends = torch.device(device).type == "cuda"
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
@@ -158,7 +163,7 @@ class Channel:
             start = self.clock.mark() if self.clock else None
             works = dist.batch_isend_irecv(ops)
             for op, work in zip(ops, works):
-                if op.op is dist.isend:
+                if op.op is dist.isend and not self.await_sends:
                     self.sending.append((work, op.tensor))  # awaited later: the sender goes on with its ops
                 else:
                     work.wait()
