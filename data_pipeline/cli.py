@@ -122,9 +122,15 @@ def _cmd_embedded(a) -> int:
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     data = build_embedded(a.out, vocab_size=a.vocab_size, code_mb=a.code_mb, prose_mb=a.prose_mb,
-                          math_docs=a.math_docs, seed=a.seed, num_workers=a.workers, seq_length=a.seq_length,
-                          force=a.force, progress=not a.quiet, log=log)
-    settle_mix_settings(a.out, seq_length=a.seq_length, seed=a.seed, log=log)  # the file says what is printed
+                          math_docs=a.math_docs, seed=a.seed, num_workers=a.workers,
+                          seq_length=a.seq_length or 256, force=a.force, progress=not a.quiet, log=log)
+    if a.seq_length is not None:  # asked: the file says it too
+        settle_mix_settings(a.out, seq_length=a.seq_length, log=log)
+    else:  # not asked: the file's own (an earlier build's, or one you edited) is printed and kept
+        try:
+            data["seq_length"] = yaml.safe_load((Path(a.out) / "mix.yaml").read_text())["data"]["seq_length"]
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+            pass
     print(yaml.safe_dump({"data": data}, sort_keys=False), end="")
     return 0
 
@@ -270,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prose-mb", type=MEGABYTES, default=3.0)
     e.add_argument("--math-docs", type=COUNT, default=20_000)
     e.add_argument("--seed", type=INDEX, default=0)
-    e.add_argument("--seq-length", type=COUNT, default=256)
+    e.add_argument("--seq-length", type=COUNT, default=None,
+                   help="mix.yaml's seq_length (default: an earlier build's, else 256)")
     e.add_argument("--workers", type=COUNT, default=None)
     e.add_argument("--force", action="store_true", help="rebuild from this Python's standard library even if an earlier build has the same settings")
     e.add_argument("--quiet", action="store_true")

@@ -229,10 +229,10 @@ def _rewrite_mix(mix: Path, text: str, raw: dict) -> None:
     write_text_atomic(mix, header + yaml.safe_dump(raw, sort_keys=False))
 
 
-def settle_mix_settings(out: str | os.PathLike, *, seq_length: int, seed: int, log=print) -> None:
-    """Set the ``seq_length`` and ``seed`` of the build's ``mix.yaml`` to those asked where they differ, keeping
-    its other keys: an earlier build's file holds the values its build was asked for, and the section
-    ``fbt data embedded`` prints must be the file's. A file that does not parse is left as it is."""
+def settle_mix_settings(out: str | os.PathLike, *, seq_length: int, log=print) -> None:
+    """Set the ``seq_length`` of the build's ``mix.yaml`` to the one asked where it differs, keeping its other
+    keys: an earlier build's file holds the value its build was asked for, and the section ``fbt data
+    embedded --seq-length N`` prints must be the file's. A file that does not parse is left as it is."""
     mix = Path(out) / "mix.yaml"
     try:
         text = mix.read_text()
@@ -240,7 +240,7 @@ def settle_mix_settings(out: str | os.PathLike, *, seq_length: int, seed: int, l
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return  # build_embedded has said so
     section = raw.get("data") if isinstance(raw, dict) else None
-    asked = {"seq_length": seq_length, "seed": seed}
+    asked = {"seq_length": seq_length}
     if not isinstance(section, dict) or not all(k in section for k in asked):
         return  # not the layout a build writes
     was = {k: section.get(k) for k, v in asked.items() if section.get(k) != v}

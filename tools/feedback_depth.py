@@ -59,6 +59,8 @@ def check_json_out(path: Path) -> None:
 
     if path.is_dir():
         raise UserError(f"--json {path} is a directory: give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"--json {path}: the folder {path.parent} does not exist")
     if path.exists():
         try:
             ours = json_object_with("checkpoint", "seq_length", "rows")(path)

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     try:
         gen = TextGenerator.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, mode=args.mode,
                                             prefill_passes=passes)
-    except (CheckpointNotFound, FileNotFoundError, ValueError) as e:
+    except (CheckpointNotFound, FileNotFoundError, ValueError, errors.UserError) as e:
         runtime.shutdown()
         return errors.report("fbt generate", e)
     import torch.distributed as dist

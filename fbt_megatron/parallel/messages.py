@@ -2,14 +2,11 @@
 
 Communication: ``torch.distributed.batch_isend_irecv`` (gloo and NCCL alike), one batch per
 *round* of the schedule's simulation (the time the sending op finishes), issued by both ends between
-the ops where that time falls (:func:`message_plan`); its receives are awaited at once, and so are its
-sends on CUDA (a wait there orders streams, the host goes on); on CPU its sends are awaited when the step
-ends (or seen complete sooner), so a sender goes on with its ops. On NCCL all p2p ops of a
+the ops where that time falls and awaited at once (:func:`message_plan`). On NCCL all p2p ops of a
 rank run in issue order on one stream and a send waits for its receive, so receives posted ahead as
 lone ``irecv`` can deadlock; the round order cannot (the argument is in :func:`message_plan`, and
 ``tests/unit/test_pipeline_messages.py`` replays every schedule against a model of stream-ordered blocking
-p2p; a send left in flight only delays when the host looks at it). A sent tensor is held until its send
-completes, then dropped.
+p2p). A sent tensor is dropped as soon as its batch completes, right after the op that made it.
 Under tensor parallelism each TP rank sends and receives only its 1/TP share of a message and the stage
 all-gathers the whole over TP (Megatron's ``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor``):
 the TP ranks of a stage hold the same activations and gradients. Under sequence parallelism they hold
@@ -98,10 +95,8 @@ class Channel:
     """Point-to-point messages of one step for this rank, issued as :func:`message_plan` says: before
     op ``i`` the runner calls :meth:`exchange` (``i``), which runs every batch planned before op ``i``
     with ``torch.distributed.batch_isend_irecv`` (Megatron's p2p_communication does the same per
-    schedule step) and waits for its receives, and on CUDA for its sends. On CPU its sends are awaited by
-    :meth:`finish` (on gloo a send completes only when the peer receives it: waiting kept this stage idle
-    at its peer's pace); a sent tensor is held until its send completes, a received one until its op
-    takes it (:meth:`recv`)."""
+    schedule step) and waits for it. A sent tensor is dropped when its batch completes, right after the
+    op that produced it; a received one is held until its op takes it (:meth:`recv`)."""
 
     def __init__(self, schedule: Schedule, stage: int, stage_ranks: list[int], group, shape, dtype, device,
                  clock=None, tp_group=None):
@@ -126,10 +121,6 @@ class Channel:
         self.clock = clock  # a timing.StepClock when the step is timed (benchmarks)
         self.waits: list = []  # (start, end) marks around each batch's wait: idle, not work
         self.peak_held = 0  # most tensors held in the outbox and inbox at once
-        self.sending: list = []  # (work, tensor) of sends issued and not yet seen complete
-        # CUDA (NCCL): a wait does not block the host, it orders the streams, keeping later kernels off the
-        # memory being sent; CPU (gloo): it blocks the host until the peer has received, so it is left
-        self.await_sends = torch.device(device).type == "cuda"
 
     def send(self, msg, dst: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
@@ -161,13 +152,8 @@ class Channel:
                     ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[peer], self.group, self.tags[msg]))
                     received.append((msg, buffer))
             start = self.clock.mark() if self.clock else None
-            works = dist.batch_isend_irecv(ops)
-            for op, work in zip(ops, works):
-                if op.op is dist.isend and not self.await_sends:
-                    self.sending.append((work, op.tensor))  # awaited later: the sender goes on with its ops
-                else:
-                    work.wait()
-            self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
             if self.clock:
                 self.waits.append((start, self.clock.mark()))
             if self.tp_group is not None:  # the whole from every TP rank's share (Megatron's gather)
@@ -181,9 +167,6 @@ class Channel:
 
     def finish(self) -> None:
         self.exchange(float("inf"))
-        for work, _ in self.sending:
-            work.wait()
-        self.sending = []
         if self.inbox or self.outbox:
             raise RuntimeError(f"pipeline step ended with {len(self.inbox)} unconsumed and "
                                f"{len(self.outbox)} unsent messages")

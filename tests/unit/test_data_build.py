@@ -167,6 +167,11 @@ def test_embedded_build_small_is_usable_and_idempotent(tmp_path, capsys, monkeyp
     assert "copied or moved" not in err  # now at home: only the sequence length asked
     assert "seq_length 32; it now has seq_length 64" in err
     assert "now has" not in embedded_at(copy)[0]  # as asked already: nothing rewritten
+    edited = (copy / "mix.yaml").read_text().replace("seq_length: 64", "seq_length: 512  # mine")
+    (copy / "mix.yaml").write_text(edited)
+    assert cli.main(["embedded", "--out", str(copy), *args[3:args.index("--seq-length")], "--quiet"]) == 0
+    captured = capsys.readouterr()  # no --seq-length: the file's own is kept and printed
+    assert yaml.safe_load(captured.out)["data"]["seq_length"] == 512 and (copy / "mix.yaml").read_text() == edited
     # moved, the folder it names gone: the moved mix.yaml is what a loader reads
     moved = tmp_path / "moved"
     shutil.move(copy, moved)

@@ -49,6 +49,8 @@ def test_json_replaces_only_its_own_report(tmp_path):
     assert mine.read_text() == '{"mine": 1}'
     with pytest.raises(UserError, match="is a directory: give a file name"):
         check_json_out(tmp_path)
+    with pytest.raises(UserError, match=r"the folder .*nowhere does not exist$"):  # before: a traceback after the run
+        check_json_out(tmp_path / "nowhere" / "depth.json")
     ours = tmp_path / "depth.json"
     ours.write_text(json.dumps({"checkpoint": "c", "seq_length": 8, "rows": []}))
     check_json_out(ours)  # an earlier report of the tool: replaced
