@@ -44,7 +44,7 @@ def previous_checkpoint(path: Path) -> Path | None:
 
 def where_to_go(path: Path, use: str) -> str:
     """What to do when checkpoint ``path`` cannot be loaded: the previous kept checkpoint and how to use
-    it for ``use``: "resume" (fbt train resuming its run), "init_from", or "read" (export, generate, tools)."""
+    it for ``use``: "resume" (fbt train resuming its run), "init_from", or "read" (generate, eval, tools)."""
     prev = previous_checkpoint(path)
     if prev is None:
         return f"no earlier checkpoint is kept in {path.parent}"

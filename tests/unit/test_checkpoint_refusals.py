@@ -1,6 +1,6 @@
 """A checkpoint whose files are missing, cut short or changed is refused in one sentence that says what to
 do for what the checkpoint was to be used for: resume a run, initialise one (init_from), or be read
-(export, generate, tools)."""
+(generate, eval, tools)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_without_an_earlier_checkpoint_only_training_is_offered_the_switch(run):
         assert str(err.value).endswith(f"not loaded: no earlier checkpoint is kept in {root}; set "
                                        f"checkpoint.verify_on_load=false only if you accept the damage")
     with pytest.raises(CheckpointError) as err:
-        verify_checksums(step2, use="read")  # fbt generate, fbt convert to-hf: no recipe key to set
+        verify_checksums(step2, use="read")  # fbt generate, fbt eval: no recipe key to set
     assert str(err.value).endswith(f"not loaded: no earlier checkpoint is kept in {root}")
     shard.write_bytes(shard.read_bytes()[:10])
     with pytest.raises(CheckpointError) as err:
