@@ -128,7 +128,14 @@ def submit_prepare(spec: PrepareSpec, *, dry_run: bool = False, print_fn=print) 
             records.append(rec)
             continue
         path = new_script_path(adir, f"{name}-{stage}")
-        job_id = sbatch(path, script, dirs=(adir / "logs",))  # refused: its script and new log folder removed
+        try:  # refused: its script and new log folder removed
+            job_id = sbatch(path, script, dirs=(adir / "logs",))
+        except SubmitError as e:
+            if previous is None:
+                raise
+            queued = ", ".join(f"{r['stage']} as job {r['job_id']}" for r in records)
+            raise SubmitError(f"{e}; {queued} queued: scancel {' '.join(r['job_id'] for r in records)} and submit "
+                              "again") from None
         rec.update(job_id=job_id, script=str(path))
         with open(jobs_file, "a") as f:
             f.write(json.dumps(rec) + "\n")

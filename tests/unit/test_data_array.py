@@ -192,6 +192,12 @@ def test_submit_prepare_refused_leaves_only_its_plan(corpus, tmp_path, monkeypat
                                           r"nosuch; sbatch: error: Batch job submission failed$"):
         submit_prepare(spec, print_fn=lambda *a: None)
     assert sorted(p.name for p in (tmp_path / "out.array").iterdir()) == ["plan.json"]
+    # the count stage queued, the tokenize stage refused: the queued job is named with what to do
+    (bin_dir / "sbatch").write_text("#!/bin/sh\ncase \"$2\" in *-tokenize.*) echo 'sbatch: error: bad' >&2; exit 1;; "
+                                    "esac\necho 4242\n")
+    with pytest.raises(SubmitError, match=r"^sbatch refused the job: sbatch: error: bad; count as job 4242 queued: "
+                                          r"scancel 4242 and submit again$"):
+        submit_prepare(spec, print_fn=lambda *a: None)
 
 
 def test_array_with_bos_equals_one_process(corpus, tmp_path):
