@@ -118,19 +118,15 @@ def _cmd_prepare_task(a) -> int:
 
 
 def _cmd_embedded(a) -> int:
-    from .embedded import build_embedded, settle_mix_settings
+    from .embedded import build_embedded, settle_mix_seq_length
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     data = build_embedded(a.out, vocab_size=a.vocab_size, code_mb=a.code_mb, prose_mb=a.prose_mb,
                           math_docs=a.math_docs, seed=a.seed, num_workers=a.workers,
                           seq_length=a.seq_length or 256, force=a.force, progress=not a.quiet, log=log)
-    if a.seq_length is not None:  # asked: the file says it too
-        settle_mix_settings(a.out, seq_length=a.seq_length, log=log)
-    else:  # not asked: the file's own (an earlier build's, or one you edited) is printed and kept
-        try:
-            data["seq_length"] = yaml.safe_load((Path(a.out) / "mix.yaml").read_text())["data"]["seq_length"]
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
-            pass
+    in_file = settle_mix_seq_length(a.out, a.seq_length, log=log)  # asked: the file says it too; else its own
+    if in_file is not None:
+        data["seq_length"] = in_file
     print(yaml.safe_dump({"data": data}, sort_keys=False), end="")
     return 0
 

@@ -229,32 +229,30 @@ def _rewrite_mix(mix: Path, text: str, raw: dict) -> None:
     write_text_atomic(mix, header + yaml.safe_dump(raw, sort_keys=False))
 
 
-def settle_mix_settings(out: str | os.PathLike, *, seq_length: int, log=print) -> None:
-    """Set the ``seq_length`` of the build's ``mix.yaml`` to the one asked where it differs, keeping its other
-    keys: an earlier build's file holds the value its build was asked for, and the section ``fbt data
-    embedded --seq-length N`` prints must be the file's. A file that does not parse is left as it is."""
+def settle_mix_seq_length(out: str | os.PathLike, seq_length: int | None, log=print) -> int | None:
+    """The ``seq_length`` of the build's ``mix.yaml`` after this call: set to ``seq_length`` where asked and
+    different (said), else the file's own (an earlier build's, or one you edited), kept. The section
+    ``fbt data embedded`` prints must be the file's. None: a file that does not parse or lacks the key, left."""
     mix = Path(out) / "mix.yaml"
     try:
         text = mix.read_text()
         raw = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return  # build_embedded has said so
+        return None  # build_embedded has said so
     section = raw.get("data") if isinstance(raw, dict) else None
-    asked = {"seq_length": seq_length}
-    if not isinstance(section, dict) or not all(k in section for k in asked):
-        return  # not the layout a build writes
-    was = {k: section.get(k) for k, v in asked.items() if section.get(k) != v}
-    if not was:
-        return
-    section.update(asked)
+    if not isinstance(section, dict) or "seq_length" not in section:
+        return None  # not the layout a build writes
+    was = section["seq_length"]
+    if seq_length is None or was == seq_length:
+        return was
+    section["seq_length"] = seq_length
     try:
         _rewrite_mix(mix, text, raw)
     except OSError as e:
-        log(f"could not set {', '.join(was)} in {mix} ({e.strerror}); it keeps "
-            + ", ".join(f"{k} {v}" for k, v in was.items()))
-        return
-    log(f"{mix} had " + ", ".join(f"{k} {v}" for k, v in was.items()) + "; it now has "
-        + ", ".join(f"{k} {asked[k]}" for k in was) + " (as asked)")
+        log(f"could not set seq_length in {mix} ({e.strerror}); it keeps seq_length {was}")
+        return was
+    log(f"{mix} had seq_length {was}; it now has seq_length {seq_length} (as asked)")
+    return seq_length
 
 
 def build_embedded(out: str | os.PathLike, *, vocab_size: int = VOCAB_SIZE, code_mb: float = 6.0,
